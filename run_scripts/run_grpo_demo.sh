@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The demo run on CPU: a tiny offline Qwen2.5-VL (built here if missing) on data/demo.
+#   bash run_scripts/run_grpo_demo.sh            (what `make demo` runs, through the script)
+source "$(dirname "$0")/_common.sh"
+EXP_NAME="${EXP_NAME:-demo}"
+MODEL="${MODEL:-runs/tiny/qwen2_5_vl}"
+DATA="${DATA:-data/demo/train.jsonl}"
+IMAGES="${IMAGES:-data/demo/images}"
+OUTPUT_DIR="${OUTPUT_DIR:-runs/$EXP_NAME}"
+if [ ! -f "$MODEL/config.json" ]; then
+  "$PYTHON" -m vlm_grpo.testing.tiny --family qwen2_5_vl --out "$MODEL"
+fi
+launch --config configs/demo.yaml "$@"

@@ -1,0 +1,140 @@
+"""Command-line / YAML configuration: TRL's dataclasses, extended (never shadowed).
+
+``GRPOScriptArguments`` holds the data and reward flags, ``VLMModelConfig`` the model-family
+flags, ``VLMGRPOConfig`` the training flags. Flag names follow VLM-R1 where it has one.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+from trl import GRPOConfig, ModelConfig, ScriptArguments
+
+
+@dataclass
+class GRPOScriptArguments(ScriptArguments):
+    data_file_paths: str | None = field(
+        default=None,
+        metadata={"help": "JSONL training files, separated by ':' (VLM-R1 convention), e.g. 'a.jsonl:b.jsonl'."},
+    )
+    image_folders: str | None = field(
+        default=None,
+        metadata={
+            "help": "Image folders, separated by ':': one per data file, or one for all. Relative image paths in "
+            "rows are resolved against them (default: the data file's own folder)."
+        },
+    )
+    val_split_ratio: float = field(
+        default=0.0, metadata={"help": "Fraction of the rows held out as an evaluation split (0 = none)."}
+    )
+    reward_funcs: list[str] = field(
+        default_factory=lambda: ["accuracy", "format"],
+        metadata={
+            "help": "Rewards by registered name, or plugins as 'path/to/file.py:fn' / 'package.module:fn'. "
+            "Weights come from --reward_weights."
+        },
+    )
+    reward_method: str | None = field(
+        default=None,
+        metadata={
+            "help": "Accuracy method for rows without their own 'accu_reward_method' (e.g. default, math, exact)."
+        },
+    )
+    task_type: str | None = field(
+        default=None,
+        metadata={
+            "help": "Task of rows without their own 'task_type' (default, vqa, counting, rec, raw); picks the "
+            "question template of the VLM module."
+        },
+    )
+    skip_bad_rows: bool = field(
+        default=False,
+        metadata={"help": "Skip (and count in the log) rows that fail validation instead of stopping the run."},
+    )
+    is_reward_customized_from_vlm_module: bool = field(
+        default=False,
+        metadata={"help": "Let the VLM module replace registered rewards with its own variants of the same name."},
+    )
+    max_prompt_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "Rows whose prompt (text after the chat template + image tokens) is longer are bad rows "
+            "(reported, or skipped with --skip_bad_rows). TRL 1.x does not truncate prompts."
+        },
+    )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Start a fresh run even if output_dir already holds checkpoint-* folders."},
+    )
+
+
+@dataclass
+class VLMModelConfig(ModelConfig):
+    vlm_module: str | None = field(
+        default=None,
+        metadata={"help": "VLM module (adapter) name; default: chosen from the checkpoint's config.json model_type."},
+    )
+    min_pixels: int | None = field(
+        default=None, metadata={"help": "Qwen-VL families: smallest image area (pixels) after resizing."}
+    )
+    max_pixels: int | None = field(
+        default=None, metadata={"help": "Qwen-VL families: largest image area (pixels) after resizing."}
+    )
+    max_anyres_num: int | None = field(
+        default=None, metadata={"help": "InternVL: most tiles an image is cut into (dynamic resolution)."}
+    )
+    freeze_vision_modules: bool = field(
+        default=False, metadata={"help": "Freeze the vision tower and its projector (full fine-tuning or LoRA)."}
+    )
+    lora_include_vision: bool = field(
+        default=False,
+        metadata={"help": "Also put LoRA on the vision tower's linear layers (off: LoRA on the language model only)."},
+    )
+
+
+@dataclass
+class VLMGRPOConfig(GRPOConfig):
+    """TRL's GRPOConfig with defaults that suit VLM runs on any machine."""
+
+    bf16: bool | None = field(
+        default=None,
+        metadata={"help": "Use bf16 mixed precision. Default: on when a CUDA device is present, off on CPU."},
+    )
+
+    def __post_init__(self) -> None:
+        if not torch.accelerator.is_available():
+            # Without an accelerator, accelerate only forms a process group under torchrun when told to:
+            # plain DDP needs use_cpu (else every rank silently trains alone as "rank 0 of 1"), and DeepSpeed
+            # needs an explicit gloo backend (use_cpu would bypass DeepSpeed altogether).
+            if self.deepspeed:
+                self._configure_cpu_deepspeed()
+            else:
+                self.use_cpu = True
+        if self.bf16 is None and not self.fp16:
+            self.bf16 = torch.accelerator.is_available() and not self.use_cpu
+        super().__post_init__()
+
+    def _configure_cpu_deepspeed(self) -> None:
+        """DeepSpeed on CPU under torchrun (tests, laptops): form the gloo group ourselves.
+
+        ``TrainingArguments`` gives accelerate no backend on the DeepSpeed path, and with no CUDA that
+        means "not distributed": each rank would compute batch sizes for a world of 1. We create the
+        DeepSpeed-flavoured ``PartialState`` with gloo and tell ``TrainingArguments`` to use it.
+        """
+        if int(os.environ.get("LOCAL_RANK", -1)) == -1:
+            return
+        from accelerate import PartialState
+
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+        try:
+            PartialState(backend=self.ddp_backend or "gloo")
+        finally:
+            del os.environ["ACCELERATE_USE_DEEPSPEED"]
+        if self.accelerator_config is None:
+            self.accelerator_config = {"use_configured_state": True}
+        elif isinstance(self.accelerator_config, dict):
+            self.accelerator_config["use_configured_state"] = True
+        else:
+            raise ValueError("DeepSpeed on CPU needs accelerator_config as a dict (or unset), not a file path")

@@ -1,0 +1,130 @@
+"""GRPO on image-path JSONL data.
+
+    torchrun --nproc_per_node N src/vlm_grpo/grpo_jsonl.py --config configs/demo.yaml [--flag value ...]
+    python -m vlm_grpo.grpo_jsonl ...     |     vlm-grpo ...
+
+Reads top to bottom: parse -> resolve resume -> pick module -> load data -> load model ->
+build rewards -> train -> report.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from collections import defaultdict
+from collections.abc import Sequence
+
+from trl import TrlParser, get_peft_config
+
+from vlm_grpo.configs import GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig
+from vlm_grpo.data import prepare_rows, read_rows, to_datasets
+from vlm_grpo.modules import ImageLimits, get_vlm_module
+from vlm_grpo.resume import resolve_resume
+from vlm_grpo.rewards import build_reward_funcs
+from vlm_grpo.trainer import VLMGRPOTrainer
+
+logger = logging.getLogger("vlm_grpo")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig]:
+    parser = TrlParser((GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig))
+    script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
+    return script_args, training_args, model_args
+
+
+def reward_means(log_history: list[dict]) -> dict[str, float]:
+    """Mean over the run of each logged ``rewards/<name>/mean``."""
+    values: dict[str, list[float]] = defaultdict(list)
+    for entry in log_history:
+        for key, value in entry.items():
+            if key.startswith("rewards/") and key.endswith("/mean") and isinstance(value, (int, float)):
+                if math.isfinite(value):  # a step where no sample had this reward logs NaN/None
+                    values[key.split("/")[1]].append(value)
+    return {name: sum(v) / len(v) for name, v in values.items()}
+
+
+def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_args: VLMModelConfig) -> VLMGRPOTrainer:
+    is_main = training_args.process_index == 0
+    logging.basicConfig(
+        level=logging.INFO if is_main else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if not model_args.model_name_or_path:
+        raise ValueError("--model_name_or_path is required")
+
+    resume = resolve_resume(
+        training_args.output_dir,
+        training_args.resume_from_checkpoint,
+        script_args.overwrite_output_dir,
+        is_main_process=is_main,
+    )
+
+    module = get_vlm_module(
+        model_args.model_name_or_path,
+        model_args.vlm_module,
+        ImageLimits(model_args.min_pixels, model_args.max_pixels, model_args.max_anyres_num),
+        revision=model_args.model_revision,
+    )
+    processor = module.load_processor(
+        model_args.model_name_or_path,
+        trust_remote_code=training_args.trust_remote_code,
+        revision=model_args.model_revision,
+    )
+    logger.info("VLM module: %s (%s)", module.name, type(module).__name__)
+
+    rows, bad_rows = read_rows(
+        script_args.data_file_paths,
+        script_args.image_folders,
+        reward_method=script_args.reward_method,
+        task_type=script_args.task_type,
+    )
+    rows = prepare_rows(
+        rows,
+        bad_rows,
+        module,
+        processor,
+        max_prompt_length=script_args.max_prompt_length,
+        skip_bad_rows=script_args.skip_bad_rows,
+    )
+    train_dataset, eval_dataset = to_datasets(rows, module, script_args.val_split_ratio, training_args.seed)
+    logger.info("Data: %d training rows, %d evaluation rows", len(train_dataset), len(eval_dataset or []))
+
+    model = module.load_model(
+        model_args.model_name_or_path,
+        dtype=model_args.dtype,
+        attn_implementation=model_args.attn_implementation,
+        trust_remote_code=training_args.trust_remote_code,
+        revision=model_args.model_revision,
+    )
+
+    overrides = module.reward_overrides if script_args.is_reward_customized_from_vlm_module else None
+    reward_funcs = build_reward_funcs(script_args.reward_funcs, overrides)
+
+    trainer = VLMGRPOTrainer(
+        model=model,
+        reward_funcs=reward_funcs,
+        args=training_args,
+        vlm_module=module,
+        freeze_vision_modules=model_args.freeze_vision_modules,
+        lora_include_vision=model_args.lora_include_vision,
+        processing_class=processor,
+        peft_config=get_peft_config(model_args),
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+    )
+    trainer.train(resume_from_checkpoint=resume)
+    trainer.save_model(training_args.output_dir)
+    if is_main:
+        means = reward_means(trainer.state.log_history)
+        summary = ", ".join(f"{name}={value:.3f}" for name, value in sorted(means.items()))
+        logger.info("Finished at step %d. Mean rewards over the run: %s", trainer.state.global_step, summary or "n/a")
+        print(f"[vlm-grpo] step {trainer.state.global_step}; mean rewards: {summary or 'n/a'}", flush=True)
+    return trainer
+
+
+def cli(argv: Sequence[str] | None = None) -> None:
+    main(*parse_args(argv))
+
+
+if __name__ == "__main__":
+    cli(sys.argv[1:])

@@ -1,0 +1,206 @@
+"""The contract every model-family adapter fulfils.
+
+An adapter knows the quirks of one family so the trainer and the data pipeline don't have to:
+how to load model and processor, where the vision tower lives, what LoRA should target, how many
+prompt tokens an image costs, and in which coordinate frame the model writes boxes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import re
+import weakref
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Question templates by task type. `{question}` is replaced by the row's question text.
+THINK_ANSWER = (
+    " First output the thinking process in <think> </think> tags and then output the final answer in "
+    "<answer> </answer> tags."
+)
+DEFAULT_TEMPLATES: dict[str, str] = {
+    "default": "{question}" + THINK_ANSWER,
+    "vqa": "{question}" + THINK_ANSWER,
+    "counting": "{question}" + THINK_ANSWER + " The answer is a single number.",
+    "rec": "{question}" + THINK_ANSWER + " Output the bounding box in the answer as [x1, y1, x2, y2].",
+    "raw": "{question}",
+}
+
+
+def rec_template(coordinates: str) -> str:
+    """A REC (referring-expression) template that names the family's box coordinate frame."""
+    return "{question}" + THINK_ANSWER + f" Output the bounding box in the answer as [x1, y1, x2, y2] in {coordinates}."
+
+
+# processor -> (chat template, extra tokens); see VLMModule.image_template_overhead.
+_TEMPLATE_OVERHEAD: weakref.WeakKeyDictionary[Any, tuple[Any, int]] = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class ImageLimits:
+    """Image size knobs that users set on the command line."""
+
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    max_anyres_num: int | None = None
+
+
+class VLMModule:
+    """Base adapter. Subclasses set the class attributes and override what differs."""
+
+    name: ClassVar[str] = ""
+    #: ``model_type`` values of ``config.json`` this adapter serves.
+    model_types: ClassVar[tuple[str, ...]] = ()
+    #: Module-name prefixes (as in ``model.named_parameters()``) of the vision tower and its projector.
+    vision_prefixes: ClassVar[tuple[str, ...]] = ()
+    #: Linear-layer names LoRA targets by default (in the language model only).
+    lora_targets: ClassVar[tuple[str, ...]] = (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )
+    #: Overrides of ``DEFAULT_TEMPLATES`` for this family (e.g. box coordinate conventions).
+    templates: ClassVar[dict[str, str]] = {}
+    #: Rewards this family scores its own way (name -> callable or "module:attr"); used with
+    #: ``--is_reward_customized_from_vlm_module``.
+    reward_overrides: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, limits: ImageLimits | None = None) -> None:
+        self.limits = limits or ImageLimits()
+
+    # ----------------------------------------------------------------- loading
+    def load_model(
+        self,
+        path: str,
+        *,
+        dtype: torch.dtype | str | None = None,
+        attn_implementation: str | None = None,
+        trust_remote_code: bool = False,
+        revision: str | None = None,
+        **kwargs: Any,
+    ) -> torch.nn.Module:
+        from transformers import AutoModelForImageTextToText
+
+        if isinstance(dtype, str) and dtype != "auto":
+            dtype = getattr(torch, dtype)
+        return AutoModelForImageTextToText.from_pretrained(
+            path,
+            dtype=dtype if dtype is not None else "auto",
+            attn_implementation=resolve_attn_implementation(attn_implementation),
+            trust_remote_code=trust_remote_code,
+            revision=revision,
+            **kwargs,
+        )
+
+    def load_processor(self, path: str, *, trust_remote_code: bool = False, revision: str | None = None) -> Any:
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(
+            path, trust_remote_code=trust_remote_code, revision=revision, padding_side="left"
+        )
+        processor.tokenizer.padding_side = "left"
+        self.apply_image_limits(processor)
+        return processor
+
+    def apply_image_limits(self, processor: Any) -> None:
+        """Put ``--min_pixels`` / ``--max_pixels`` / ``--max_anyres_num`` onto the processor."""
+
+    # ----------------------------------------------------------------- structure
+    def is_vision_parameter(self, name: str) -> bool:
+        name = name.removeprefix("module.").removeprefix("base_model.model.")
+        return any(name.startswith(p) for p in self.vision_prefixes)
+
+    def freeze_vision(self, model: torch.nn.Module) -> int:
+        """Freeze the vision tower (and projector); returns how many parameters were frozen."""
+        frozen = 0
+        for name, param in model.named_parameters():
+            if self.is_vision_parameter(name):
+                param.requires_grad_(False)
+                frozen += param.numel()
+        if frozen == 0:
+            raise ValueError(
+                f"--freeze_vision_modules found no parameter under {self.vision_prefixes} in "
+                f"{type(model).__name__}; the '{self.name}' adapter does not match this model"
+            )
+        return frozen
+
+    def lora_target_modules(self, targets: list[str] | None = None, include_vision: bool = False) -> str:
+        """A PEFT regex: the given (or default) layer names, outside the vision tower unless asked."""
+        names = "|".join(re.escape(t) for t in (targets or self.lora_targets))
+        if include_vision or not self.vision_prefixes:
+            return rf".*\.({names})"
+        vision = "|".join(re.escape(p) for p in self.vision_prefixes)
+        return rf"(?!(?:{vision})\.).*\.({names})"
+
+    # ----------------------------------------------------------------- prompts and images
+    def question_template(self, task_type: str | None) -> str:
+        key = task_type or "default"
+        merged = {**DEFAULT_TEMPLATES, **self.templates}
+        return merged.get(key, merged["default"])
+
+    def num_image_tokens(self, processor: Any, width: int, height: int) -> int:
+        """Prompt tokens one image of this size becomes after the processor expands its placeholder.
+
+        That is ``len(prompt tokens with the image) - len(prompt tokens with the image item removed)``:
+        the chat template's tokens for the item plus what the processor expands its placeholder into.
+        """
+        raise NotImplementedError
+
+    def image_template_overhead(self, processor: Any) -> int:
+        """Tokens the chat template writes for one ``{"type": "image"}`` item besides the placeholder.
+
+        Qwen templates wrap ``<|image_pad|>`` in ``<|vision_start|>``/``<|vision_end|>`` (2); InternVL's
+        follow ``<IMG_CONTEXT>`` with a newline (1). Measured by rendering a one-image prompt with and
+        without the image item, so it holds for whatever template the checkpoint ships. Cached per
+        processor (and template).
+        """
+        template = getattr(processor, "chat_template", None)
+        cached = _TEMPLATE_OVERHEAD.get(processor)
+        if cached is not None and cached[0] == template:
+            return cached[1]
+        question = {"type": "text", "text": "What is in the image?"}
+        with_image = [{"role": "user", "content": [{"type": "image"}, question]}]
+        without = [{"role": "user", "content": [question]}]
+        tokenizer = getattr(processor, "tokenizer", processor)
+        placeholder = tokenizer.convert_tokens_to_ids(processor.image_token)
+
+        def ids(messages: list[dict[str, Any]]) -> list[int]:
+            text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+        a, b = ids(with_image), ids(without)
+        placeholders = a.count(placeholder) - b.count(placeholder)
+        if placeholders != 1:
+            raise ValueError(
+                f"The chat template of {type(processor).__name__} writes {placeholders} '{processor.image_token}' "
+                "placeholders for one image item; expected 1"
+            )
+        overhead = len(a) - len(b) - 1
+        _TEMPLATE_OVERHEAD[processor] = (template, overhead)
+        return overhead
+
+    def coord_size(self, processor: Any, width: int, height: int) -> tuple[int, int]:
+        """Width and height of the frame in which the model writes box coordinates for such an image.
+
+        Rewards map predicted boxes from this frame back to the original image size.
+        """
+        return (1000, 1000)
+
+
+def resolve_attn_implementation(requested: str | None) -> str:
+    """``sdpa`` unless the user asked for something else; flash-attn only when it is installed."""
+    if requested in (None, "", "auto"):
+        return "sdpa"
+    if requested.startswith("flash_attention") and importlib.util.find_spec("flash_attn") is None:
+        logger.warning("attn_implementation=%s asked for, but flash_attn is not installed: using sdpa", requested)
+        return "sdpa"
+    return requested

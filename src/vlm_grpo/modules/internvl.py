@@ -1,0 +1,36 @@
+"""InternVL adapter for native transformers checkpoints (``*-hf``, ``InternVLForConditionalGeneration``).
+
+The processor cuts an image into up to ``max_patches`` square tiles (plus a thumbnail when there is
+more than one) and expands each ``<IMG_CONTEXT>`` into ``<img>`` + ``image_seq_length`` context
+tokens per tile + ``</img>``. Beware: ``InternVLProcessor`` passes ``crop_to_patches=True`` on every
+call (a processor-level default), so the image processor's own ``crop_to_patches`` is ignored and
+``max_patches`` is the knob that matters. Boxes are written in a 0-1000 normalised frame.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from vlm_grpo.modules.base import VLMModule, rec_template
+
+
+class InternVLModule(VLMModule):
+    """InternVL (-hf): vision tower plus the pixel-shuffle MLP projector."""
+
+    name: ClassVar[str] = "internvl"
+    model_types: ClassVar[tuple[str, ...]] = ("internvl",)
+    vision_prefixes: ClassVar[tuple[str, ...]] = ("model.vision_tower", "model.multi_modal_projector")
+    templates: ClassVar[dict[str, str]] = {"rec": rec_template("coordinates normalised to 0-1000")}
+
+    def apply_image_limits(self, processor: Any) -> None:
+        """``--max_anyres_num N``: dynamic tiling with at most N tiles per image."""
+        if self.limits.max_anyres_num is not None:
+            ip = processor.image_processor
+            ip.crop_to_patches = True
+            ip.max_patches = self.limits.max_anyres_num
+
+    def num_image_tokens(self, processor: Any, width: int, height: int) -> int:
+        # The processor's own count (the one vLLM uses) merges its call-time defaults, crop_to_patches
+        # included, and counts <img>/</img>; the template adds what it writes besides <IMG_CONTEXT>.
+        expanded = processor._get_num_multimodal_tokens(image_sizes=[(height, width)]).num_image_tokens[0]
+        return expanded + self.image_template_overhead(processor)

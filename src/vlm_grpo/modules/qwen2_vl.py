@@ -1,0 +1,63 @@
+"""Qwen2-VL adapter; also the base of the Qwen2.5-VL and Qwen3-VL adapters.
+
+Qwen image processors resize every image with ``smart_resize`` to a multiple of
+``patch_size * merge_size`` whose area lies in ``[min_pixels, max_pixels]`` (stored as
+``size["shortest_edge"]`` / ``size["longest_edge"]`` in transformers 5), then emit one
+``<|image_pad|>`` per ``merge_size x merge_size`` patches. Every number is read from the processor,
+so the same code serves patch 14 (Qwen2/2.5) and patch 16 (Qwen3). Qwen2-VL writes boxes in a
+0-1000 normalised frame.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, ClassVar
+
+from vlm_grpo.modules.base import VLMModule, rec_template
+
+
+def resized_size(processor: Any, width: int, height: int) -> tuple[int, int]:
+    """(width, height) the processor resizes a ``width x height`` image to before patching."""
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+    ip = processor.image_processor
+    size = ip.size
+    h, w = smart_resize(
+        height,
+        width,
+        factor=ip.patch_size * ip.merge_size,
+        min_pixels=size["shortest_edge"],
+        max_pixels=size["longest_edge"],
+    )
+    return w, h
+
+
+class Qwen2VLModule(VLMModule):
+    """Qwen2-VL: vision tower and merger both live under ``model.visual``."""
+
+    name: ClassVar[str] = "qwen2_vl"
+    model_types: ClassVar[tuple[str, ...]] = ("qwen2_vl",)
+    vision_prefixes: ClassVar[tuple[str, ...]] = ("model.visual",)
+    templates: ClassVar[dict[str, str]] = {"rec": rec_template("coordinates normalised to 0-1000")}
+
+    def apply_image_limits(self, processor: Any) -> None:
+        """``--min_pixels`` / ``--max_pixels`` become ``size`` shortest/longest edge (pixel areas)."""
+        ip = processor.image_processor
+        limits = {"shortest_edge": self.limits.min_pixels, "longest_edge": self.limits.max_pixels}
+        if all(v is None for v in limits.values()):
+            return
+        size = copy.copy(ip.size)  # a dict or a transformers SizeDict; both take item assignment
+        for key, value in limits.items():
+            if value is not None:
+                size[key] = value
+        ip.size = size
+        # Older transformers kept separate attributes too.
+        for attr, value in (("min_pixels", self.limits.min_pixels), ("max_pixels", self.limits.max_pixels)):
+            if value is not None and getattr(ip, attr, None) is not None:
+                setattr(ip, attr, value)
+
+    def num_image_tokens(self, processor: Any, width: int, height: int) -> int:
+        w, h = resized_size(processor, width, height)
+        ip = processor.image_processor
+        pads = (w // ip.patch_size) * (h // ip.patch_size) // ip.merge_size**2
+        return pads + self.image_template_overhead(processor)

@@ -1,0 +1,130 @@
+"""What every reward shares: text extraction and the wrapper that keeps a bad sample from killing a run."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+RewardFunc = Callable[..., list[float | None]]
+
+# Keys TRL passes that are not per-sample columns.
+_NON_COLUMN_KWARGS = ("trainer_state", "log_extra", "log_metric", "environments")
+
+
+def completion_text(completion: Any) -> str:
+    """Text of one completion, whether TRL passed a plain string or a list of chat messages."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, list):
+        parts = []
+        for message in completion:
+            content = message.get("content", "") if isinstance(message, dict) else message
+            if isinstance(content, list):
+                content = "".join(p.get("text", "") or "" for p in content if isinstance(p, dict))
+            parts.append(content if isinstance(content, str) else "" if content is None else str(content))
+        return "".join(parts)
+    return "" if completion is None else str(completion)
+
+
+def _accepts(fn: Callable, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return True
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+class SafeReward:
+    """Calls a reward on a batch; if it raises, retries sample by sample and gives failing samples ``None``.
+
+    TRL treats ``None`` as "no reward" (NaN, ignored by nansum), so one odd completion or row costs
+    that sample its reward, never the run. Failures are counted, logged (first one with its
+    traceback, then every ``warn_every``-th) and reported as the metric ``rewards/<name>/failures``.
+    """
+
+    def __init__(self, fn: RewardFunc, name: str, warn_every: int = 100) -> None:
+        self.fn = fn
+        self.__name__ = name
+        self.warn_every = warn_every
+        self.failures = 0
+
+    def _call(self, kwargs: dict[str, Any]) -> list[float | None]:
+        accepted = {k: v for k, v in kwargs.items() if _accepts(self.fn, k)}
+        return list(self.fn(**accepted))
+
+    def _record_failure(self, exc: BaseException, index: int) -> None:
+        self.failures += 1
+        if self.failures == 1 or self.failures % self.warn_every == 0:
+            logger.warning(
+                "Reward '%s' failed on a sample (%d failure(s) so far); that sample gets no reward: %r",
+                self.__name__,
+                self.failures,
+                exc,
+                exc_info=exc if self.failures == 1 else None,
+            )
+
+    def __call__(self, completions: Sequence[Any], **kwargs: Any) -> list[float | None]:
+        n = len(completions)
+        before = self.failures
+        try:
+            values = self._call({"completions": completions, **kwargs})
+            if len(values) != n:
+                raise ValueError(f"returned {len(values)} values for {n} completions")
+        except Exception:  # isolate the sample(s) that break it
+            values = []
+            for i in range(n):
+                single = {
+                    k: (v[i : i + 1] if isinstance(v, list) and len(v) == n and k not in _NON_COLUMN_KWARGS else v)
+                    for k, v in kwargs.items()
+                }
+                try:
+                    out = self._call({"completions": completions[i : i + 1], **single})
+                    if len(out) != 1:
+                        raise ValueError(f"returned {len(out)} values for 1 completion")
+                    values.append(out[0])
+                except Exception as exc:
+                    self._record_failure(exc, i)
+                    values.append(None)
+        clean: list[float | None] = []
+        for i, value in enumerate(values):
+            if value is None:
+                clean.append(None)
+                continue
+            try:
+                value = float(value)
+                if not math.isfinite(value):
+                    raise ValueError(f"non-finite reward {value}")
+            except Exception as exc:  # TypeError, ValueError, OverflowError (float(10**400)), ...
+                self._record_failure(exc, i)
+                clean.append(None)
+                continue
+            clean.append(value)
+        log_metric = kwargs.get("log_metric")
+        if callable(log_metric):
+            log_metric(f"rewards/{self.__name__}/failures", float(self.failures - before))
+        return clean
+
+
+def build_reward_funcs(names: Sequence[str], overrides: Mapping[str, str | Callable] | None = None) -> list[SafeReward]:
+    """Resolve reward names (or ``file.py:fn`` / ``module:fn`` specs) into safe callables for TRL.
+
+    ``overrides`` (a VLM module's own variants, name -> callable or ``module:attr``) win over the registry.
+    """
+    from vlm_grpo.registry import load_object
+    from vlm_grpo.rewards import REWARDS
+
+    funcs = []
+    for name in names:
+        fn = (overrides or {}).get(name) or REWARDS.get(name)
+        if isinstance(fn, str):
+            fn = load_object(fn)
+        if not callable(fn):
+            raise TypeError(f"Reward '{name}' resolved to {fn!r}, which is not callable")
+        label = name.rpartition(":")[2] if ":" in name else name
+        funcs.append(SafeReward(fn, label))
+    return funcs

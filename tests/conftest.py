@@ -1,0 +1,41 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import pytest
+
+
+class TinyModels(Mapping[str, Path]):
+    """family -> folder of a tiny random checkpoint, built on first access and kept for the session."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._built: dict[str, Path] = {}
+
+    def __getitem__(self, family: str) -> Path:
+        from vlm_grpo.testing.tiny import FAMILIES, build_tiny_model
+
+        if family not in FAMILIES:
+            raise KeyError(family)
+        if family not in self._built:
+            self._built[family] = build_tiny_model(family, self.root / family, seed=0)
+        return self._built[family]
+
+    def __iter__(self) -> Iterator[str]:
+        from vlm_grpo.testing.tiny import FAMILIES
+
+        return iter(FAMILIES)
+
+    def __len__(self) -> int:
+        from vlm_grpo.testing.tiny import FAMILIES
+
+        return len(FAMILIES)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
+    """Tiny checkpoints of every family (``tiny_models["qwen2_5_vl"]`` is a folder), built lazily once."""
+    return TinyModels(tmp_path_factory.mktemp("tiny_models"))

@@ -1,0 +1,17 @@
+"""torchrun entry for the distributed tests: train, then dump what each rank holds."""
+
+import json
+import os
+import sys
+
+import torch
+
+from vlm_grpo.grpo_jsonl import main, parse_args
+
+if __name__ == "__main__":
+    trainer = main(*parse_args(sys.argv[1:]))
+    rank = int(os.environ.get("RANK", 0))
+    out = trainer.args.output_dir
+    torch.save({n: p.detach().cpu().clone() for n, p in trainer.model.named_parameters()}, f"{out}/rank{rank}.pt")
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump({"world_size": trainer.args.world_size, "step": trainer.state.global_step}, f)

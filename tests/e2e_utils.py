@@ -1,0 +1,84 @@
+"""Helpers for end-to-end runs of grpo_jsonl.py on tiny models (in-process or under torchrun)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+REWARD_PLUGIN = '''
+from vlm_grpo.rewards import completion_text
+
+
+def text_shape(completions, **kwargs):
+    """Depends on the text, so a group's completions get different rewards (non-zero advantages)."""
+    return [float(len(completion_text(c)) % 5) + 0.1 * completion_text(c).count("a") for c in completions]
+'''
+
+
+def make_dataset(root: Path) -> tuple[Path, Path]:
+    """A small JSONL set with single-image, multi-image and mid-text ``<image>`` rows (VLM-R1 format)."""
+    images = root / "images"
+    images.mkdir(parents=True, exist_ok=True)
+    colors = [(220, 30, 30), (30, 200, 30), (30, 30, 220), (220, 220, 30)]
+    for i, color in enumerate(colors):
+        img = Image.new("RGB", (48 + 16 * i, 56), (250, 250, 250))
+        img.paste(color, (8, 8, 28, 28))
+        img.save(images / f"img{i}.png")
+    rows = []
+    for i in range(4):
+        rows.append(
+            {
+                "id": f"single-{i}",
+                "image": f"img{i}.png",
+                "conversations": [
+                    {"from": "human", "value": "<image>What colour is the square?"},
+                    {"from": "gpt", "value": "<answer>red</answer>"},
+                ],
+            }
+        )
+        rows.append(
+            {
+                "id": f"multi-{i}",
+                "image": [f"img{i}.png", f"img{(i + 1) % 4}.png"],
+                "conversations": [
+                    {"from": "human", "value": "Here is one <image> and another <image> - are they the same colour?"},
+                    {"from": "gpt", "value": "<answer>no</answer>"},
+                ],
+            }
+        )
+    data = root / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plugin = root / "my_rewards.py"
+    plugin.write_text(REWARD_PLUGIN)
+    return data, plugin
+
+
+def base_args(model: Path, data: Path, plugin: Path, output_dir: Path, steps: int = 2) -> list[str]:
+    return [
+        "--model_name_or_path", str(model),
+        "--data_file_paths", str(data),
+        "--image_folders", str(data.parent / "images"),
+        "--reward_funcs", f"{plugin}:text_shape", "format",
+        "--output_dir", str(output_dir),
+        "--max_steps", str(steps),
+        "--per_device_train_batch_size", "4",
+        "--num_generations", "4",
+        "--max_completion_length", "8",
+        "--learning_rate", "1e-3",
+        "--gradient_checkpointing", "false",
+        "--logging_steps", "1",
+        "--save_strategy", "no",
+        "--report_to", "none",
+        "--seed", "7",
+        "--dataloader_num_workers", "0",
+    ]  # fmt: skip
+
+
+def original_params(model_dir: Path) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}

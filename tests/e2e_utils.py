@@ -15,11 +15,19 @@ from vlm_grpo.rewards import completion_text
 def text_shape(completions, **kwargs):
     """Depends on the text, so a group's completions get different rewards (non-zero advantages)."""
     return [float(len(completion_text(c)) % 5) + 0.1 * completion_text(c).count("a") for c in completions]
+
+
+def flaky(completions, id, **kwargs):
+    """Raises on every multi-image row: those samples must get no reward, the others theirs."""
+    if any(i.startswith("multi") for i in id):
+        raise RuntimeError("flaky reward cannot score multi-image rows")
+    return [1.0 for _ in completions]
 '''
 
 
-def make_dataset(root: Path) -> tuple[Path, Path]:
-    """A small JSONL set with single-image, multi-image and mid-text ``<image>`` rows (VLM-R1 format)."""
+def make_dataset(root: Path, kinds: tuple[str, ...] = ("single", "multi"), n: int = 4) -> tuple[Path, Path]:
+    """A small JSONL set (VLM-R1 format) of ``single``-image rows, ``multi``-image rows with mid-text
+    ``<image>`` markers, and ``text``-only rows; ``n`` rows of each kind asked for."""
     images = root / "images"
     images.mkdir(parents=True, exist_ok=True)
     colors = [(220, 30, 30), (30, 200, 30), (30, 30, 220), (220, 220, 30)]
@@ -29,6 +37,15 @@ def make_dataset(root: Path) -> tuple[Path, Path]:
         img.save(images / f"img{i}.png")
     rows = []
     for i in range(4):
+        rows.append(
+            {
+                "id": f"text-{i}",
+                "conversations": [
+                    {"from": "human", "value": f"What is {i} + {i}?"},
+                    {"from": "gpt", "value": f"<answer>{2 * i}</answer>"},
+                ],
+            }
+        )
         rows.append(
             {
                 "id": f"single-{i}",
@@ -49,6 +66,7 @@ def make_dataset(root: Path) -> tuple[Path, Path]:
                 ],
             }
         )
+    rows = [r for r in rows if r["id"].split("-")[0] in kinds and int(r["id"].split("-")[1]) < n]
     data = root / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     plugin = root / "my_rewards.py"

@@ -87,6 +87,20 @@ def test_resume_reaches_the_same_weights_as_an_uninterrupted_run(tiny_models, da
         torch.testing.assert_close(param, expected[name], rtol=0, atol=0, msg=f"{name} differs after resume")
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_multi_image_and_text_only_rows_share_a_batch(family, tiny_models, tmp_path):
+    # Two rows, two prompts per step: every step holds the multi-image row (markers mid-text) and the text row.
+    data, plugin = make_dataset(tmp_path / "data", kinds=("multi", "text"), n=1)
+    argv = base_args(tiny_models[family], data, plugin, tmp_path / "out")
+    argv[argv.index("--per_device_train_batch_size") + 1] = "8"
+    argv[argv.index("--reward_funcs") + 2] = f"{plugin}:flaky"
+    trainer = run(argv)
+    assert trainer.state.global_step == 2
+    logs = [entry for entry in trainer.state.log_history if "rewards/flaky/failures" in entry]
+    assert logs and sum(entry["rewards/flaky/failures"] for entry in logs) > 0
+    assert all(entry["rewards/flaky/mean"] == 1.0 for entry in logs)  # text rows still scored
+
+
 def test_bad_model_type_and_reward_name_fail_clearly(tiny_models, dataset, tmp_path):
     data, plugin = dataset
     model_dir = tiny_models["qwen2_vl"]
@@ -123,3 +137,20 @@ def test_help_lists_vlm_r1_flags(capsys):
         "--max_prompt_length",
     ):
         assert flag in out, flag
+
+
+def test_every_entry_point_starts(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    script = Path(sys.executable).parent / "vlm-grpo"
+    for cmd in (
+        [sys.executable, "-m", "vlm_grpo.grpo_jsonl", "--help"],
+        [sys.executable, str(repo / "src" / "vlm_grpo" / "grpo_jsonl.py"), "--help"],  # what torchrun runs
+        [str(script), "--help"],
+    ):
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert "--data_file_paths" in result.stdout

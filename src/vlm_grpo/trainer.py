@@ -106,3 +106,14 @@ class VLMGRPOTrainer(GRPOTrainer):
         model.load_state_dict(reloaded.state_dict(), strict=True)
         del reloaded
         return None
+
+    def _tokenize_prompts(self, prompts: list) -> tuple:
+        """Text-only prompts get ``[]`` rather than ``None`` images, so mixed batches reach the processor whole.
+
+        TRL marks a text-only prompt's images as ``None``; when the same batch also holds image prompts,
+        the processor receives ``[[img], None]`` and fails. An empty list is what processors expect.
+        """
+        prompt_ids, images, multimodal_fields = super()._tokenize_prompts(prompts)
+        if images is not None:
+            images = [image_list or [] for image_list in images]
+        return prompt_ids, images, multimodal_fields

@@ -36,6 +36,13 @@ class GRPOScriptArguments(ScriptArguments):
             "Weights come from --reward_weights."
         },
     )
+    reward_kwargs: str | None = field(
+        default=None,
+        metadata={
+            "help": "Keyword arguments bound to rewards, as JSON (or a mapping in the YAML config): "
+            '\'{"vqa_graded": {"scale": 3.0}, "iou": {"threshold": 0.5}}\'.'
+        },
+    )
     reward_method: str | None = field(
         default=None,
         metadata={

@@ -98,7 +98,7 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
     )
 
     overrides = module.reward_overrides if script_args.is_reward_customized_from_vlm_module else None
-    reward_funcs = build_reward_funcs(script_args.reward_funcs, overrides)
+    reward_funcs = build_reward_funcs(script_args.reward_funcs, overrides, script_args.reward_kwargs)
 
     trainer = VLMGRPOTrainer(
         model=model,

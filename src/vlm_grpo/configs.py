@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from trl import GRPOConfig, ModelConfig, ScriptArguments
@@ -109,39 +110,55 @@ class VLMGRPOConfig(GRPOConfig):
         default=None,
         metadata={"help": "Use bf16 mixed precision. Default: on when a CUDA device is present, off on CPU."},
     )
+    share_prompt: bool = field(
+        default=True,
+        metadata={
+            "help": "Compute log-probs (old, reference, policy) of each GRPO group in one forward over "
+            "[prompt | c1 | ... | cG]: the prompt and its images are processed once instead of G times. "
+            "Same numbers as TRL's per-row pass (parity-tested); turn off to use TRL's path."
+        },
+    )
 
     def __post_init__(self) -> None:
-        if not torch.accelerator.is_available():
-            # Without an accelerator, accelerate only forms a process group under torchrun when told to:
-            # plain DDP needs use_cpu (else every rank silently trains alone as "rank 0 of 1"), and DeepSpeed
-            # needs an explicit gloo backend (use_cpu would bypass DeepSpeed altogether).
-            if self.deepspeed:
-                self._configure_cpu_deepspeed()
-            else:
-                self.use_cpu = True
-        if self.bf16 is None and not self.fp16:
-            self.bf16 = torch.accelerator.is_available() and not self.use_cpu
+        apply_device_defaults(self)
         super().__post_init__()
 
-    def _configure_cpu_deepspeed(self) -> None:
-        """DeepSpeed on CPU under torchrun (tests, laptops): form the gloo group ourselves.
 
-        ``TrainingArguments`` gives accelerate no backend on the DeepSpeed path, and with no CUDA that
-        means "not distributed": each rank would compute batch sizes for a world of 1. We create the
-        DeepSpeed-flavoured ``PartialState`` with gloo and tell ``TrainingArguments`` to use it.
-        """
-        if int(os.environ.get("LOCAL_RANK", -1)) == -1:
-            return
-        from accelerate import PartialState
+def apply_device_defaults(args: Any) -> None:
+    """Device handling shared by the GRPO and SFT configs; call before ``TrainingArguments.__post_init__``.
 
-        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-        try:
-            PartialState(backend=self.ddp_backend or "gloo")
-        finally:
-            del os.environ["ACCELERATE_USE_DEEPSPEED"]
-        if self.accelerator_config is None:
-            self.accelerator_config = {"use_configured_state": True}
-        elif isinstance(self.accelerator_config, dict):
-            self.accelerator_config["use_configured_state"] = True
+    Without an accelerator, accelerate only forms a process group under torchrun when told to: plain DDP
+    needs use_cpu (else every rank silently trains alone as "rank 0 of 1"), and DeepSpeed needs an explicit
+    gloo backend (use_cpu would bypass DeepSpeed altogether). bf16 defaults to on only with an accelerator.
+    """
+    if not torch.accelerator.is_available():
+        if args.deepspeed:
+            _configure_cpu_deepspeed(args)
         else:
-            raise ValueError("DeepSpeed on CPU needs accelerator_config as a dict (or unset), not a file path")
+            args.use_cpu = True
+    if args.bf16 is None and not args.fp16:
+        args.bf16 = torch.accelerator.is_available() and not args.use_cpu
+
+
+def _configure_cpu_deepspeed(args: Any) -> None:
+    """DeepSpeed on CPU under torchrun (tests, laptops): form the gloo group ourselves.
+
+    ``TrainingArguments`` gives accelerate no backend on the DeepSpeed path, and with no CUDA that
+    means "not distributed": each rank would compute batch sizes for a world of 1. We create the
+    DeepSpeed-flavoured ``PartialState`` with gloo and tell ``TrainingArguments`` to use it.
+    """
+    if int(os.environ.get("LOCAL_RANK", -1)) == -1:
+        return
+    from accelerate import PartialState
+
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    try:
+        PartialState(backend=args.ddp_backend or "gloo")
+    finally:
+        del os.environ["ACCELERATE_USE_DEEPSPEED"]
+    if args.accelerator_config is None:
+        args.accelerator_config = {"use_configured_state": True}
+    elif isinstance(args.accelerator_config, dict):
+        args.accelerator_config["use_configured_state"] = True
+    else:
+        raise ValueError("DeepSpeed on CPU needs accelerator_config as a dict (or unset), not a file path")

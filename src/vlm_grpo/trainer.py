@@ -18,6 +18,7 @@ from trl import GRPOTrainer
 
 from vlm_grpo.modules import VLMModule, get_vlm_module
 from vlm_grpo.rewards import build_reward_funcs
+from vlm_grpo.sharing import packed_logps
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,32 @@ class VLMGRPOTrainer(GRPOTrainer):
         model.load_state_dict(reloaded.state_dict(), strict=True)
         del reloaded
         return None
+
+    # Multimodal kwargs the packed path understands; anything else goes to TRL's per-row pass.
+    _SHARED_MM_KEYS = frozenset({"pixel_values", "image_grid_thw", "num_images", "num_tiles", "mm_token_type_ids"})
+
+    def _get_per_token_logps_and_entropies(
+        self,
+        model: Any,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        logits_to_keep: int,
+        batch_size: int | None = None,
+        compute_entropy: bool = False,
+        compute_aux_loss: bool = False,
+        **mm: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Rows that share a prompt share one forward (``share_prompt``); see :mod:`vlm_grpo.sharing`."""
+        extra = {k for k, v in mm.items() if v is not None} - self._SHARED_MM_KEYS
+        if getattr(self.args, "share_prompt", False) and not compute_aux_loss and not extra:
+            result = packed_logps(
+                self, model, input_ids, attention_mask, logits_to_keep, compute_entropy, mm, batch_size
+            )
+            if result is not None:
+                return (*result, None)
+        return super()._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **mm
+        )
 
     def _tokenize_prompts(self, prompts: list) -> tuple:
         """Text-only prompts get ``[]`` rather than ``None`` images, so mixed batches reach the processor whole.

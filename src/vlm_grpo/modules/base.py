@@ -50,7 +50,36 @@ class ImageLimits:
     max_anyres_num: int | None = None
 
 
-class VLMModule:
+class GroupSharingMixin:
+    """Hooks ``vlm_grpo.sharing`` needs from a family: how pixels split per sample, and positions."""
+
+    def units_per_sample(self, mm: dict[str, Any]) -> list[int] | None:
+        """Rows of ``pixel_values`` each sample owns (None: no images in the batch)."""
+        return None
+
+    def group_vision_inputs(self, groups: list[Any], mm: dict[str, Any]) -> dict[str, Any]:
+        """Vision inputs of the group leaders only: each unique image is encoded once."""
+        pixel_values = mm.get("pixel_values")
+        slices = [g.image_rows for g in groups if g.image_rows is not None]
+        if pixel_values is None or not slices:
+            return {}
+        return {"pixel_values": torch.cat([pixel_values[a:b] for a, b in slices])}
+
+    def packed_position_ids(
+        self, model: Any, group: Any, mm: dict[str, Any], completion_len: int, blocks: int, total: int
+    ) -> torch.Tensor:
+        """1-D positions as the naive left-padded pass has them (prompt token i at its padded index)."""
+        prompt_len = group.prompt.numel()
+        start = group.pad_offset
+        device = group.prompt.device
+        prompt = torch.arange(start, start + prompt_len, device=device)
+        completion = torch.arange(start + prompt_len, start + prompt_len + completion_len, device=device)
+        block = torch.cat([prompt[-1:], completion])
+        used = torch.cat([prompt[:-1], block.repeat(blocks)])
+        return torch.nn.functional.pad(used, (0, total - used.numel()))[None]
+
+
+class VLMModule(GroupSharingMixin):
     """Base adapter. Subclasses set the class attributes and override what differs."""
 
     name: ClassVar[str] = ""

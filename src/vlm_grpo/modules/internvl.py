@@ -34,3 +34,8 @@ class InternVLModule(VLMModule):
         # included, and counts <img>/</img>; the template adds what it writes besides <IMG_CONTEXT>.
         expanded = processor._get_num_multimodal_tokens(image_sizes=[(height, width)]).num_image_tokens[0]
         return expanded + self.image_template_overhead(processor)
+
+    def units_per_sample(self, mm: dict[str, Any]) -> list[int] | None:
+        """InternVL pixel values are tiles, a variable count per image: TRL counts them per sample
+        (``num_tiles``), and leaves them out when every image is one tile."""
+        return mm.get("num_tiles") or mm.get("num_images")

@@ -13,6 +13,8 @@ from __future__ import annotations
 import copy
 from typing import Any, ClassVar
 
+import torch
+
 from vlm_grpo.modules.base import VLMModule, rec_template
 
 
@@ -61,3 +63,41 @@ class Qwen2VLModule(VLMModule):
         ip = processor.image_processor
         pads = (w // ip.patch_size) * (h // ip.patch_size) // ip.merge_size**2
         return pads + self.image_template_overhead(processor)
+
+    # ----------------------------------------------------------------- group sharing (vlm_grpo.sharing)
+    def units_per_sample(self, mm: dict[str, Any]) -> list[int] | None:
+        grid, num_images = mm.get("image_grid_thw"), mm.get("num_images")
+        if grid is None or not num_images:
+            return None
+        return [int(s.sum()) for s in grid.prod(dim=-1).split(num_images)]
+
+    def group_vision_inputs(self, groups: list[Any], mm: dict[str, Any]) -> dict[str, Any]:
+        inputs = super().group_vision_inputs(groups, mm)
+        ranges = [g.image_range for g in groups if g.image_range is not None]
+        if inputs and ranges:
+            inputs["image_grid_thw"] = torch.cat([mm["image_grid_thw"][a:b] for a, b in ranges])
+        return inputs
+
+    def packed_position_ids(
+        self, model: Any, group: Any, mm: dict[str, Any], completion_len: int, blocks: int, total: int
+    ) -> torch.Tensor:
+        """mrope positions: the prompt's from ``get_rope_index``; completion token j at last + 1 + j (all axes)."""
+        prompt = group.prompt[None]
+        device = prompt.device
+        if group.image_range is None:
+            prompt_pos = torch.arange(prompt.size(1), device=device).expand(3, 1, -1)
+        else:
+            leader = group.rows[0]
+            mm_types = mm["mm_token_type_ids"][leader, group.pad_offset : group.pad_offset + prompt.size(1)]
+            a, b = group.image_range
+            prompt_pos, _ = model.model.get_rope_index(
+                prompt,
+                mm_token_type_ids=mm_types[None],
+                image_grid_thw=mm["image_grid_thw"][a:b],
+                attention_mask=torch.ones_like(prompt),
+            )
+        last = prompt_pos[:, :, -1:]
+        completion = last + 1 + torch.arange(completion_len, device=device).view(1, 1, -1)
+        block = torch.cat([last, completion], dim=-1)
+        used = torch.cat([prompt_pos[:, :, :-1], block.repeat(1, 1, blocks)], dim=-1)
+        return torch.nn.functional.pad(used, (0, total - used.size(-1)))

@@ -1,0 +1,186 @@
+"""Compute a GRPO group once: one forward over ``[prompt | c1 | ... | cG]`` per group.
+
+GRPO repeats each prompt (and its images) G times. The naive log-prob pass runs the vision tower
+and the whole prompt G times; here every group of rows that share a prompt and its pixels becomes
+one packed sequence, so images are encoded once and the prompt is attended once.
+
+Layout of one packed sequence (P = valid prompt length, C = completion width)::
+
+    prompt[:-1] | prompt[-1] c_1[0..C-1] | prompt[-1] c_2[0..C-1] | ... | prompt[-1] c_G[...]
+
+The last prompt token is repeated at the head of each block: it sits at the same position with the
+same context, so its hidden state is the one the naive pass has, and it can carry the label
+``c_g[0]`` of its block (one position has one label). A block attends to the shared prefix and
+causally to itself, never to another block. Positions are explicit (mrope for Qwen families), as
+the model cannot infer them from a packed layout. Log-probs come from TRL's fused LM head via
+``shift_labels`` and are scattered back to the ``(rows, C)`` layout TRL expects, so old, reference
+and policy log-probs all go through the same path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Group:
+    rows: list[int]  # batch rows of the group, in order
+    prompt: torch.Tensor  # valid prompt ids (P,)
+    pad_offset: int  # left padding of the leader's prompt in the batch layout
+    image_rows: tuple[int, int] | None  # leader's slice of pixel_values (rows or tiles)
+    image_range: tuple[int, int] | None  # leader's slice of per-image tensors (image_grid_thw)
+
+
+def _image_slices(num_images: list[int] | None, units_per_sample: list[int] | None, n_rows: int):
+    """Per row: (start, end) of its pixel units and of its images; None when it has none."""
+    if not num_images or units_per_sample is None:
+        return [None] * n_rows, [None] * n_rows
+    units, images = [], []
+    unit_start, image_start = 0, 0
+    for count, n_units in zip(num_images, units_per_sample, strict=True):
+        units.append((unit_start, unit_start + n_units) if count else None)
+        images.append((image_start, image_start + count) if count else None)
+        unit_start += n_units
+        image_start += count
+    return units, images
+
+
+def plan_groups(
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    pixel_values: torch.Tensor | None,
+    num_images: list[int] | None,
+    units_per_sample: list[int] | None,
+) -> list[Group]:
+    """Rows that share prompt tokens and pixels form one group (whatever their order in the batch)."""
+    unit_slices, image_slices = _image_slices(num_images, units_per_sample, prompt_ids.size(0))
+    groups: list[Group] = []
+    by_key: dict[tuple, list[Group]] = {}
+    for row in range(prompt_ids.size(0)):
+        valid = prompt_mask[row].bool()
+        ids = prompt_ids[row][valid]
+        key = tuple(ids.tolist())
+        pixels = None
+        if unit_slices[row] is not None and pixel_values is not None:
+            pixels = pixel_values[unit_slices[row][0] : unit_slices[row][1]]
+        match = None
+        for group in by_key.get(key, []):
+            lead = group.image_rows
+            lead_pixels = None if lead is None or pixel_values is None else pixel_values[lead[0] : lead[1]]
+            if (pixels is None) == (lead_pixels is None) and (pixels is None or torch.equal(pixels, lead_pixels)):
+                match = group
+                break
+        if match is None:
+            match = Group([], ids, int((~valid).sum()), unit_slices[row], image_slices[row])
+            by_key.setdefault(key, []).append(match)
+            groups.append(match)
+        match.rows.append(row)
+    return groups
+
+
+def build_mask(prefix: int, blocks: int, block_len: int, total: int, dtype: torch.dtype | None, device) -> torch.Tensor:
+    """(1, 1, total, total) mask: causal prefix; each block sees the prefix and itself causally; padding sees itself.
+
+    Boolean (True = attend) for sdpa; additive (0 / min) when ``dtype`` is given (eager attention).
+    """
+    length = prefix + blocks * block_len
+    idx = torch.arange(total, device=device)
+    block_id = torch.where(idx < prefix, -1, (idx - prefix) // block_len)
+    q, k = idx[:, None], idx[None, :]
+    causal = k <= q
+    same_block = block_id[:, None] == block_id[None, :]
+    sees_prefix = block_id[None, :] == -1
+    mask = causal & (same_block | sees_prefix) & (q < length) & (k < length)
+    mask |= torch.eye(total, dtype=torch.bool, device=device)  # a fully masked row would give NaN
+    mask = mask[None, None]
+    if dtype is None:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, torch.finfo(dtype).min)
+
+
+def packed_logps(
+    trainer: Any,
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    logits_to_keep: int,
+    compute_entropy: bool,
+    mm: dict[str, Any],
+    batch_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Per-token log-probs (and entropies) of the completions, one packed forward per chunk of groups.
+
+    ``batch_size`` bounds the rows a forward covers (whole groups; None: one forward, as the training pass
+    needs). Returns None when no two rows share a prompt (nothing to gain): the caller falls back to TRL.
+    """
+    C = logits_to_keep
+    prompt_ids, prompt_mask = input_ids[:, :-C], attention_mask[:, :-C]
+    module = trainer.vlm_module
+    groups = plan_groups(
+        prompt_ids, prompt_mask, mm.get("pixel_values"), mm.get("num_images"), module.units_per_sample(mm)
+    )
+    if len(groups) == input_ids.size(0):
+        return None
+    chunks: list[list[Group]] = [[]]
+    for group in groups:
+        if chunks[-1] and batch_size and sum(len(g.rows) for g in chunks[-1]) + len(group.rows) > batch_size:
+            chunks.append([])
+        chunks[-1].append(group)
+    parts = [_packed_forward(trainer, model, input_ids, attention_mask, C, chunk, mm) for chunk in chunks]
+    rows = torch.tensor([r for chunk in chunks for g in chunk for r in g.rows], device=input_ids.device)
+    order = torch.argsort(rows)
+    logps = torch.cat([p[0] for p in parts])[order]
+    entropies = torch.cat([p[1] for p in parts])[order] if compute_entropy else None
+    return logps, entropies
+
+
+def _packed_forward(
+    trainer: Any,
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    C: int,
+    groups: list[Group],
+    mm: dict[str, Any],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One forward over the packed groups; returns (log-probs, entropies) of their rows, in group order."""
+    module = trainer.vlm_module
+    inner = trainer.accelerator.unwrap_model(model)
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    completion_ids, completion_mask = input_ids[:, -C:], attention_mask[:, -C:]
+    device = input_ids.device
+    block = C + 1
+    total = max(g.prompt.numel() - 1 + len(g.rows) * block for g in groups)
+    n = len(groups)
+    packed = torch.full((n, total), trainer._tokenizer.pad_token_id, dtype=input_ids.dtype, device=device)
+    labels = torch.full((n, total), -100, dtype=input_ids.dtype, device=device)
+    positions, gather = [], []
+    for i, g in enumerate(groups):
+        prefix = g.prompt.numel() - 1
+        packed[i, :prefix] = g.prompt[:-1]
+        for b, row in enumerate(g.rows):
+            start = prefix + b * block
+            packed[i, start] = g.prompt[-1]
+            packed[i, start + 1 : start + block] = completion_ids[row]
+            labels[i, start : start + C] = completion_ids[row].masked_fill(completion_mask[row] == 0, -100)
+            gather.append(i * total + start)
+        positions.append(module.packed_position_ids(inner, g, mm, C, len(g.rows), total))
+
+    attn = getattr(inner.config, "_attn_implementation", "sdpa")
+    mask_dtype = None if attn == "sdpa" else torch.float32  # eager adds the mask to the scores
+    masks = [build_mask(g.prompt.numel() - 1, len(g.rows), block, total, mask_dtype, device) for g in groups]
+    inputs: dict[str, Any] = {
+        "input_ids": packed,
+        "attention_mask": torch.cat(masks),
+        "position_ids": torch.cat(positions, dim=-2),
+        **module.group_vision_inputs(groups, mm),
+    }
+    with trainer.accelerator.autocast():
+        outputs = model(**inputs, shift_labels=labels, fused_lm_head=True)
+    index = torch.tensor(gather, device=device)[:, None] + torch.arange(C, device=device)[None, :]
+    logps = outputs.log_probs.reshape(-1)[index]
+    entropies = outputs.entropy.reshape(-1)[index] if outputs.entropy is not None else None
+    return logps, entropies

@@ -1,0 +1,177 @@
+"""Parity of the shared-prompt pass with TRL's per-row pass: log-probs and gradients, every family.
+
+Batches come from TRL itself (``_generate_and_score_completions`` on a real dataset), then get
+ragged completions; prompts differ in length (left padding) and in image count.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from PIL import Image
+from trl import GRPOTrainer
+
+from vlm_grpo.configs import VLMGRPOConfig
+from vlm_grpo.data import prepare_rows, read_rows, to_datasets
+from vlm_grpo.modules import get_vlm_module
+from vlm_grpo.testing.tiny import FAMILIES
+from vlm_grpo.trainer import VLMGRPOTrainer
+
+G = 3
+MM_KEYS = ("pixel_values", "image_grid_thw", "num_images", "num_tiles", "mm_token_type_ids")
+
+
+def _reward(completions, **kwargs):
+    return [float(len(str(c)) % 3) for c in completions]
+
+
+@pytest.fixture(scope="module")
+def rows_file(tmp_path_factory):
+    root = tmp_path_factory.mktemp("share")
+    Image.new("RGB", (64, 48), (200, 30, 30)).save(root / "a.png")
+    Image.new("RGB", (56, 90), (30, 30, 200)).save(root / "b.png")
+    rows = [
+        {"image": "a.png", "conversations": [{"from": "human", "value": "<image>Red?"}, {"from": "gpt", "value": "1"}]},
+        {
+            "image": ["a.png", "b.png"],
+            "conversations": [
+                {"from": "human", "value": "Compare <image> with <image> and tell which one is larger, please."},
+                {"from": "gpt", "value": "2"},
+            ],
+        },
+    ]
+    path = root / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def make_trainer(model_dir, rows_file, tmp_path, attn="sdpa", lora=False):
+    module = get_vlm_module(str(model_dir))
+    processor = module.load_processor(str(model_dir))
+    model = module.load_model(str(model_dir), dtype=torch.float32, attn_implementation=attn)
+    rows, bad = read_rows([str(rows_file)], task_type="raw")
+    dataset, _ = to_datasets(prepare_rows(rows, bad, module, processor), module)
+    peft_config = None
+    if lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False)  # non-zero B: LoRA changes outputs
+    args = VLMGRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=2 * G,
+        num_generations=G,
+        max_completion_length=6,
+        gradient_checkpointing=False,
+        report_to="none",
+        seed=3,
+    )
+    return VLMGRPOTrainer(
+        model=model,
+        reward_funcs=[_reward],
+        args=args,
+        vlm_module=module,
+        processing_class=processor,
+        train_dataset=dataset,
+        peft_config=peft_config,
+    )
+
+
+def real_batch(trainer):
+    trainer.model.eval()
+    batch = next(iter(trainer.get_train_dataloader()))
+    inputs = trainer._generate_and_score_completions(batch)
+    # Ragged completions: cut two rows short (right padding, as TRL pads them).
+    pad = trainer._tokenizer.pad_token_id
+    for row, keep in ((1, 2), (4, 4)):
+        inputs["completion_mask"][row, keep:] = 0
+        inputs["completion_ids"][row, keep:] = pad
+    assert inputs["prompt_mask"].sum(1).unique().numel() > 1, "prompts should differ in length"
+    return inputs
+
+
+def logps_and_grads(trainer, inputs, method, weights):
+    trainer.model.zero_grad(set_to_none=True)
+    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    C = inputs["completion_ids"].size(1)
+    logps, entropy, _ = method(
+        trainer, trainer.model, input_ids, mask, C, compute_entropy=True, **{k: inputs.get(k) for k in MM_KEYS}
+    )
+    valid = inputs["completion_mask"].bool()
+    ((logps * weights * valid).sum() + 0.1 * (entropy * valid).sum()).backward()
+    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    return logps.detach() * valid, grads
+
+
+def assert_parity(trainer, inputs, tol=1e-5):
+    torch.manual_seed(0)
+    weights = torch.randn(inputs["completion_ids"].shape)
+    ref, ref_grads = logps_and_grads(trainer, inputs, GRPOTrainer._get_per_token_logps_and_entropies, weights)
+    ours, our_grads = logps_and_grads(trainer, inputs, VLMGRPOTrainer._get_per_token_logps_and_entropies, weights)
+    torch.testing.assert_close(ours, ref, rtol=0, atol=tol)
+    assert ref_grads.keys() == our_grads.keys()
+    for name, g in ref_grads.items():
+        rel = (our_grads[name] - g).norm() / g.norm().clamp_min(1e-12)
+        assert rel <= tol, f"{name}: relative L2 {rel:.2e}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_shared_prompt_pass_matches_trl(family, attn, tiny_models, rows_file, tmp_path):
+    trainer = make_trainer(tiny_models[family], rows_file, tmp_path, attn=attn)
+    assert_parity(trainer, real_batch(trainer))
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "internvl"])
+def test_shared_prompt_pass_matches_trl_with_lora(family, tiny_models, rows_file, tmp_path):
+    trainer = make_trainer(tiny_models[family], rows_file, tmp_path, lora=True)
+    assert_parity(trainer, real_batch(trainer))
+
+
+def test_the_parity_test_catches_1d_positions(tiny_models, rows_file, tmp_path, monkeypatch):
+    """Wrong positions (plain 1-D instead of mrope) must fail parity: the test can tell wrong from right."""
+    from vlm_grpo.modules.base import GroupSharingMixin
+
+    trainer = make_trainer(tiny_models["qwen2_5_vl"], rows_file, tmp_path)
+    inputs = real_batch(trainer)
+    one_d = GroupSharingMixin.packed_position_ids
+
+    def wrong(self, model, group, mm, c, blocks, total):
+        return one_d(self, model, group, mm, c, blocks, total).expand(3, 1, -1)
+
+    monkeypatch.setattr(type(trainer.vlm_module), "packed_position_ids", wrong)
+    with pytest.raises(AssertionError):
+        assert_parity(trainer, inputs)
+
+
+def test_the_parity_test_catches_blocks_that_see_each_other(tiny_models, rows_file, tmp_path, monkeypatch):
+    import vlm_grpo.sharing as sharing
+
+    trainer = make_trainer(tiny_models["qwen2_vl"], rows_file, tmp_path)
+    inputs = real_batch(trainer)
+    real_mask = sharing.build_mask
+
+    def leaky(prefix, blocks, block_len, total, dtype, device):  # plain causal over the whole pack
+        mask = real_mask(prefix, blocks, block_len, total, dtype, device)
+        return mask | torch.ones_like(mask).tril() if dtype is None else mask
+
+    monkeypatch.setattr(sharing, "build_mask", leaky)
+    with pytest.raises(AssertionError):
+        assert_parity(trainer, inputs)
+
+
+def test_shared_pass_processes_each_image_once(tiny_models, rows_file, tmp_path):
+    trainer = make_trainer(tiny_models["qwen2_5_vl"], rows_file, tmp_path)
+    inputs = real_batch(trainer)
+    calls = []
+    visual = trainer.model.model.visual
+    handle = visual.register_forward_hook(lambda m, a, o: calls.append(a[0].shape[0]))
+    try:
+        logps_and_grads(trainer, inputs, VLMGRPOTrainer._get_per_token_logps_and_entropies, 1.0)
+    finally:
+        handle.remove()
+    rows_per_image = inputs["image_grid_thw"].prod(-1)
+    unique_rows = int(rows_per_image[:1].sum() + rows_per_image[G : G + 2].sum())  # one copy of each prompt's images
+    assert calls == [unique_rows], (calls, unique_rows, int(inputs["pixel_values"].shape[0]))

@@ -15,3 +15,8 @@ if __name__ == "__main__":
     torch.save({n: p.detach().cpu().clone() for n, p in trainer.model.named_parameters()}, f"{out}/rank{rank}.pt")
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump({"world_size": trainer.args.world_size, "step": trainer.state.global_step}, f)
+    # Per-step training metrics that depend on every log-prob and gradient (the loss alone is ~0 on-policy).
+    keys = ("loss", "grad_norm", "entropy")
+    losses = [[entry[k] for k in keys] for entry in trainer.state.log_history if "grad_norm" in entry]
+    with open(f"{out}/losses{rank}.json", "w") as f:
+        json.dump(losses, f)

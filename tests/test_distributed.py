@@ -41,11 +41,14 @@ def dataset(tmp_path_factory):
     return make_dataset(tmp_path_factory.mktemp("dist_data"))
 
 
+SHARING_OFF = ["--share_prompt", "false", "--share_prefill", "false"]
+
+
 def test_ddp_two_ranks_train_together_and_agree(tiny_models, dataset, tmp_path):
     data, plugin = dataset
     model_dir = tiny_models["qwen2_5_vl"]
     out = tmp_path / "ddp"
-    torchrun(base_args(model_dir, data, plugin, out))
+    torchrun(base_args(model_dir, data, plugin, out))  # group sharing on (the default)
     for rank in (0, 1):
         info = json.loads((out / f"rank{rank}.json").read_text())
         assert info == {"world_size": 2, "step": 2}, info  # a real 2-process group, not two solo runs
@@ -53,6 +56,15 @@ def test_ddp_two_ranks_train_together_and_agree(tiny_models, dataset, tmp_path):
     assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)
     before = original_params(model_dir)
     assert any(not torch.equal(before[k], rank0[k]) for k in before)
+
+    # The same run with TRL's per-row passes gives the same losses.
+    plain = tmp_path / "ddp_plain"
+    torchrun(base_args(model_dir, data, plugin, plain) + SHARING_OFF)
+    shared_losses = json.loads((out / "losses0.json").read_text())
+    plain_losses = json.loads((plain / "losses0.json").read_text())
+    assert len(shared_losses) == 2 and all(step[1] > 0 for step in shared_losses)  # non-zero gradients
+    for shared_step, plain_step in zip(shared_losses, plain_losses, strict=True):  # loss, grad_norm, entropy
+        assert shared_step == pytest.approx(plain_step, rel=1e-4, abs=1e-6)
 
 
 @pytest.mark.parametrize("stage", ["zero2", "zero3"])
@@ -78,3 +90,10 @@ def test_deepspeed_trains_saves_and_reloads(stage, tiny_models, dataset, tmp_pat
     after = dict(model.named_parameters())
     changed = [k for k in before if not torch.equal(before[k], after[k].detach())]
     assert changed, "the saved model equals the initial one"
+    if stage == "zero3":  # every optimisation on under ZeRO-3 gives the per-row losses
+        plain = tmp_path / "zero3_plain"
+        torchrun(base_args(model_dir, data, plugin, plain) + argv[len(base_args(model_dir, data, plugin, out)) :]
+                 + SHARING_OFF)  # fmt: skip
+        expected = json.loads((plain / "losses0.json").read_text())
+        for shared_step, plain_step in zip(json.loads((out / "losses0.json").read_text()), expected, strict=True):
+            assert shared_step == pytest.approx(plain_step, rel=1e-4, abs=1e-6)

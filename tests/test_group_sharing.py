@@ -175,3 +175,26 @@ def test_shared_pass_processes_each_image_once(tiny_models, rows_file, tmp_path)
     rows_per_image = inputs["image_grid_thw"].prod(-1)
     unique_rows = int(rows_per_image[:1].sum() + rows_per_image[G : G + 2].sum())  # one copy of each prompt's images
     assert calls == [unique_rows], (calls, unique_rows, int(inputs["pixel_values"].shape[0]))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_shared_prefill_generation_gives_the_same_greedy_tokens(family, tiny_models, rows_file, tmp_path):
+    from trl.data_utils import prepare_multimodal_messages
+
+    trainer = make_trainer(tiny_models[family], rows_file, tmp_path)
+    trainer.generation_config.do_sample = False
+    trainer.generation_config.min_new_tokens = trainer.generation_config.max_new_tokens  # no early stop
+    batch = next(iter(trainer.get_train_dataloader()))
+    prompts = [prepare_multimodal_messages(x["prompt"], images=x["images"]) for x in batch]
+    prompt_ids, images, fields = trainer._tokenize_prompts(prompts)
+    calls = []
+    handle = trainer.vlm_module  # count prefill work through the vision tower
+    tower = dict(trainer.model.named_modules())[handle.vision_prefixes[0]]
+    hook = tower.register_forward_hook(lambda m, a, o: calls.append(1))
+    try:
+        ours, _ = trainer._generate_single_turn(prompt_ids, images, fields, G)
+    finally:
+        hook.remove()
+    plain, _ = GRPOTrainer._generate_single_turn(trainer, prompt_ids, images, fields, G)
+    assert ours == plain
+    assert len(calls) == 1  # one vision pass, over the unique images only

@@ -112,8 +112,10 @@ def test_accuracy_missing_method_column_means_default():
 
 
 def test_accuracy_unknown_method_raises_with_known_names():
-    with pytest.raises(ValueError, match=r"Unknown accu_reward_method 'fuzzy'\. Known: .*default.*exact.*math"):
-        accuracy_reward(["3"], solution=["3"], accu_reward_method=["fuzzy"])
+    with pytest.raises(
+        ValueError, match=r"Unknown accu_reward_method 'no_such_method'\. Known: .*default.*exact.*fuzzy.*math.*mcq"
+    ):
+        accuracy_reward(["3"], solution=["3"], accu_reward_method=["no_such_method"])
 
 
 @pytest.mark.parametrize(

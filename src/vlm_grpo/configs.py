@@ -18,7 +18,10 @@ from trl import GRPOConfig, ModelConfig, ScriptArguments
 class GRPOScriptArguments(ScriptArguments):
     data_file_paths: str | None = field(
         default=None,
-        metadata={"help": "JSONL training files, separated by ':' (VLM-R1 convention), e.g. 'a.jsonl:b.jsonl'."},
+        metadata={
+            "help": "Training files (JSONL, JSON or parquet), separated by ':' (VLM-R1 convention), "
+            "e.g. 'a.jsonl:b.jsonl'."
+        },
     )
     image_folders: str | None = field(
         default=None,
@@ -116,6 +119,14 @@ class VLMGRPOConfig(GRPOConfig):
             "help": "Compute log-probs (old, reference, policy) of each GRPO group in one forward over "
             "[prompt | c1 | ... | cG]: the prompt and its images are processed once instead of G times. "
             "Same numbers as TRL's per-row pass (parity-tested); turn off to use TRL's path."
+        },
+    )
+
+    share_prefill: bool = field(
+        default=True,
+        metadata={
+            "help": "In generation, prefill each unique prompt (and encode its images) once and decode its G "
+            "samples from the repeated KV cache. Greedy outputs equal the per-row path (tested)."
         },
     )
 

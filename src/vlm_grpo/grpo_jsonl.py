@@ -15,10 +15,12 @@ import sys
 from collections import defaultdict
 from collections.abc import Sequence
 
+import torch
 from trl import TrlParser, get_peft_config
 
 from vlm_grpo.configs import GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig
-from vlm_grpo.data import prepare_rows, read_rows, to_datasets
+from vlm_grpo.data import prepare_rows, to_datasets
+from vlm_grpo.data.records import read_any_rows
 from vlm_grpo.modules import ImageLimits, get_vlm_module
 from vlm_grpo.resume import resolve_resume
 from vlm_grpo.rewards import build_reward_funcs
@@ -72,7 +74,7 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
     )
     logger.info("VLM module: %s (%s)", module.name, type(module).__name__)
 
-    rows, bad_rows = read_rows(
+    rows, bad_rows = read_any_rows(
         script_args.data_file_paths,
         script_args.image_folders,
         reward_method=script_args.reward_method,
@@ -119,6 +121,9 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
         summary = ", ".join(f"{name}={value:.3f}" for name, value in sorted(means.items()))
         logger.info("Finished at step %d. Mean rewards over the run: %s", trainer.state.global_step, summary or "n/a")
         print(f"[vlm-grpo] step {trainer.state.global_step}; mean rewards: {summary or 'n/a'}", flush=True)
+    if torch.cuda.is_available():
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        print(f"[vlm-grpo] rank {training_args.process_index}: peak GPU memory {peak:.1f} GiB", flush=True)
     return trainer
 
 

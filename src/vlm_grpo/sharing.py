@@ -171,10 +171,10 @@ def _packed_forward(
 
     attn = getattr(inner.config, "_attn_implementation", "sdpa")
     mask_dtype = None if attn == "sdpa" else torch.float32  # eager adds the mask to the scores
-    masks = [build_mask(g.prompt.numel() - 1, len(g.rows), block, total, mask_dtype, device) for g in groups]
+    mask = torch.cat([build_mask(g.prompt.numel() - 1, len(g.rows), block, total, mask_dtype, device) for g in groups])
     inputs: dict[str, Any] = {
         "input_ids": packed,
-        "attention_mask": torch.cat(masks),
+        "attention_mask": mask,
         "position_ids": torch.cat(positions, dim=-2),
         **module.group_vision_inputs(groups, mm),
     }
@@ -184,3 +184,102 @@ def _packed_forward(
     logps = outputs.log_probs.reshape(-1)[index]
     entropies = outputs.entropy.reshape(-1)[index] if outputs.entropy is not None else None
     return logps, entropies
+
+
+# --------------------------------------------------------------------------- generation
+
+
+def _left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((len(rows), width), dtype=torch.long, device=device)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, width - len(r) :] = torch.as_tensor(r, device=device)
+            mask[i, width - len(r) :] = 1
+    return ids, mask
+
+
+def shared_prefill_generate(
+    trainer: Any, prompt_ids: list[list[int]], images: list | None, multimodal_fields: dict[str, Any]
+) -> list[list[int]] | None:
+    """Generate G completions per prompt with its prefill (and images) computed once.
+
+    Each unique prompt (tokens and pixels) is prefilled once, up to its last token; the KV cache
+    (and Qwen's mrope deltas) are then repeated for its G rows, and ``generate`` continues from the
+    last prompt token. Greedy outputs equal the plain per-row path (tested). Returns the
+    completion ids (cut after the first EOS) in the rows' order, or None to let TRL generate
+    (nothing shared, or inputs this path does not know).
+    """
+    from trl.models.utils import unwrap_model_for_generation
+
+    module = trainer.vlm_module
+    device = trainer.accelerator.device
+    pad_id = trainer._tokenizer.pad_token_id
+    ids, mask = _left_pad(prompt_ids, pad_id, device)
+    fields = {k: v.to(device) for k, v in multimodal_fields.items() if isinstance(v, torch.Tensor)}
+    per_token = {k: v for k, v in multimodal_fields.items() if isinstance(v, list)}
+    if set(fields) - {"pixel_values", "image_grid_thw"} or set(per_token) - {"mm_token_type_ids"}:
+        return None
+    mm: dict[str, Any] = dict(fields)
+    if images is not None:
+        mm["num_images"] = [len(x) if x else 0 for x in images]
+    units = module.units_per_sample(mm) if "pixel_values" in mm else None
+    if "pixel_values" in mm and (units is None or sum(units) != mm["pixel_values"].size(0)):
+        return None  # e.g. InternVL tiles whose per-sample count is not known here
+    groups = plan_groups(ids, mask, mm.get("pixel_values"), mm.get("num_images"), units)
+    if len(groups) == len(prompt_ids):
+        return None
+
+    leaders = [g.rows[0] for g in groups]
+    lead_ids, lead_mask = _left_pad([prompt_ids[r] for r in leaders], pad_id, device)
+    inputs: dict[str, Any] = dict(module.group_vision_inputs(groups, mm))
+    if "mm_token_type_ids" in per_token:
+        inputs["mm_token_type_ids"] = _left_pad([per_token["mm_token_type_ids"][r] for r in leaders], 0, device)[0]
+    # Row k of the expanded batch is a copy of group index[k]; order[k] is the batch row it answers.
+    index = torch.tensor([i for i, g in enumerate(groups) for _ in g.rows], device=device)
+    order = [r for g in groups for r in g.rows]
+
+    with (
+        unwrap_model_for_generation(
+            trainer.model_wrapped,
+            trainer.accelerator,
+            gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
+            generation_kwargs=trainer.generation_kwargs,
+            gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
+        ) as unwrapped,
+        torch.no_grad(),
+    ):
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=unwrapped.config)
+        prefill = {k: (v[:, :-1] if k == "mm_token_type_ids" else v) for k, v in inputs.items()}
+        unwrapped(input_ids=lead_ids[:, :-1], attention_mask=lead_mask[:, :-1], **_cache_kwarg(unwrapped, cache),
+                  use_cache=True, **prefill)  # fmt: skip
+        cache.batch_select_indices(index)
+        base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
+        backbone = getattr(base, "model", base)
+        if getattr(backbone, "rope_deltas", None) is not None:
+            backbone.rope_deltas = backbone.rope_deltas[index]
+        extra = {"mm_token_type_ids": inputs["mm_token_type_ids"][index]} if "mm_token_type_ids" in inputs else {}
+        out = unwrapped.generate(
+            input_ids=lead_ids[index],
+            attention_mask=lead_mask[index],
+            generation_config=trainer.generation_config,
+            **_cache_kwarg(unwrapped, cache),
+            **extra,
+        )
+    completions = out[:, lead_ids.size(1) :].tolist()
+    eos = set(trainer.eos_token_ids)
+    result: list[list[int]] = [[] for _ in prompt_ids]
+    for row, tokens in zip(order, completions, strict=True):
+        cut = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
+        result[row] = tokens[:cut]
+    return result
+
+
+def _cache_kwarg(model: Any, cache: Any) -> dict[str, Any]:
+    """transformers renamed ``past_key_values`` to ``cache`` (5.2x); pass whichever this version takes."""
+    import inspect
+
+    return {"cache": cache} if "cache" in inspect.signature(model.forward).parameters else {"past_key_values": cache}

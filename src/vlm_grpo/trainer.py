@@ -13,17 +13,17 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel
 from trl import GRPOTrainer
 
 from vlm_grpo.modules import VLMModule, get_vlm_module
 from vlm_grpo.rewards import build_reward_funcs
-from vlm_grpo.sharing import packed_logps
+from vlm_grpo.sharing import packed_logps, shared_prefill_generate
+from vlm_grpo.trainer_common import CheckpointReloadMixin, apply_adapter_options
 
 logger = logging.getLogger(__name__)
 
 
-class VLMGRPOTrainer(GRPOTrainer):
+class VLMGRPOTrainer(CheckpointReloadMixin, GRPOTrainer):
     """GRPO for vision-language models.
 
     Args beyond ``trl.GRPOTrainer``:
@@ -67,15 +67,13 @@ class VLMGRPOTrainer(GRPOTrainer):
                 name_or_path, trust_remote_code=getattr(args, "trust_remote_code", False)
             )
 
-        if freeze_vision_modules:
-            frozen = vlm_module.freeze_vision(model)
-            logger.info("Froze %d vision parameters (%s)", frozen, ", ".join(vlm_module.vision_prefixes))
-        if peft_config is not None and getattr(peft_config, "target_modules", None) in (None, "all-linear"):
-            peft_config.target_modules = vlm_module.lora_target_modules(include_vision=lora_include_vision)
-        elif peft_config is not None and isinstance(peft_config.target_modules, (list, set)):
-            peft_config.target_modules = vlm_module.lora_target_modules(
-                sorted(peft_config.target_modules), include_vision=lora_include_vision
-            )
+        apply_adapter_options(
+            vlm_module,
+            model,
+            peft_config,
+            freeze_vision_modules=freeze_vision_modules,
+            lora_include_vision=lora_include_vision,
+        )
 
         if isinstance(reward_funcs, (str, Callable)):
             reward_funcs = [reward_funcs]
@@ -90,23 +88,28 @@ class VLMGRPOTrainer(GRPOTrainer):
             peft_config=peft_config,
             **kwargs,
         )
+        self._warn_if_groups_split()
 
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
-        """Restore full-model weights through ``from_pretrained`` so the family's key conversion applies.
+    def _warn_if_groups_split(self) -> None:
+        """Sharing needs a group's rows in the same micro-batch; say so when the batch shape splits groups.
 
-        ``save_pretrained`` writes VLM checkpoints in their original key layout (``visual.*``,
-        ``model.layers.*``) while ``Trainer`` reloads them key-for-key into the renamed modules
-        (``model.visual.*``, ``model.language_model.*``): every weight is silently skipped and the
-        resumed run starts from the base model (transformers#43701). DeepSpeed, FSDP and PEFT
-        checkpoints keep their own, already consistent, paths.
+        TRL deals out G copies of each prompt consecutively, then shuffles each rank's generation batch
+        and cuts it into ``steps_per_generation`` micro-batches. With one micro-batch per generation and a
+        per-device batch that holds whole groups, every micro-batch is made of whole groups.
         """
-        model = self.model if model is None else model
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled or not isinstance(model, PreTrainedModel):
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        reloaded = type(model).from_pretrained(resume_from_checkpoint, dtype=model.dtype)
-        model.load_state_dict(reloaded.state_dict(), strict=True)
-        del reloaded
-        return None
+        args = self.args
+        if not (getattr(args, "share_prompt", False) or getattr(args, "share_prefill", False)):
+            return
+        if args.per_device_train_batch_size % self.num_generations or args.steps_per_generation > 1:
+            logger.warning(
+                "per_device_train_batch_size=%d, num_generations=%d, steps_per_generation=%d: GRPO groups are "
+                "split across ranks or micro-batches, so share_prompt/share_prefill share only the part of a "
+                "group each micro-batch holds. Use a per-device batch that is a multiple of num_generations "
+                "and gradient_accumulation_steps=1 for the full effect.",
+                args.per_device_train_batch_size,
+                self.num_generations,
+                args.steps_per_generation,
+            )
 
     # Multimodal kwargs the packed path understands; anything else goes to TRL's per-row pass.
     _SHARED_MM_KEYS = frozenset({"pixel_values", "image_grid_thw", "num_images", "num_tiles", "mm_token_type_ids"})
@@ -133,6 +136,19 @@ class VLMGRPOTrainer(GRPOTrainer):
         return super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **mm
         )
+
+    def _generate_single_turn(
+        self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False
+    ) -> tuple[list[list[int]], Any]:
+        """Prefill each unique prompt once and decode its G samples from the shared cache (``share_prefill``)."""
+        plain_hf = not (self.use_vllm or self.use_transformers_continuous_batching or self.tools or has_tool_images)
+        # A static cache is sized and compiled by generate itself: the shared dynamic cache would bypass it.
+        dynamic_cache = getattr(self.generation_config, "cache_implementation", None) in (None, "dynamic")
+        if getattr(self.args, "share_prefill", False) and plain_hf and dynamic_cache and not self.is_fsdp_enabled:
+            completion_ids = shared_prefill_generate(self, prompt_ids, images, multimodal_fields)
+            if completion_ids is not None:
+                return completion_ids, None
+        return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
 
     def _tokenize_prompts(self, prompts: list) -> tuple:
         """Text-only prompts get ``[]`` rather than ``None`` images, so mixed batches reach the processor whole.

@@ -29,6 +29,8 @@ DEFAULT_TEMPLATES: dict[str, str] = {
     "counting": "{question}" + THINK_ANSWER + " The answer is a single number.",
     "rec": "{question}" + THINK_ANSWER + " Output the bounding box in the answer as [x1, y1, x2, y2].",
     "raw": "{question}",
+    # RynnBrain tasks: the row's system prompt (and the preprocess output-format hint) say how to answer.
+    **{task: "{question}" for task in ("trajectory", "affordance", "area", "segment", "general")},
 }
 
 
@@ -149,13 +151,17 @@ class VLMModule(GroupSharingMixin):
         return any(name.startswith(p) for p in self.vision_prefixes)
 
     def freeze_vision(self, model: torch.nn.Module) -> int:
-        """Freeze the vision tower (and projector); returns how many parameters were frozen."""
-        frozen = 0
+        """Freeze the vision tower (and projector); returns how many parameters were frozen.
+
+        Counts ``ds_numel`` where present: under ZeRO-3 a partitioned parameter reports ``numel() == 0``.
+        """
+        frozen, matched = 0, 0
         for name, param in model.named_parameters():
             if self.is_vision_parameter(name):
                 param.requires_grad_(False)
-                frozen += param.numel()
-        if frozen == 0:
+                frozen += getattr(param, "ds_numel", param.numel())
+                matched += 1
+        if matched == 0:
             raise ValueError(
                 f"--freeze_vision_modules found no parameter under {self.vision_prefixes} in "
                 f"{type(model).__name__}; the '{self.name}' adapter does not match this model"

@@ -120,8 +120,9 @@ def _column(kwargs: dict[str, Any], name: str, n: int) -> Sequence[Any]:
     return value
 
 
-def iou_reward(completions: Sequence[Any], **kwargs: Any) -> list[float | None]:
-    """IoU reward: IoU in [0, 1] (continuous) between the completion's LAST box and the solution's box.
+def iou_reward(completions: Sequence[Any], threshold: float | None = None, **kwargs: Any) -> list[float | None]:
+    """IoU reward: IoU in [0, 1] (continuous) between the completion's LAST box and the solution's box; with
+    ``threshold`` (``--reward_kwargs '{"iou": {"threshold": 0.5}}'``) 1.0 when IoU >= threshold, else 0.0.
 
     The predicted box is the last ``[x1, y1, x2, y2]`` (ints/floats; JSON like ``{"bbox_2d": [...]}`` too) inside
     the completion's last ``<answer>…</answer>`` (the whole completion when it has no answer tag). The solution box
@@ -137,6 +138,10 @@ def iou_reward(completions: Sequence[Any], **kwargs: Any) -> list[float | None]:
     n = len(completions)
     if kwargs.get("solution") is None:
         raise ValueError("The iou reward needs a 'solution' column")
+    if threshold is not None:
+        threshold = float(threshold)
+        if not 0.0 <= threshold <= 1.0:
+            raise ValueError(f"iou threshold must be in [0, 1], got {threshold}")
     solutions = _column(kwargs, "solution", n)
     image_sizes = _column(kwargs, "image_sizes", n)
     coord_sizes = _column(kwargs, "coord_sizes", n)
@@ -160,8 +165,20 @@ def iou_reward(completions: Sequence[Any], **kwargs: Any) -> list[float | None]:
         if box[2] <= box[0] or box[3] <= box[1]:
             rewards.append(0.0)
             continue
-        rewards.append(box_iou(box, gt))
+        iou = box_iou(box, gt)
+        rewards.append(iou if threshold is None else float(iou >= threshold))
     return rewards
+
+
+def iou_threshold_reward(completions: Sequence[Any], threshold: float = 0.5, **kwargs: Any) -> list[float | None]:
+    """Thresholded IoU reward: 1.0 when the IoU of :func:`iou_reward` (same box parsing, rescaling from
+    ``coord_sizes`` to ``image_sizes``, clipping) is >= ``threshold`` (default 0.5), else 0.0. Range {0.0, 1.0}.
+    ``None`` for rows whose solution holds no box."""
+    return iou_reward(completions, threshold=threshold, **kwargs)
+
+
+iou_reward.value_range = (0.0, 1.0)  # type: ignore[attr-defined]
+iou_threshold_reward.value_range = (0.0, 1.0)  # type: ignore[attr-defined]
 
 
 __all__ = [
@@ -171,6 +188,7 @@ __all__ = [
     "clip_box",
     "first_size",
     "iou_reward",
+    "iou_threshold_reward",
     "parse_boxes",
     "rescale_box",
     "solution_box",

@@ -1,4 +1,4 @@
-"""Offline builder of tiny, randomly initialised VLM checkpoints, one per supported family.
+"""Offline builder of randomly initialised VLM checkpoints: tiny ones per family, and real-size presets.
 
 Tests and smoke runs need real checkpoints (``config.json`` + weights + processor) that load through
 ``AutoProcessor`` / ``AutoModelForImageTextToText`` exactly like hub models, but the machines that run
@@ -11,22 +11,37 @@ them have no hub access. This module builds such checkpoints from scratch in a f
 * a 2-layer, 64-wide language model and a 2-block vision tower, seeded, so the same seed gives the
   same weights.
 
+Size presets (:data:`PRESETS`, defined in :mod:`vlm_grpo.testing.presets`) copy real checkpoints'
+shapes instead (Qwen2-VL-2B, Qwen2.5-VL-3B/7B, Qwen3-VL-2B, InternVL3-1B/2B), so the trainer can be
+timed at real size offline: speed and memory do not depend on weight values. Their tokenizer is the
+same BPE extended with synthetic merges to exactly the real ``vocab_size`` (every id decodes), and
+their processors use the real default image limits. :func:`build_model` builds one in memory on any
+device (random init straight on the GPU) and optionally saves it.
+
 Nothing is cached on disk outside ``out_dir``. Usage::
 
     python -m vlm_grpo.testing.tiny --family qwen2_5_vl --out /tmp/tiny-qwen2_5_vl
     python -m vlm_grpo.testing.tiny --family all --out /tmp/tiny   # one sub-folder per family
+    python -m vlm_grpo.testing.tiny --preset qwen2_5_vl_3b --out /tmp/qwen2_5_vl_3b --device cuda
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
+import json
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-FAMILIES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl")
+from vlm_grpo.testing.presets import FAMILIES, PRESETS, Preset, get_preset
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["FAMILIES", "PRESETS", "Preset", "build_config", "build_model", "build_tiny_model", "build_tokenizer"]
 
 VOCAB_SIZE = 1536  # target for BPE training; the reached size is reported by ``len(tokenizer)``
 
@@ -157,19 +172,77 @@ def _trained_bpe_json() -> str:
     return tok.to_str()
 
 
-def build_tokenizer(family: str) -> Any:
-    """A ``PreTrainedTokenizerFast`` with the family's special tokens and chat template."""
-    from tokenizers import AddedToken, Tokenizer
+def _extended_bpe(size: int) -> Any:
+    """The trained BPE grown to exactly ``size`` entries with synthetic merges (deterministic).
+
+    Each new entry merges two trained tokens (picked by a fixed-seed RNG) into a string not yet in
+    the vocabulary. The merges rank after the trained ones, so the model stays valid BPE (normal
+    text still round-trips) and every id decodes to text. 150k merges take well under a second.
+    """
+    from tokenizers import Tokenizer, models
+
+    trained = Tokenizer.from_str(_trained_bpe_json())
+    data = json.loads(_trained_bpe_json())["model"]
+    vocab: dict[str, int] = data["vocab"]
+    merges: list[tuple[str, str]] = [tuple(m) for m in data["merges"]]
+    if size < len(vocab):
+        raise ValueError(f"vocabulary size {size} is below the trained BPE's {len(vocab)} entries")
+    base = sorted(vocab, key=vocab.__getitem__)
+    rng = random.Random(4321)  # fixed: the tokenizer must not depend on the weight seed
+    while len(vocab) < size:
+        picks = rng.choices(base, k=2 * (size - len(vocab)))
+        for left, right in zip(picks[::2], picks[1::2], strict=True):
+            merged = left + right
+            if merged not in vocab:
+                vocab[merged] = len(vocab)
+                merges.append((left, right))
+                if len(vocab) == size:
+                    break
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = trained.pre_tokenizer
+    tok.decoder = trained.decoder
+    return tok
+
+
+def _special_tokens(family: str) -> tuple[list[str], dict[str, str]]:
+    if family == "internvl":
+        return COMMON_SPECIAL_TOKENS + list(INTERNVL_EXTRA_TOKENS.values()), dict(INTERNVL_EXTRA_TOKENS)
+    return COMMON_SPECIAL_TOKENS + QWEN_SPECIAL_TOKENS, {}
+
+
+def _add_special_tokens(tok: Any, specials: list[str]) -> None:
+    from tokenizers import AddedToken
+
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+
+
+@functools.lru_cache(maxsize=4)
+def _full_vocab_backend(specials: tuple[str, ...], vocab_size: int) -> Any:
+    """The ``tokenizers.Tokenizer`` of exactly ``vocab_size`` entries, specials last (kept per process).
+
+    Never handed out: ``PreTrainedTokenizerFast(tokenizer_object=...)`` works on a deep copy.
+    """
+    tok = _extended_bpe(vocab_size - len(specials))
+    _add_special_tokens(tok, list(specials))
+    return tok
+
+
+def build_tokenizer(family: str, vocab_size: int | None = None) -> Any:
+    """A ``PreTrainedTokenizerFast`` with the family's special tokens and chat template.
+
+    ``vocab_size`` (special tokens included) grows the BPE with synthetic merges so that
+    ``len(tokenizer) == vocab_size`` exactly; ``None`` keeps the trained BPE (about 1.5k entries).
+    """
+    from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
     _check_family(family)
-    tok = Tokenizer.from_str(_trained_bpe_json())
-    specials = COMMON_SPECIAL_TOKENS + QWEN_SPECIAL_TOKENS
-    extra: dict[str, str] = {}
-    if family == "internvl":
-        specials = COMMON_SPECIAL_TOKENS + list(INTERNVL_EXTRA_TOKENS.values())
-        extra = dict(INTERNVL_EXTRA_TOKENS)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    specials, extra = _special_tokens(family)
+    if vocab_size is None:
+        tok = Tokenizer.from_str(_trained_bpe_json())
+        _add_special_tokens(tok, specials)
+    else:
+        tok = _full_vocab_backend(tuple(specials), vocab_size)
     template = INTERNVL_CHAT_TEMPLATE if family == "internvl" else QWEN_CHAT_TEMPLATE
     kwargs: dict[str, Any] = {"extra_special_tokens": extra} if extra else {}
     return PreTrainedTokenizerFast(
@@ -216,85 +289,112 @@ def _text_config(tokenizer: Any, **extra: Any) -> dict[str, Any]:
     }
 
 
-def _qwen_processors(patch_size: int, min_pixels: int, max_pixels: int, video_cls: Any) -> tuple[Any, Any]:
+def _qwen_processors(
+    patch_size: int, min_pixels: int, max_pixels: int, video_cls: Any, overrides: Mapping[str, Any]
+) -> tuple[Any, Any]:
+    """Image and video processors; ``overrides`` (a preset's ``processor``) replace the tiny limits."""
     from transformers import Qwen2VLImageProcessor
 
+    min_pixels = overrides.get("min_pixels", min_pixels)
+    max_pixels = overrides.get("max_pixels", max_pixels)
     size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
-    common = {"patch_size": patch_size, "temporal_patch_size": 2, "merge_size": 2, "size": size}
-    return Qwen2VLImageProcessor(**common), video_cls(**common)
+    video_size = {
+        "shortest_edge": overrides.get("video_min_pixels", min_pixels),
+        "longest_edge": overrides.get("video_max_pixels", max_pixels),
+    }
+    common = {"patch_size": patch_size, "temporal_patch_size": 2, "merge_size": 2}
+    common.update({k: list(overrides[k]) for k in ("image_mean", "image_std") if k in overrides})
+    return Qwen2VLImageProcessor(**common, size=size), video_cls(**common, size=video_size)
 
 
-def _qwen2_vl(tokenizer: Any) -> tuple[Any, Any]:
+def _merged(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` updated with (a deep copy of) a preset's overrides."""
+    return {**base, **copy.deepcopy(dict(overrides))}
+
+
+def _qwen_top(tokenizer: Any, preset: Preset) -> dict[str, Any]:
+    return _merged({"tie_word_embeddings": True, **_qwen_token_ids(tokenizer)}, preset.model)
+
+
+def _qwen2_vl(tokenizer: Any, preset: Preset) -> tuple[Any, Any]:
     from transformers import Qwen2VLConfig, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
+    rope = {"rope_type": "default", "mrope_section": MROPE_SECTION}
     config = Qwen2VLConfig(
-        text_config=_text_config(tokenizer, rope_parameters={"rope_type": "default", "mrope_section": MROPE_SECTION}),
-        vision_config={
-            "depth": 2,
-            "embed_dim": 32,
-            "hidden_size": TEXT_DIMS["hidden_size"],
-            "num_heads": 2,
-            "mlp_ratio": 2,
-            "patch_size": 14,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-        },
-        tie_word_embeddings=True,
-        **_qwen_token_ids(tokenizer),
+        text_config=_merged(_text_config(tokenizer, rope_parameters=rope), preset.text),
+        vision_config=_merged(
+            {
+                "depth": 2,
+                "embed_dim": 32,
+                "hidden_size": TEXT_DIMS["hidden_size"],
+                "num_heads": 2,
+                "mlp_ratio": 2,
+                "patch_size": 14,
+                "spatial_merge_size": 2,
+                "temporal_patch_size": 2,
+            },
+            preset.vision,
+        ),
+        **_qwen_top(tokenizer, preset),
     )
-    image, video = _qwen_processors(14, 56 * 56, 112 * 112, Qwen2VLVideoProcessor)
+    image, video = _qwen_processors(14, 56 * 56, 112 * 112, Qwen2VLVideoProcessor, preset.processor)
     processor = Qwen2VLProcessor(image, tokenizer, video, chat_template=QWEN_CHAT_TEMPLATE)
     return config, processor
 
 
-def _qwen2_5_vl(tokenizer: Any) -> tuple[Any, Any]:
+def _qwen2_5_vl(tokenizer: Any, preset: Preset) -> tuple[Any, Any]:
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLProcessor, Qwen2VLVideoProcessor
 
+    rope = {"rope_type": "default", "mrope_section": MROPE_SECTION}
     config = Qwen2_5_VLConfig(
-        text_config=_text_config(tokenizer, rope_parameters={"rope_type": "default", "mrope_section": MROPE_SECTION}),
-        vision_config={
-            "depth": 2,
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_heads": 2,
-            "out_hidden_size": TEXT_DIMS["hidden_size"],
-            "patch_size": 14,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "window_size": 56,
-            "fullatt_block_indexes": [1],
-        },
-        tie_word_embeddings=True,
-        **_qwen_token_ids(tokenizer),
+        text_config=_merged(_text_config(tokenizer, rope_parameters=rope), preset.text),
+        vision_config=_merged(
+            {
+                "depth": 2,
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_heads": 2,
+                "out_hidden_size": TEXT_DIMS["hidden_size"],
+                "patch_size": 14,
+                "spatial_merge_size": 2,
+                "temporal_patch_size": 2,
+                "window_size": 56,
+                "fullatt_block_indexes": [1],
+            },
+            preset.vision,
+        ),
+        **_qwen_top(tokenizer, preset),
     )
-    image, video = _qwen_processors(14, 56 * 56, 112 * 112, Qwen2VLVideoProcessor)
+    image, video = _qwen_processors(14, 56 * 56, 112 * 112, Qwen2VLVideoProcessor, preset.processor)
     processor = Qwen2_5_VLProcessor(image, tokenizer, video, chat_template=QWEN_CHAT_TEMPLATE)
     return config, processor
 
 
-def _qwen3_vl(tokenizer: Any) -> tuple[Any, Any]:
+def _qwen3_vl(tokenizer: Any, preset: Preset) -> tuple[Any, Any]:
     from transformers import Qwen3VLConfig, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
     rope = {"rope_type": "default", "mrope_section": MROPE_SECTION, "mrope_interleaved": True, "rope_theta": 5e6}
     config = Qwen3VLConfig(
-        text_config=_text_config(tokenizer, head_dim=16, rope_parameters=rope),
-        vision_config={
-            "depth": 2,
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_heads": 2,
-            "out_hidden_size": TEXT_DIMS["hidden_size"],
-            "patch_size": 16,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "num_position_embeddings": 64,  # an 8x8 grid, interpolated to the image's grid
-            "deepstack_visual_indexes": [0],
-        },
-        tie_word_embeddings=True,
-        **_qwen_token_ids(tokenizer),
+        text_config=_merged(_text_config(tokenizer, head_dim=16, rope_parameters=rope), preset.text),
+        vision_config=_merged(
+            {
+                "depth": 2,
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_heads": 2,
+                "out_hidden_size": TEXT_DIMS["hidden_size"],
+                "patch_size": 16,
+                "spatial_merge_size": 2,
+                "temporal_patch_size": 2,
+                "num_position_embeddings": 64,  # an 8x8 grid, interpolated to the image's grid
+                "deepstack_visual_indexes": [0],
+            },
+            preset.vision,
+        ),
+        **_qwen_top(tokenizer, preset),
     )
     # Patch 16 x merge 2 = 32 px per image token: 64x64 .. 128x128 px gives 4 .. 16 tokens.
-    image, video = _qwen_processors(16, 64 * 64, 128 * 128, Qwen3VLVideoProcessor)
+    image, video = _qwen_processors(16, 64 * 64, 128 * 128, Qwen3VLVideoProcessor, preset.processor)
     processor = Qwen3VLProcessor(image, tokenizer, video, chat_template=QWEN_CHAT_TEMPLATE)
     return config, processor
 
@@ -304,30 +404,48 @@ IMAGENET_MEAN = [0.485, 0.456, 0.406]
 IMAGENET_STD = [0.229, 0.224, 0.225]
 
 
-def _internvl(tokenizer: Any) -> tuple[Any, Any]:
+def _internvl(tokenizer: Any, preset: Preset) -> tuple[Any, Any]:
     from transformers import GotOcr2ImageProcessor, InternVLConfig, InternVLProcessor, InternVLVideoProcessor
 
-    image_seq_length = (INTERNVL_TILE // 14) ** 2 // 4
-    config = InternVLConfig(
-        vision_config={
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "image_size": INTERNVL_TILE,
-            "patch_size": 14,
+    tile_px = preset.processor.get("tile", INTERNVL_TILE)
+    image_seq_length = (tile_px // 14) ** 2 // 4
+    top = _merged(
+        {
+            "image_token_id": tokenizer.convert_tokens_to_ids(INTERNVL_EXTRA_TOKENS["context_image_token"]),
+            "image_seq_length": image_seq_length,
+            "downsample_ratio": 0.5,
+            "tie_word_embeddings": True,
         },
-        text_config={"model_type": "qwen2", **_text_config(tokenizer)},
-        image_token_id=tokenizer.convert_tokens_to_ids(INTERNVL_EXTRA_TOKENS["context_image_token"]),
-        image_seq_length=image_seq_length,
-        downsample_ratio=0.5,
-        tie_word_embeddings=True,
+        preset.model,
     )
-    tile = {"height": INTERNVL_TILE, "width": INTERNVL_TILE}
+    if top["image_seq_length"] != image_seq_length:
+        raise ValueError(f"image_seq_length {top['image_seq_length']} does not match {tile_px}px tiles")
+    config = InternVLConfig(
+        vision_config=_merged(
+            {
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "image_size": tile_px,
+                "patch_size": 14,
+            },
+            preset.vision,
+        ),
+        text_config=_merged({"model_type": "qwen2", **_text_config(tokenizer)}, preset.text),
+        **top,
+    )
+    tile = {"height": tile_px, "width": tile_px}
     # InternVLProcessor passes crop_to_patches=True on every call, overriding the image processor's
     # False: max_patches=1 is what really keeps one tile per image (``--max_anyres_num`` raises it).
+    # The real checkpoints ship the same pair with max_patches=12 (448 px tiles).
     image = GotOcr2ImageProcessor(
-        size=tile, crop_to_patches=False, min_patches=1, max_patches=1, image_mean=IMAGENET_MEAN, image_std=IMAGENET_STD
+        size=tile,
+        crop_to_patches=False,
+        min_patches=1,
+        max_patches=preset.processor.get("max_patches", 1),
+        image_mean=IMAGENET_MEAN,
+        image_std=IMAGENET_STD,
     )
     video = InternVLVideoProcessor(size=tile, image_mean=IMAGENET_MEAN, image_std=IMAGENET_STD)
     processor = InternVLProcessor(
@@ -336,7 +454,7 @@ def _internvl(tokenizer: Any) -> tuple[Any, Any]:
     return config, processor
 
 
-_BUILDERS: dict[str, Callable[[Any], tuple[Any, Any]]] = {
+_BUILDERS: dict[str, Callable[[Any, Preset], tuple[Any, Any]]] = {
     "qwen2_vl": _qwen2_vl,
     "qwen2_5_vl": _qwen2_5_vl,
     "qwen3_vl": _qwen3_vl,
@@ -349,7 +467,81 @@ def _check_family(family: str) -> None:
         raise ValueError(f"Unknown tiny-model family '{family}'. Available: {', '.join(FAMILIES)}")
 
 
+def _set_generation_config(model: Any, tokenizer: Any, preset: Preset) -> None:
+    gen = model.generation_config
+    ids = tokenizer.convert_tokens_to_ids
+    if not preset.generation:  # tiny: single ids
+        gen.eos_token_id = ids("<|im_end|>")
+        gen.pad_token_id = ids("<|endoftext|>")
+        gen.bos_token_id = ids("<|endoftext|>")
+        return
+    settings = dict(preset.generation)
+    eos = [ids(t) for t in settings.pop("eos")]
+    gen.eos_token_id = eos[0] if len(eos) == 1 else eos
+    gen.pad_token_id = ids(settings.pop("pad"))
+    gen.bos_token_id = ids(settings.pop("bos"))
+    for key, value in settings.items():
+        setattr(gen, key, value)
+
+
 # ----------------------------------------------------------------------------- public API
+def build_config(preset: str | Preset) -> tuple[Any, Any]:
+    """``(config, processor)`` of a preset, without weights (cheap: a meta-device model can be made).
+
+    ``config.text_config.vocab_size == len(processor.tokenizer)`` for every preset.
+    """
+    p = get_preset(preset) if isinstance(preset, str) else preset
+    tokenizer = build_tokenizer(p.family, vocab_size=p.vocab_size)
+    config, processor = _BUILDERS[p.family](tokenizer, p)
+    vocab = config.get_text_config().vocab_size
+    if vocab != len(tokenizer):
+        raise ValueError(f"config vocab_size {vocab} != tokenizer size {len(tokenizer)}")
+    return config, processor
+
+
+def num_parameters(model: Any) -> int:
+    """Distinct parameters (tied embeddings counted once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def build_model(
+    preset: str,
+    out_dir: str | Path | None = None,
+    seed: int = 0,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+) -> tuple[Any, Any]:
+    """Build a randomly initialised model of ``preset`` in memory on ``device``; return (model, processor).
+
+    Weights are initialised directly on ``device`` (fast on a GPU), in ``dtype`` (default
+    ``torch.bfloat16``), from ``seed`` on a forked RNG (the caller's CPU and CUDA streams are left
+    alone). With ``out_dir`` the checkpoint (model, processor, tokenizer, generation config) is also
+    saved there, loadable by ``AutoModelForImageTextToText`` / ``AutoProcessor`` like a hub model.
+    See :data:`PRESETS` for the names; ``tiny_<family>`` with ``dtype=torch.float32`` on the CPU
+    is exactly :func:`build_tiny_model`.
+    """
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    p = get_preset(preset)
+    config, processor = build_config(p)
+    device = torch.device(device)
+    rng_devices: list[int] = []
+    if device.type == "cuda":
+        rng_devices = [device.index if device.index is not None else torch.cuda.current_device()]
+    # Seed a private generator state: don't disturb the caller's RNG stream.
+    with torch.random.fork_rng(devices=rng_devices), device:
+        torch.manual_seed(seed)
+        model = AutoModelForImageTextToText.from_config(config, dtype=dtype or torch.bfloat16)
+    _set_generation_config(model, processor.tokenizer, p)
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(out)
+        processor.save_pretrained(out)
+    return model, processor
+
+
 def build_tiny_model(family: str, out_dir: str | Path, seed: int = 0) -> Path:
     """Write a tiny random checkpoint of ``family`` (model, processor, tokenizer) into ``out_dir``.
 
@@ -357,41 +549,58 @@ def build_tiny_model(family: str, out_dir: str | Path, seed: int = 0) -> Path:
     Returns ``out_dir`` as a :class:`~pathlib.Path`.
     """
     import torch
-    from transformers import AutoModelForImageTextToText
 
     _check_family(family)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(family)
-    config, processor = _BUILDERS[family](tokenizer)
-
-    # Seed a private generator state: don't disturb the caller's RNG stream.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
-    model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    model.generation_config.pad_token_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    model.generation_config.bos_token_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    model.save_pretrained(out)
-    processor.save_pretrained(out)
-    return out
+    build_model(f"tiny_{family}", out_dir, seed=seed, dtype=torch.float32, device="cpu")
+    return Path(out_dir)
 
 
 def main(argv: list[str] | None = None) -> None:
+    import torch
+
     parser = argparse.ArgumentParser(
         prog="python -m vlm_grpo.testing.tiny",
-        description="Build tiny randomly initialised VLM checkpoints offline (for tests and smoke runs).",
+        description="Build randomly initialised VLM checkpoints offline: tiny ones (tests, smoke runs) "
+        "or real-size presets (timing the trainer at real model size).",
     )
     parser.add_argument(
-        "--family", required=True, choices=[*FAMILIES, "all"], help="model family (config.json model_type), or all"
+        "--preset",
+        choices=["tiny", *PRESETS],
+        help="model preset (default tiny, which needs --family); real ones: "
+        + ", ".join(f"{name} ({p.reference})" for name, p in PRESETS.items() if not p.is_tiny),
+    )
+    parser.add_argument(
+        "--family", choices=[*FAMILIES, "all"], help="tiny checkpoints: model family (config.json model_type), or all"
     )
     parser.add_argument("--out", required=True, help="output folder; with --family all, one sub-folder per family")
     parser.add_argument("--seed", type=int, default=0, help="weight-initialisation seed (default 0)")
+    parser.add_argument("--device", default="cpu", help="device to initialise the weights on (default cpu; cuda)")
+    parser.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float16", "float32"],
+        help="weight dtype (default bfloat16 for real presets, float32 for tiny)",
+    )
     args = parser.parse_args(argv)
-    families = FAMILIES if args.family == "all" else (args.family,)
-    for family in families:
-        out = Path(args.out) / family if args.family == "all" else Path(args.out)
-        print(build_tiny_model(family, out, seed=args.seed))
+    preset = args.preset or "tiny"
+    if preset == "tiny" and args.family is None:
+        parser.error("tiny checkpoints need --family (or pick a real --preset)")
+    if preset != "tiny" and args.family is not None:
+        parser.error("--family only applies to tiny checkpoints (--preset tiny)")
+
+    jobs: list[tuple[str, Path]]
+    if preset == "tiny":
+        families = FAMILIES if args.family == "all" else (args.family,)
+        jobs = [(f"tiny_{f}", Path(args.out) / f if args.family == "all" else Path(args.out)) for f in families]
+    else:
+        jobs = [(preset, Path(args.out))]
+    for name, out in jobs:
+        default = torch.float32 if PRESETS[name].is_tiny else torch.bfloat16
+        dtype = getattr(torch, args.dtype) if args.dtype else default
+        model, _ = build_model(name, out, seed=args.seed, dtype=dtype, device=args.device)
+        n = num_parameters(model)
+        size = f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
+        print(f"{out}  ({name}: {n:,} parameters = {size}, {dtype}, built on {args.device})")
+        del model
 
 
 if __name__ == "__main__":

@@ -1,0 +1,474 @@
+"""Vanilla ``trl.GRPOTrainer`` vs ``VLMGRPOTrainer`` on the same card, model, data and seed.
+
+    python benchmarks/bench_grpo.py --preset qwen2_5_vl_3b --device cuda --out results.json
+    python benchmarks/bench_grpo.py --preset tiny --device cpu          # CI smoke test
+
+For every scenario (image size x images per prompt x completion length) both trainers run the
+same steps; generation is forced to the full completion length (``min_new_tokens``) so both do
+the same work. Per phase (generation, old/ref log-probs, loss forward, backward, optimizer) it
+reports seconds per step, plus samples/s, tokens/s (prompt + completion tokens of the samples, the
+same work for both), peak GPU memory, training-phase MFU (6 x parameters x tokens the loss pass
+really executes / its time / the card's dense bf16 peak) and the ratio ours/vanilla.
+``VLMGRPOTrainer`` runs as users run it: JSONL rows with image paths on disk, checked and lazily
+decoded by the package's data pipeline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from transformers import TrainerCallback
+
+# "prepare_other" is the rest of input preparation (processor, rewards, advantages); "vision" is the
+# vision tower's share, already counted inside the other phases.
+PHASES = ("generation", "old_ref_logps", "prepare_other", "loss_forward", "backward", "optimizer", "vision")
+# Dense bf16 peak of the card, TFLOP/s (for MFU).
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+
+
+@dataclass
+class Scenario:
+    image_size: int
+    images_per_prompt: int
+    completion_length: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.image_size}px x{self.images_per_prompt} C{self.completion_length}"
+
+
+@dataclass
+class Result:
+    trainer: str
+    scenario: str
+    step_s: float
+    samples_per_s: float
+    tokens_per_s: float
+    peak_mem_gib: float | None
+    mfu: float | None
+    phases_s: dict[str, float] = field(default_factory=dict)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+# --------------------------------------------------------------------------- timing
+
+
+class PhaseTimer:
+    """Accumulates wall time per phase; synchronises the device so GPU work is attributed correctly."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.totals: dict[str, float] = defaultdict(float)
+        self.per_step: list[dict[str, float]] = []
+        self.in_loss = False
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextmanager
+    def phase(self, name: str):
+        self.sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.sync()
+            self.totals[name] += time.perf_counter() - start
+
+    def close_step(self) -> None:
+        self.per_step.append(dict(self.totals))
+        self.totals = defaultdict(float)
+
+
+def timed_trainer_class(base: type) -> type:
+    """A subclass of ``base`` whose phases are timed; the training math is untouched."""
+
+    class Timed(base):  # type: ignore[misc, valid-type]
+        timer: PhaseTimer
+
+        def _generate(self, prompts):
+            with self.timer.phase("generation"):
+                return super()._generate(prompts)
+
+        def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+            if self.timer.in_loss:
+                return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+            with self.timer.phase("old_ref_logps"):
+                return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+
+        def compute_loss(self, *args, **kwargs):
+            self.timer.in_loss = True
+            try:
+                with self.timer.phase("loss_forward"):
+                    return super().compute_loss(*args, **kwargs)
+            finally:
+                self.timer.in_loss = False
+
+        def _prepare_inputs(self, generation_batch):
+            before = self.timer.totals["generation"] + self.timer.totals["old_ref_logps"]
+            self.timer.sync()
+            start = time.perf_counter()
+            inputs = super()._prepare_inputs(generation_batch)
+            self.timer.sync()
+            inner = self.timer.totals["generation"] + self.timer.totals["old_ref_logps"] - before
+            self.timer.totals["prepare_other"] += time.perf_counter() - start - inner
+            self.timer.totals["_prompt_tokens"] += float(inputs["prompt_mask"].sum())
+            self.timer.totals["_completion_tokens"] += float(inputs["completion_mask"].sum())
+            self.timer.totals["_executed_tokens"] += executed_tokens(inputs, getattr(self.args, "share_prompt", False))
+            return inputs
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            self.timer.sync()
+            start = time.perf_counter()
+            before = dict(self.timer.totals)
+            out = super().training_step(model, inputs, num_items_in_batch)
+            self.timer.sync()
+            inner = sum(self.timer.totals[k] - before.get(k, 0.0) for k in PHASES if k not in ("vision", "backward"))
+            self.timer.totals["backward"] += max(0.0, time.perf_counter() - start - inner)
+            return out
+
+    Timed.__name__ = f"Timed{base.__name__}"
+    return Timed
+
+
+def executed_tokens(inputs: dict[str, Any], shared: bool) -> float:
+    """Tokens the training pass really runs: every row's prompt + completion, or with the shared-prompt
+    pass each distinct prompt once plus (1 + C) per row (see vlm_grpo.sharing). Used for MFU."""
+    prompt_len = inputs["prompt_mask"].sum(1)
+    width = inputs["completion_ids"].size(1)
+    if not shared:
+        return float(prompt_len.sum() + prompt_len.numel() * width)
+    distinct = {
+        tuple(ids[m.bool()].tolist()) for ids, m in zip(inputs["prompt_ids"], inputs["prompt_mask"], strict=True)
+    }
+    return float(sum(len(p) - 1 for p in distinct) + prompt_len.numel() * (width + 1))
+
+
+class OptimizerTimer(TrainerCallback):
+    def __init__(self, timer: PhaseTimer) -> None:
+        self.timer = timer
+        self.start = 0.0
+        self.step_start = 0.0
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.timer.sync()
+        self.start = time.perf_counter()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.timer.sync()
+        self.timer.totals["optimizer"] += time.perf_counter() - self.start
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.timer.sync()
+        self.step_start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.timer.sync()
+        self.timer.totals["_wall"] += time.perf_counter() - self.step_start
+        self.timer.close_step()
+
+
+def time_vision(model: torch.nn.Module, module: Any, timer: PhaseTimer) -> None:
+    """Forward hooks on the vision tower: its share of every pass (already inside the other phases)."""
+    towers = {name: m for name, m in model.named_modules() if name in module.vision_prefixes}
+    tower = towers.get(module.vision_prefixes[0])
+    if tower is None:
+        return
+    starts: list[float] = []
+
+    def pre(_m, _a):
+        timer.sync()
+        starts.append(time.perf_counter())
+
+    def post(_m, _a, _o):
+        timer.sync()
+        timer.totals["vision"] += time.perf_counter() - starts.pop()
+
+    tower.register_forward_pre_hook(pre)
+    tower.register_forward_hook(post)
+
+
+# --------------------------------------------------------------------------- data
+
+
+def write_images(root: Path, scenario: Scenario, n_prompts: int, seed: int) -> list[list[Path]]:
+    rng = np.random.default_rng(seed)
+    paths = []
+    for i in range(n_prompts):
+        row = []
+        for j in range(scenario.images_per_prompt):
+            pixels = rng.integers(0, 256, size=(scenario.image_size, scenario.image_size, 3), dtype=np.uint8)
+            path = root / f"img_{scenario.image_size}_{i}_{j}.png"
+            Image.fromarray(pixels).save(path)
+            row.append(path)
+        paths.append(row)
+    return paths
+
+
+QUESTION = "Describe everything you can see in these pictures, object by object, with positions and colours."
+
+
+def vanilla_dataset(paths: list[list[Path]]):
+    from datasets import Dataset
+
+    def transform(batch):
+        batch = dict(batch)
+        batch["images"] = [[Image.open(p).convert("RGB") for p in row] for row in batch["image_path"]]
+        return batch
+
+    prompts = [
+        [{"role": "user", "content": [*({"type": "image"} for _ in row), {"type": "text", "text": QUESTION}]}]
+        for row in paths
+    ]
+    dataset = Dataset.from_dict({"prompt": prompts, "image_path": [[str(p) for p in row] for row in paths]})
+    return dataset.with_transform(transform)
+
+
+def ours_dataset(paths: list[list[Path]], root: Path, module: Any, processor: Any):
+    from vlm_grpo.data import prepare_rows, read_rows, to_datasets
+
+    jsonl = root / "rows.jsonl"
+    with open(jsonl, "w") as f:
+        for i, row in enumerate(paths):
+            conversations = [
+                {"from": "human", "value": "<image>" * len(row) + QUESTION},
+                {"from": "gpt", "value": "<answer>none</answer>"},
+            ]
+            f.write(json.dumps({"id": i, "image": [str(p) for p in row], "conversations": conversations}) + "\n")
+    rows, bad = read_rows([str(jsonl)], task_type="raw")
+    rows = prepare_rows(rows, bad, module, processor)
+    return to_datasets(rows, module)[0]
+
+
+def length_reward(completions, **kwargs):
+    """Cheap and text-dependent (non-zero advantages), the same for both trainers."""
+    return [float(len(str(c)) % 7) for c in completions]
+
+
+# --------------------------------------------------------------------------- runs
+
+
+def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
+    """``name`` or ``name:key=value,key=value`` -> (name, VLMGRPOConfig overrides).
+
+    ``cache_implementation=static`` goes into ``generation_kwargs``; true/false become booleans.
+    """
+    name, _, rest = spec.partition(":")
+    overrides: dict[str, Any] = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        overrides[key] = {"true": True, "false": False}.get(value.lower(), value)
+    return name, overrides
+
+
+def run_one(kind: str, args: argparse.Namespace, scenario: Scenario, workdir: Path, paths) -> Result:
+    from trl import GRPOConfig, GRPOTrainer
+
+    from vlm_grpo.configs import VLMGRPOConfig
+    from vlm_grpo.modules import get_vlm_module
+    from vlm_grpo.testing.tiny import build_model, get_preset
+    from vlm_grpo.trainer import VLMGRPOTrainer
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    # A reference model (beta > 0) is loaded by TRL from the policy's path: save the random weights then.
+    ref_dir = workdir / f"model_{kind.partition(':')[0]}" if args.beta > 0 else None
+    model, processor = build_model(args.preset, out_dir=ref_dir, seed=args.seed, dtype=dtype, device=device)
+    if ref_dir is not None:
+        model.config._name_or_path = str(ref_dir)
+    module = get_vlm_module("", get_preset(args.preset).family)
+    processor.tokenizer.padding_side = "left"
+    n_params = sum(p.numel() for p in model.parameters())
+    steps = args.warmup + args.steps
+    overrides = {} if kind == "vanilla" else parse_variant(kind)[1]
+    generation_kwargs = {"min_new_tokens": scenario.completion_length}
+    if "cache_implementation" in overrides:
+        generation_kwargs["cache_implementation"] = overrides.pop("cache_implementation")
+    config = (GRPOConfig if kind == "vanilla" else VLMGRPOConfig)(
+        output_dir=str(workdir / f"out_{kind.partition(':')[0]}"),
+        max_steps=steps,
+        per_device_train_batch_size=args.prompts_per_step * args.num_generations,
+        num_generations=args.num_generations,
+        max_completion_length=scenario.completion_length,
+        generation_kwargs=generation_kwargs,
+        beta=args.beta,
+        learning_rate=1e-6,
+        gradient_checkpointing=args.gradient_checkpointing,
+        bf16=dtype == torch.bfloat16,
+        use_cpu=device.type == "cpu",
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=args.seed,
+        dataloader_num_workers=0,
+        **overrides,
+    )
+    timer = PhaseTimer(device)
+    time_vision(model, module, timer)
+    if kind == "vanilla":
+        cls = timed_trainer_class(GRPOTrainer)
+        dataset = vanilla_dataset(paths)
+        kwargs: dict[str, Any] = {}
+    else:
+        cls = timed_trainer_class(VLMGRPOTrainer)
+        dataset = ours_dataset(paths, workdir, module, processor)
+        kwargs = {"vlm_module": module}
+    cls.timer = timer
+    trainer = cls(
+        model=model,
+        reward_funcs=[length_reward],
+        args=config,
+        train_dataset=dataset,
+        processing_class=processor,
+        callbacks=[OptimizerTimer(timer)],
+        **kwargs,
+    )
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    trainer.train()
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    measured = timer.per_step[args.warmup :] or timer.per_step
+
+    def median(key: str) -> float:
+        return statistics.median(step.get(key, 0.0) for step in measured)
+
+    step_s = median("_wall")
+    samples = args.prompts_per_step * args.num_generations
+    tokens = median("_prompt_tokens") + median("_completion_tokens")
+    train_s = median("loss_forward") + median("backward")
+    peak_flops = args.peak_tflops * 1e12 if args.peak_tflops else None
+    executed = median("_executed_tokens")
+    mfu = 6 * n_params * executed / train_s / peak_flops if peak_flops and train_s > 0 else None
+    result = Result(
+        trainer=kind.partition(":")[0],
+        scenario=scenario.name,
+        step_s=step_s,
+        samples_per_s=samples / step_s,
+        tokens_per_s=tokens / step_s,
+        peak_mem_gib=peak,
+        mfu=mfu,
+        phases_s={p: median(p) for p in PHASES},
+        prompt_tokens=int(median("_prompt_tokens")),
+        completion_tokens=int(median("_completion_tokens")),
+    )
+    del trainer, model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def card_peak_tflops(device: str) -> float | None:
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
+def format_table(results: list[Result]) -> str:
+    header = (
+        f"{'scenario':<20} {'trainer':<8} {'s/step':>7} {'samp/s':>7} {'tok/s':>8} {'peakGiB':>8} {'MFU':>6} "
+        + " ".join(f"{p[:8]:>8}" for p in PHASES)
+        + f" {'x vanilla':>9}"
+    )
+    lines = [header, "-" * len(header)]
+    vanilla = {r.scenario: r for r in results if r.trainer == "vanilla"}
+    for r in results:
+        base = vanilla.get(r.scenario)
+        ratio = f"{r.samples_per_s / base.samples_per_s:9.2f}" if base else f"{'':>9}"
+        mem = f"{r.peak_mem_gib:8.1f}" if r.peak_mem_gib is not None else f"{'-':>8}"
+        mfu = f"{100 * r.mfu:5.1f}%" if r.mfu is not None else f"{'-':>6}"
+        phases = " ".join(f"{r.phases_s[p]:8.3f}" for p in PHASES)
+        lines.append(
+            f"{r.scenario:<20} {r.trainer:<8} {r.step_s:7.3f} {r.samples_per_s:7.2f} {r.tokens_per_s:8.0f} "
+            f"{mem} {mfu} {phases} {ratio}"
+        )
+    return "\n".join(lines)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="tiny", help="model preset (vlm_grpo.testing.presets); tiny = tiny_qwen2_5_vl")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="default: bf16 on GPU, fp32 on CPU")
+    p.add_argument("--image_sizes", type=int, nargs="+", default=None, help="default: 448 896 (GPU), 56 (CPU)")
+    p.add_argument("--images_per_prompt", type=int, nargs="+", default=[1])
+    p.add_argument("--completion_lengths", type=int, nargs="+", default=None, help="default: 128 (GPU), 8 (CPU)")
+    p.add_argument("--num_generations", type=int, default=8)
+    p.add_argument("--prompts_per_step", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3, help="measured steps (after warm-up)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument(
+        "--beta", type=float, default=0.0, help="KL coefficient (TRL's default 0); > 0 adds a reference pass"
+    )
+    p.add_argument("--gradient_checkpointing", type=lambda s: s.lower() in ("1", "true", "yes"), default=True)
+    p.add_argument(
+        "--trainers",
+        nargs="+",
+        default=["vanilla", "ours"],
+        help="vanilla, and variants of ours as name[:key=value,...] over VLMGRPOConfig, e.g. "
+        "'ours' 'noshare:share_prompt=false' 'static:cache_implementation=static'",
+    )
+    p.add_argument("--peak_tflops", type=float, default=None, help="card's dense bf16 peak (default: by name)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench_results.json")
+    args = p.parse_args(argv)
+    if args.preset == "tiny":
+        args.preset = "tiny_qwen2_5_vl"
+    on_gpu = args.device.startswith("cuda")
+    args.dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
+    args.image_sizes = args.image_sizes or ([448, 896] if on_gpu else [56])
+    args.completion_lengths = args.completion_lengths or ([128] if on_gpu else [8])
+    args.peak_tflops = args.peak_tflops or card_peak_tflops(args.device)
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[Result]:
+    args = parse(argv)
+    results: list[Result] = []
+    scenarios = [
+        Scenario(s, k, c)
+        for s, k, c in itertools.product(args.image_sizes, args.images_per_prompt, args.completion_lengths)
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        for scenario in scenarios:
+            workdir = Path(tmp) / scenario.name.replace(" ", "_")
+            workdir.mkdir(parents=True)
+            n_prompts = args.prompts_per_step * (args.warmup + args.steps)
+            paths = write_images(workdir, scenario, n_prompts, args.seed)
+            for kind in args.trainers:
+                result = run_one(kind, args, scenario, workdir, paths)
+                results.append(result)
+                print(f"[bench] {scenario.name} {result.trainer}: {result.samples_per_s:.2f} samples/s", flush=True)
+    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    print(f"\ndevice: {device_name}; preset: {args.preset}; G={args.num_generations}; beta={args.beta}")
+    print(format_table(results))
+    payload = {
+        "device": device_name,
+        "args": vars(args),
+        "versions": {m: sys.modules[m].__version__ for m in ("torch", "transformers", "trl") if m in sys.modules},
+        "results": [asdict(r) for r in results],
+    }
+    Path(args.out).write_text(json.dumps(payload, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    main()

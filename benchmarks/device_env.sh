@@ -1,0 +1,11 @@
+# Source at the start of a device-machine command: installs the carried wheels (.whl/, see
+# benchmarks/RESULTS.md) into /tmp/site and puts them and src/ on PYTHONPATH; prints versions.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || return 1
+export PYTHONPATH=/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+python3 - <<'PY'
+import torch, transformers, trl, peft, accelerate, datasets
+print("versions:", {m.__name__: m.__version__ for m in (torch, transformers, trl, peft, accelerate, datasets)})
+print("gpus:", [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
+PY

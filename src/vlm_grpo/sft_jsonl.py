@@ -1,0 +1,164 @@
+"""SFT (the chain-of-thought stage before GRPO) on the same rows, modules and options as ``grpo_jsonl.py``.
+
+    torchrun --nproc_per_node N src/vlm_grpo/sft_jsonl.py --config configs/sft_demo.yaml [--flag value ...]
+    python -m vlm_grpo.sft_jsonl ...     |     vlm-grpo-sft ...
+
+Reads top to bottom like the GRPO recipe: parse -> resolve resume -> pick module -> load data -> load
+model -> train -> save. Each row is trained as its GRPO prompt (system, question template, images where
+the ``<image>`` markers stand) answered by its solution; the loss is on the assistant's tokens only.
+The output directory is a ``--model_name_or_path`` for GRPO (with LoRA: the merged model; the adapter
+goes to ``output_dir/adapter``).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+
+from trl import TrlParser, get_peft_config
+
+from vlm_grpo.configs import GRPOScriptArguments, VLMModelConfig
+from vlm_grpo.data import prepare_rows, to_datasets
+from vlm_grpo.data.records import read_any_rows
+from vlm_grpo.modules import ImageLimits, get_vlm_module
+from vlm_grpo.resume import resolve_resume
+from vlm_grpo.sft_trainer import SFTTransform, VLMSFTConfig, VLMSFTTrainer, assistant_masks_supported
+
+logger = logging.getLogger("vlm_grpo")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[GRPOScriptArguments, VLMSFTConfig, VLMModelConfig]:
+    parser = TrlParser((GRPOScriptArguments, VLMSFTConfig, VLMModelConfig))
+    script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
+    return script_args, training_args, model_args
+
+
+def main(script_args: GRPOScriptArguments, training_args: VLMSFTConfig, model_args: VLMModelConfig) -> VLMSFTTrainer:
+    is_main = training_args.process_index == 0
+    logging.basicConfig(
+        level=logging.INFO if is_main else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    trainer, resume = build_trainer(script_args, training_args, model_args)
+    trainer.train(resume_from_checkpoint=resume)
+    save_final_model(trainer, training_args, model_args.model_name_or_path)
+    if is_main:
+        losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+        summary = f"first loss {losses[0]:.4f}, last loss {losses[-1]:.4f}" if losses else "no loss logged"
+        print(f"[vlm-grpo-sft] step {trainer.state.global_step}; {summary}; model in {training_args.output_dir}")
+    return trainer
+
+
+def build_trainer(
+    script_args: GRPOScriptArguments, training_args: VLMSFTConfig, model_args: VLMModelConfig
+) -> tuple[VLMSFTTrainer, str | None]:
+    """Everything before ``train()``: the trainer and the checkpoint to resume from (None: a fresh run)."""
+    is_main = training_args.process_index == 0
+    if not model_args.model_name_or_path:
+        raise ValueError("--model_name_or_path is required")
+
+    resume = resolve_resume(
+        training_args.output_dir,
+        training_args.resume_from_checkpoint,
+        script_args.overwrite_output_dir,
+        is_main_process=is_main,
+    )
+
+    module = get_vlm_module(
+        model_args.model_name_or_path,
+        model_args.vlm_module,
+        ImageLimits(model_args.min_pixels, model_args.max_pixels, model_args.max_anyres_num),
+        revision=model_args.model_revision,
+    )
+    processor = module.load_processor(
+        model_args.model_name_or_path,
+        trust_remote_code=training_args.trust_remote_code,
+        revision=model_args.model_revision,
+    )
+    logger.info("VLM module: %s (%s)", module.name, type(module).__name__)
+
+    rows, bad_rows = read_any_rows(
+        script_args.data_file_paths,
+        script_args.image_folders,
+        reward_method=script_args.reward_method,
+        task_type=script_args.task_type,
+    )
+    rows = prepare_rows(
+        rows,
+        bad_rows,
+        module,
+        processor,
+        max_prompt_length=script_args.max_prompt_length,
+        skip_bad_rows=script_args.skip_bad_rows,
+    )
+    train_dataset, eval_dataset = to_datasets(rows, module, script_args.val_split_ratio, training_args.seed)
+
+    # Loss on the assistant's tokens: from the template's generation markers, or else prompt/completion rows.
+    prompt_completion = training_args.assistant_only_loss and not assistant_masks_supported(processor)
+    if prompt_completion:
+        logger.info(
+            "No assistant-token mask from this chat template/processor: prompt/completion rows, loss on the completion"
+        )
+        training_args.assistant_only_loss = False
+        training_args.completion_only_loss = True
+    transform = SFTTransform(module, prompt_completion=prompt_completion)
+    train_dataset = train_dataset.with_transform(transform)
+    eval_dataset = eval_dataset.with_transform(transform) if eval_dataset is not None else None
+    logger.info("Data: %d training rows, %d evaluation rows", len(train_dataset), len(eval_dataset or []))
+
+    model = module.load_model(
+        model_args.model_name_or_path,
+        dtype=model_args.dtype,
+        attn_implementation=model_args.attn_implementation,
+        trust_remote_code=training_args.trust_remote_code,
+        revision=model_args.model_revision,
+    )
+    trainer = VLMSFTTrainer(
+        model=model,
+        args=training_args,
+        vlm_module=module,
+        freeze_vision_modules=model_args.freeze_vision_modules,
+        lora_include_vision=model_args.lora_include_vision,
+        processing_class=processor,
+        peft_config=get_peft_config(model_args),
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+    )
+    return trainer, resume
+
+
+def save_final_model(trainer: VLMSFTTrainer, args: VLMSFTConfig, base: str) -> None:
+    """Full fine-tuning: the model and processor in output_dir. LoRA: the adapter in output_dir/adapter and
+    the merged model in output_dir (unless --save_merged_model false, or ZeRO-3 where weights are sharded:
+    then the adapter goes to output_dir and ``vlm-grpo-merge-lora`` merges it)."""
+    from peft import PeftModel
+
+    model = trainer.model
+    if not isinstance(model, PeftModel):
+        trainer.save_model(args.output_dir)
+        return
+    zero3 = trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3
+    if not args.save_merged_model or zero3:
+        trainer.save_model(args.output_dir)
+        if zero3 and args.save_merged_model:
+            logger.warning(
+                "ZeRO-3: saved the adapter only; merge it with vlm-grpo-merge-lora --adapter %s", args.output_dir
+            )
+        return
+    trainer.save_model(f"{args.output_dir}/adapter")
+    trainer.accelerator.wait_for_everyone()
+    if trainer.accelerator.is_main_process:
+        from vlm_grpo.merge_lora import save_merged
+
+        save_merged(trainer.accelerator.unwrap_model(model), trainer.processing_class, args.output_dir, base)
+        logger.info(
+            "Merged the LoRA adapter: %s is a full model (adapter in %s/adapter)", args.output_dir, args.output_dir
+        )
+
+
+def cli(argv: Sequence[str] | None = None) -> None:
+    main(*parse_args(argv))
+
+
+if __name__ == "__main__":
+    cli(sys.argv[1:])

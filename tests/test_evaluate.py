@@ -1,0 +1,112 @@
+"""Evaluation: batched generation scored by registered rewards, predictions + summary, pass@k, adapters."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from e2e_utils import make_dataset
+from test_merge_lora import make_adapter
+from vlm_grpo.evaluate import main as eval_main
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny models run fastest on one thread, and do not slow down when the machine is busy."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return make_dataset(tmp_path_factory.mktemp("eval_data"), kinds=("single", "multi", "text"), n=2)
+
+
+def eval_args(model, data, plugin, out, *extra):
+    return [
+        "--model_name_or_path", str(model),
+        "--data_file_paths", str(data),
+        "--image_folders", str(data.parent / "images"),
+        "--reward_funcs", "accuracy", "format", f"{plugin}:flaky",
+        "--output_dir", str(out),
+        "--batch_size", "4",
+        "--max_new_tokens", "4",
+        "--progress", "false",
+        *extra,
+    ]  # fmt: skip
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_sampled_pass_at_k_with_every_reward_per_task_and_failures(tiny_models, dataset, tmp_path):
+    data, plugin = dataset
+    rows = read_jsonl(data)
+    for row in rows:  # task types to group by
+        row["task_type"] = "vqa" if row["id"].startswith("text") else "counting"
+    data = data.with_name("typed.jsonl")
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    out = tmp_path / "eval"
+    summary = eval_main(eval_args(tiny_models["qwen2_5_vl"], data, plugin, out, "--num_samples", "2"))
+
+    assert summary == json.loads((out / "summary.json").read_text())
+    assert summary["count"] == 6 and summary["samples"] == 12 and summary["num_samples"] == 2
+    assert summary["generation"]["do_sample"] is True  # k > 1 samples
+    assert set(summary["rewards"]) == {"accuracy", "format", "flaky"}
+    for name, stats in summary["rewards"].items():
+        assert {"mean", "scored", "missing", "pass@2"} <= set(stats), name
+    # the flaky plugin raises on multi-image rows: those samples have no score and count as failures
+    assert summary["rewards"]["flaky"]["scored"] == 8 and summary["rewards"]["flaky"]["missing"] == 4
+    assert summary["rewards"]["flaky"]["mean"] == 1.0 and summary["rewards"]["flaky"]["pass@2"] == 1.0
+    assert summary["failures"]["rewards"]["flaky"] > 0 and summary["failures"]["rewards"]["accuracy"] == 0
+    assert summary["failures"]["generation"] == 0 and summary["failures"]["bad_rows"] == 0
+    assert set(summary["per_task_type"]) == {"vqa", "counting"}
+    assert summary["per_task_type"]["vqa"]["count"] == 2 and summary["per_task_type"]["counting"]["count"] == 4
+
+    predictions = read_jsonl(out / "predictions.jsonl")
+    assert [p["id"] for p in predictions] == [r["id"] for r in rows]
+    for p in predictions:
+        assert len(p["completions"]) == 2 and p["error"] is None
+        assert set(p["rewards"]) == {"accuracy", "format", "flaky"}
+        assert all(len(v) == 2 for v in p["rewards"].values())
+        assert (p["rewards"]["flaky"] == [None, None]) is p["id"].startswith("multi")
+
+
+def test_greedy_on_a_lora_adapter_matches_across_runs(tiny_models, dataset, tmp_path):
+    data, plugin = dataset
+    adapter = make_adapter(tiny_models["qwen2_5_vl"], tmp_path / "adapter")
+    first = eval_main(eval_args(adapter, data, plugin, tmp_path / "a", "--max_samples", "3"))
+    second = eval_main(eval_args(adapter, data, plugin, tmp_path / "b", "--max_samples", "3"))
+    assert first["adapter"] is True and first["count"] == second["count"] == 3
+    assert first["generation"]["do_sample"] is False
+    assert "pass@1" in first["rewards"]["format"]
+    completions = [p["completions"] for p in read_jsonl(tmp_path / "a" / "predictions.jsonl")]
+    assert completions == [p["completions"] for p in read_jsonl(tmp_path / "b" / "predictions.jsonl")]
+    assert all(len(c) == 1 for c in completions)
+
+
+def test_bad_rows_stop_the_evaluation_unless_skipped(tiny_models, dataset, tmp_path):
+    from vlm_grpo.data import DataValidationError
+
+    data, plugin = dataset
+    bad = data.with_name("bad.jsonl")
+    bad.write_text(data.read_text().splitlines()[0] + "\n{not json\n")
+    with pytest.raises(DataValidationError, match=r"bad\.jsonl:2"):
+        eval_main(eval_args(tiny_models["qwen2_5_vl"], bad, plugin, tmp_path / "x"))
+    summary = eval_main(eval_args(tiny_models["qwen2_5_vl"], bad, plugin, tmp_path / "y", "--skip_bad_rows", "true"))
+    assert summary["count"] == 1 and summary["failures"]["bad_rows"] == 1
+
+
+def test_help_lists_the_eval_flags(capsys):
+    with pytest.raises(SystemExit) as exc:
+        eval_main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--num_samples", "--reward_funcs", "--batch_size", "--base_model", "--pass_threshold"):
+        assert flag in out

@@ -1,0 +1,148 @@
+"""SFT stage: assistant-only labels, loss falling over 30 steps, two learning rates, outputs GRPO can load."""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+import torch
+
+from e2e_utils import make_dataset, original_params
+from vlm_grpo.modules import get_vlm_module
+from vlm_grpo.sft_jsonl import build_trainer, main, parse_args
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny models run fastest on one thread, and do not slow down when the machine is busy."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    data, _ = make_dataset(tmp_path_factory.mktemp("sft_data"), kinds=("single", "multi", "text"), n=2)
+    return data
+
+
+def sft_args(model, data, output_dir, steps=2, *extra):
+    return [
+        "--model_name_or_path", str(model),
+        "--data_file_paths", str(data),
+        "--image_folders", str(data.parent / "images"),
+        "--output_dir", str(output_dir),
+        "--max_steps", str(steps),
+        "--per_device_train_batch_size", "3",
+        "--learning_rate", "1e-3",
+        "--gradient_checkpointing", "false",
+        "--logging_steps", "1",
+        "--save_strategy", "no",
+        "--report_to", "none",
+        "--seed", "7",
+        "--dataloader_num_workers", "0",
+        *extra,
+    ]  # fmt: skip
+
+
+def labelled_text(trainer, examples):
+    """The text of the tokens that carry loss, per example, and the labels tensor."""
+    batch = trainer.data_collator(examples)
+    tokenizer = trainer.processing_class.tokenizer
+    texts = []
+    for ids, labels in zip(batch["input_ids"], batch["labels"], strict=True):
+        texts.append(tokenizer.decode(ids[labels != -100], skip_special_tokens=False))
+    return texts, batch
+
+
+def assert_labels_are_the_answers(trainer, n):
+    rows = [dict(trainer.train_dataset[i]) for i in range(n)]
+    assert {r["id"].split("-")[0] for r in rows} == {"single", "multi", "text"}
+    texts, batch = labelled_text(trainer, [dict(r) for r in rows])
+    for row, text in zip(rows, texts, strict=True):
+        # the answer and the end-of-turn token; prompt/completion rows also keep the template's trailing newline
+        assert text in (row["solution"] + "<|im_end|>", row["solution"] + "<|im_end|>\n"), (row["id"], text)
+    # nothing of the prompt (system, question, image placeholders) is a label
+    image_token = trainer.processing_class.tokenizer.convert_tokens_to_ids(trainer.processing_class.image_token)
+    assert (batch["input_ids"] == image_token).any()
+    assert not (batch["labels"] == image_token).any()
+    return rows
+
+
+@pytest.mark.parametrize(("family", "assistant_masks"), [("qwen2_5_vl", True), ("internvl", False)])
+def test_only_assistant_tokens_carry_loss(family, assistant_masks, tiny_models, dataset, tmp_path):
+    trainer, resume = build_trainer(*parse_args(sft_args(tiny_models[family], dataset, tmp_path / "out")))
+    assert resume is None
+    # the tiny Qwen template has {% generation %} markers; InternVL's processor cannot return the mask
+    # (transformers 5.2x), so its rows go prompt/completion with completion-only loss
+    assert trainer.args.assistant_only_loss is assistant_masks
+    assert trainer.completion_only_loss is not assistant_masks
+    rows = assert_labels_are_the_answers(trainer, 6)
+    assert ("messages" in rows[0]) is assistant_masks
+
+
+def test_template_without_generation_markers_falls_back_to_completion_only_loss(tiny_models, dataset, tmp_path):
+    model = shutil.copytree(tiny_models["qwen2_5_vl"], tmp_path / "model")
+    template = (model / "chat_template.jinja").read_text()
+    stripped = re.sub(r"\{%-?\s*(end)?generation\s*-?%\}", "", template)
+    assert stripped != template
+    (model / "chat_template.jinja").write_text(stripped)
+    trainer, _ = build_trainer(*parse_args(sft_args(model, dataset, tmp_path / "out")))
+    assert not trainer.args.assistant_only_loss and trainer.completion_only_loss
+    rows = assert_labels_are_the_answers(trainer, 6)
+    assert "completion" in rows[0] and "messages" not in rows[0]
+
+
+def test_loss_falls_over_30_steps_with_separate_learning_rates(tiny_models, dataset, tmp_path):
+    model_dir = tiny_models["qwen2_5_vl"]
+    out = tmp_path / "out"
+    trainer = main(*parse_args(sft_args(model_dir, dataset, out, 30, "--llm_lr", "3e-3", "--vision_encoder_lr", "0")))
+    assert trainer.state.global_step == 30
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert len(losses) == 30
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < 0.7 * first, f"loss did not fall: {losses}"
+
+    # two parameter groups per part, each with its own learning rate; the vision group did not move (lr 0)
+    module = get_vlm_module(str(model_dir))
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    for group in trainer.optimizer.param_groups:
+        is_vision = {module.is_vision_parameter(names[id(p)]) for p in group["params"]}
+        assert len(is_vision) == 1
+        assert group["initial_lr"] == (0.0 if is_vision.pop() else 3e-3)
+    before = original_params(model_dir)
+    after = dict(trainer.model.named_parameters())
+    changed = {n for n in before if not torch.equal(before[n], after[n].detach())}
+    assert changed and all(not module.is_vision_parameter(n) for n in changed)
+
+    # the output folder is a model GRPO can start from
+    assert (out / "config.json").is_file() and (out / "chat_template.jinja").is_file()
+    assert get_vlm_module(str(out)).name == "qwen2_5_vl"
+
+
+def test_lora_sft_writes_merged_model_and_adapter(tiny_models, dataset, tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    model_dir = tiny_models["qwen2_5_vl"]
+    out = tmp_path / "out"
+    lora = ["--use_peft", "true", "--lora_r", "4", "--lora_alpha", "8", "--learning_rate", "1e-2"]
+    main(*parse_args(sft_args(model_dir, dataset, out, 2, *lora)))
+    assert (out / "adapter" / "adapter_config.json").is_file()
+    assert (out / "config.json").is_file() and not (out / "adapter_config.json").exists()
+    merged = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
+    before = original_params(model_dir)
+    after = dict(merged.named_parameters())
+    assert before.keys() == after.keys()
+    changed = [n for n in before if not torch.equal(before[n], after[n])]
+    assert changed and all("visual" not in n for n in changed)  # LoRA stays off the vision tower
+
+
+def test_help_lists_the_sft_flags(capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--llm_lr", "--vision_encoder_lr", "--assistant_only_loss", "--use_peft", "--freeze_vision_modules"):
+        assert flag in out

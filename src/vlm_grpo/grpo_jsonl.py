@@ -19,9 +19,8 @@ import torch
 from trl import TrlParser, get_peft_config
 
 from vlm_grpo.configs import GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig
-from vlm_grpo.data import prepare_rows, to_datasets
-from vlm_grpo.data.records import read_any_rows
-from vlm_grpo.modules import ImageLimits, get_vlm_module
+from vlm_grpo.data import to_datasets
+from vlm_grpo.recipe import load_checked_rows, pick_module
 from vlm_grpo.resume import resolve_resume
 from vlm_grpo.rewards import build_reward_funcs
 from vlm_grpo.trainer import VLMGRPOTrainer
@@ -51,9 +50,6 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
     logging.basicConfig(
         level=logging.INFO if is_main else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if not model_args.model_name_or_path:
-        raise ValueError("--model_name_or_path is required")
-
     resume = resolve_resume(
         training_args.output_dir,
         training_args.resume_from_checkpoint,
@@ -61,33 +57,8 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
         is_main_process=is_main,
     )
 
-    module = get_vlm_module(
-        model_args.model_name_or_path,
-        model_args.vlm_module,
-        ImageLimits(model_args.min_pixels, model_args.max_pixels, model_args.max_anyres_num),
-        revision=model_args.model_revision,
-    )
-    processor = module.load_processor(
-        model_args.model_name_or_path,
-        trust_remote_code=training_args.trust_remote_code,
-        revision=model_args.model_revision,
-    )
-    logger.info("VLM module: %s (%s)", module.name, type(module).__name__)
-
-    rows, bad_rows = read_any_rows(
-        script_args.data_file_paths,
-        script_args.image_folders,
-        reward_method=script_args.reward_method,
-        task_type=script_args.task_type,
-    )
-    rows = prepare_rows(
-        rows,
-        bad_rows,
-        module,
-        processor,
-        max_prompt_length=script_args.max_prompt_length,
-        skip_bad_rows=script_args.skip_bad_rows,
-    )
+    module, processor = pick_module(model_args, training_args.trust_remote_code)
+    rows = load_checked_rows(script_args, module, processor)
     train_dataset, eval_dataset = to_datasets(rows, module, script_args.val_split_ratio, training_args.seed)
     logger.info("Data: %d training rows, %d evaluation rows", len(train_dataset), len(eval_dataset or []))
 

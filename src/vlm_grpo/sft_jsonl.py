@@ -19,9 +19,8 @@ from collections.abc import Sequence
 from trl import TrlParser, get_peft_config
 
 from vlm_grpo.configs import GRPOScriptArguments, VLMModelConfig
-from vlm_grpo.data import prepare_rows, to_datasets
-from vlm_grpo.data.records import read_any_rows
-from vlm_grpo.modules import ImageLimits, get_vlm_module
+from vlm_grpo.data import to_datasets
+from vlm_grpo.recipe import load_checked_rows, pick_module
 from vlm_grpo.resume import resolve_resume
 from vlm_grpo.sft_trainer import SFTTransform, VLMSFTConfig, VLMSFTTrainer, assistant_masks_supported
 
@@ -54,9 +53,6 @@ def build_trainer(
 ) -> tuple[VLMSFTTrainer, str | None]:
     """Everything before ``train()``: the trainer and the checkpoint to resume from (None: a fresh run)."""
     is_main = training_args.process_index == 0
-    if not model_args.model_name_or_path:
-        raise ValueError("--model_name_or_path is required")
-
     resume = resolve_resume(
         training_args.output_dir,
         training_args.resume_from_checkpoint,
@@ -64,33 +60,8 @@ def build_trainer(
         is_main_process=is_main,
     )
 
-    module = get_vlm_module(
-        model_args.model_name_or_path,
-        model_args.vlm_module,
-        ImageLimits(model_args.min_pixels, model_args.max_pixels, model_args.max_anyres_num),
-        revision=model_args.model_revision,
-    )
-    processor = module.load_processor(
-        model_args.model_name_or_path,
-        trust_remote_code=training_args.trust_remote_code,
-        revision=model_args.model_revision,
-    )
-    logger.info("VLM module: %s (%s)", module.name, type(module).__name__)
-
-    rows, bad_rows = read_any_rows(
-        script_args.data_file_paths,
-        script_args.image_folders,
-        reward_method=script_args.reward_method,
-        task_type=script_args.task_type,
-    )
-    rows = prepare_rows(
-        rows,
-        bad_rows,
-        module,
-        processor,
-        max_prompt_length=script_args.max_prompt_length,
-        skip_bad_rows=script_args.skip_bad_rows,
-    )
+    module, processor = pick_module(model_args, training_args.trust_remote_code)
+    rows = load_checked_rows(script_args, module, processor)
     train_dataset, eval_dataset = to_datasets(rows, module, script_args.val_split_ratio, training_args.seed)
 
     # Loss on the assistant's tokens: from the template's generation markers, or else prompt/completion rows.

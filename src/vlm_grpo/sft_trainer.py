@@ -18,8 +18,8 @@ from trl import SFTConfig, SFTTrainer
 
 from vlm_grpo.configs import apply_device_defaults
 from vlm_grpo.data.jsonl import LazyImageTransform
-from vlm_grpo.modules import VLMModule, get_vlm_module
-from vlm_grpo.trainer_common import CheckpointReloadMixin, apply_adapter_options
+from vlm_grpo.modules import VLMModule
+from vlm_grpo.trainer_common import CheckpointReloadMixin, prepare_vlm
 
 logger = logging.getLogger(__name__)
 
@@ -150,28 +150,16 @@ class VLMSFTTrainer(CheckpointReloadMixin, SFTTrainer):
         peft_config: Any = None,
         **kwargs: Any,
     ) -> None:
-        name_or_path = model if isinstance(model, str) else getattr(model.config, "_name_or_path", None)
-        if not isinstance(vlm_module, VLMModule):
-            fallback = None if isinstance(model, str) else model.config.model_type
-            vlm_module = get_vlm_module(name_or_path, vlm_module or fallback)
-        self.vlm_module = vlm_module
-        if isinstance(model, str):
-            init_kwargs = dict(getattr(args, "model_init_kwargs", None) or {})
-            init_kwargs.setdefault("trust_remote_code", getattr(args, "trust_remote_code", False))
-            model = vlm_module.load_model(model, **init_kwargs)
-            if args is not None:
-                args.model_init_kwargs = None
-        if processing_class is None:
-            processing_class = vlm_module.load_processor(
-                name_or_path, trust_remote_code=getattr(args, "trust_remote_code", False)
-            )
-        apply_adapter_options(
-            vlm_module,
+        vlm_module, model, processing_class = prepare_vlm(
             model,
+            args,
+            vlm_module,
+            processing_class,
             peft_config,
             freeze_vision_modules=freeze_vision_modules,
             lora_include_vision=lora_include_vision,
         )
+        self.vlm_module = vlm_module
         super().__init__(model=model, args=args, processing_class=processing_class, peft_config=peft_config, **kwargs)
 
     # ------------------------------------------------------------------ two learning rates

@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from trl import GRPOTrainer
 
-from vlm_grpo.modules import VLMModule, get_vlm_module
+from vlm_grpo.modules import VLMModule
 from vlm_grpo.rewards import build_reward_funcs
 from vlm_grpo.sharing import packed_logps, shared_prefill_generate
-from vlm_grpo.trainer_common import CheckpointReloadMixin, apply_adapter_options
+from vlm_grpo.trainer_common import CheckpointReloadMixin, prepare_vlm
 
 logger = logging.getLogger(__name__)
 
@@ -48,32 +48,16 @@ class VLMGRPOTrainer(CheckpointReloadMixin, GRPOTrainer):
         peft_config: Any = None,
         **kwargs: Any,
     ) -> None:
-        name_or_path = model if isinstance(model, str) else getattr(model.config, "_name_or_path", None)
-        if not isinstance(vlm_module, VLMModule):
-            if isinstance(model, str) or vlm_module is not None:
-                vlm_module = get_vlm_module(name_or_path, vlm_module)
-            else:
-                vlm_module = get_vlm_module(name_or_path, model.config.model_type)
-        self.vlm_module = vlm_module
-
-        if isinstance(model, str):
-            init_kwargs = dict(getattr(args, "model_init_kwargs", None) or {})
-            init_kwargs.setdefault("trust_remote_code", getattr(args, "trust_remote_code", False))
-            model = vlm_module.load_model(model, **init_kwargs)
-            if args is not None:
-                args.model_init_kwargs = None  # consumed here; TRL would warn that they are ignored
-        if processing_class is None:
-            processing_class = vlm_module.load_processor(
-                name_or_path, trust_remote_code=getattr(args, "trust_remote_code", False)
-            )
-
-        apply_adapter_options(
-            vlm_module,
+        vlm_module, model, processing_class = prepare_vlm(
             model,
+            args,
+            vlm_module,
+            processing_class,
             peft_config,
             freeze_vision_modules=freeze_vision_modules,
             lora_include_vision=lora_include_vision,
         )
+        self.vlm_module = vlm_module
 
         if isinstance(reward_funcs, (str, Callable)):
             reward_funcs = [reward_funcs]

@@ -13,6 +13,43 @@ from vlm_grpo.modules import VLMModule
 logger = logging.getLogger(__name__)
 
 
+def prepare_vlm(
+    model: str | torch.nn.Module,
+    args: Any,
+    vlm_module: VLMModule | str | None,
+    processing_class: Any,
+    peft_config: Any,
+    *,
+    freeze_vision_modules: bool = False,
+    lora_include_vision: bool = False,
+) -> tuple[VLMModule, torch.nn.Module, Any]:
+    """(adapter, model, processor) for a trainer: the family's module, then its model and processor
+    loaded the family's way when only a path was given, then the freeze/LoRA options applied."""
+    from vlm_grpo.modules import get_vlm_module
+
+    name_or_path = model if isinstance(model, str) else getattr(model.config, "_name_or_path", None)
+    if not isinstance(vlm_module, VLMModule):
+        fallback = None if isinstance(model, str) else model.config.model_type
+        vlm_module = get_vlm_module(name_or_path, vlm_module or fallback)
+    trust_remote_code = getattr(args, "trust_remote_code", False)
+    if isinstance(model, str):
+        init_kwargs = dict(getattr(args, "model_init_kwargs", None) or {})
+        init_kwargs.setdefault("trust_remote_code", trust_remote_code)
+        model = vlm_module.load_model(model, **init_kwargs)
+        if args is not None:
+            args.model_init_kwargs = None  # consumed here; TRL would warn that they are ignored
+    if processing_class is None:
+        processing_class = vlm_module.load_processor(name_or_path, trust_remote_code=trust_remote_code)
+    apply_adapter_options(
+        vlm_module,
+        model,
+        peft_config,
+        freeze_vision_modules=freeze_vision_modules,
+        lora_include_vision=lora_include_vision,
+    )
+    return vlm_module, model, processing_class
+
+
 def apply_adapter_options(
     module: VLMModule,
     model: torch.nn.Module,

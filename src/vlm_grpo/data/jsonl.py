@@ -90,6 +90,24 @@ def _check_images(row: dict, source: str) -> BadRow | None:
     return None
 
 
+def pair_files_and_folders(
+    data_file_paths: str | Sequence[str], image_folders: str | Sequence[str] | None
+) -> list[tuple[str, Path]]:
+    """(data file, image folder) pairs: one folder per file, one for all, or each file's own folder."""
+    files = split_paths(data_file_paths)
+    folders = split_paths(image_folders)
+    if not files:
+        raise ValueError("No data files given: pass --data_file_paths a.jsonl[:b.jsonl]")
+    if folders and len(folders) not in (1, len(files)):
+        raise ValueError(
+            f"--image_folders has {len(folders)} entries for {len(files)} data files; give one per file or one for all"
+        )
+    return [
+        (file, Path(folders[index if len(folders) > 1 else 0]) if folders else Path(file).parent)
+        for index, file in enumerate(files)
+    ]
+
+
 def read_rows(
     data_file_paths: Sequence[str],
     image_folders: Sequence[str] | None = None,
@@ -99,20 +117,11 @@ def read_rows(
     num_threads: int = 8,
 ) -> tuple[list[dict], list[BadRow]]:
     """Parse and check every row of every file; returns (good rows, bad rows)."""
-    files = split_paths(data_file_paths)
-    folders = split_paths(image_folders)
-    if not files:
-        raise ValueError("No data files given: pass --data_file_paths a.jsonl[:b.jsonl]")
-    if folders and len(folders) not in (1, len(files)):
-        raise ValueError(
-            f"--image_folders has {len(folders)} entries for {len(files)} data files; give one per file or one for all"
-        )
     rows: list[dict] = []
     bad: list[BadRow] = []
-    for index, file in enumerate(files):
+    for file, folder in pair_files_and_folders(data_file_paths, image_folders):
         if not os.path.isfile(file):
             raise FileNotFoundError(f"Data file not found: {file}")
-        folder = Path(folders[index if len(folders) > 1 else 0]) if folders else Path(file).parent
         with open(file, encoding="utf-8") as handle:
             for lineno, line in enumerate(handle, start=1):
                 if not line.strip():

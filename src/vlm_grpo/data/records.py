@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vlm_grpo.data.jsonl import BadRow, build_messages, read_rows, split_paths
+from vlm_grpo.data.jsonl import BadRow, build_messages, pair_files_and_folders, read_rows
 
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -130,22 +130,13 @@ def read_any_rows(
     **kwargs: Any,
 ) -> tuple[list[dict], list[BadRow]]:
     """``read_rows`` for JSONL, JSON and parquet files alike; sources always point into the original files."""
-    files = split_paths(data_file_paths)
-    folders = split_paths(image_folders)
-    if not files:
-        raise ValueError("No data files given: pass --data_file_paths a.jsonl[:b.parquet]")
-    if folders and len(folders) not in (1, len(files)):
-        raise ValueError(
-            f"--image_folders has {len(folders)} entries for {len(files)} data files; give one per file or one for all"
-        )
     rows: list[dict] = []
     bad: list[BadRow] = []
-    for index, file in enumerate(files):
-        folder = folders[index if len(folders) > 1 else 0] if folders else str(Path(file).parent)
+    for file, folder in pair_files_and_folders(data_file_paths, image_folders):
         if file_kind(file) == "jsonl":
-            good, wrong = read_rows([file], [folder], **kwargs)
+            good, wrong = read_rows([file], [str(folder)], **kwargs)
         else:
-            good, wrong = _read_via_jsonl(file, folder, **kwargs)
+            good, wrong = _read_via_jsonl(file, str(folder), **kwargs)
         rows.extend(good)
         bad.extend(wrong)
     return rows, bad

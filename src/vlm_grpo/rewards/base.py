@@ -40,6 +40,16 @@ REWARD_KINDS = ("trl", "batch", "sequential")
 _RESERVED_METRICS = ("mean", "std", "failures")
 
 
+def column(kwargs: dict[str, Any], name: str, n: int) -> Sequence[Any]:
+    """A per-sample dataset column of length ``n`` (``None`` per sample when the column is absent)."""
+    value = kwargs.get(name)
+    if value is None:
+        return [None] * n
+    if len(value) != n:
+        raise ValueError(f"Column '{name}' has {len(value)} entries for {n} completions")
+    return value
+
+
 def completion_text(completion: Any) -> str:
     """Text of one completion, whether TRL passed a plain string or a list of chat messages."""
     if isinstance(completion, str):

@@ -28,7 +28,7 @@ import unicodedata
 from collections.abc import Sequence
 from typing import Any
 
-from vlm_grpo.rewards.base import completion_text
+from vlm_grpo.rewards.base import column, completion_text
 from vlm_grpo.rewards.format import extract_answer
 from vlm_grpo.rewards.grounding import (
     Box,
@@ -127,15 +127,6 @@ def solution_detections(solution: Any) -> list[Detection] | None:
         if x2 <= x1 or y2 <= y1:
             raise ValueError(f"Degenerate ground-truth box {det.box} (expected x1 < x2 and y1 < y2)")
     return gts
-
-
-def _column(kwargs: dict[str, Any], name: str, n: int) -> Sequence[Any]:
-    value = kwargs.get(name)
-    if value is None:
-        return [None] * n
-    if len(value) != n:
-        raise ValueError(f"Column '{name}' has {len(value)} entries for {n} completions")
-    return value
 
 
 def _prepare(
@@ -257,9 +248,9 @@ def _ap_rewards(completions: Sequence[Any], kwargs: dict[str, Any], iou_50_only:
     n = len(completions)
     if kwargs.get("solution") is None:
         raise ValueError("Detection rewards need a 'solution' column")
-    solutions = _column(kwargs, "solution", n)
-    image_sizes = _column(kwargs, "image_sizes", n)
-    coord_sizes = _column(kwargs, "coord_sizes", n)
+    solutions = column(kwargs, "solution", n)
+    image_sizes = column(kwargs, "image_sizes", n)
+    coord_sizes = column(kwargs, "coord_sizes", n)
     rewards: list[float | None] = []
     for completion, sol, image_size, coord_size in zip(completions, solutions, image_sizes, coord_sizes, strict=True):
         preds, gts, image_wh = _prepare(completion, sol, image_size, coord_size)
@@ -369,9 +360,9 @@ def weighted_sum_reward(
     n = len(completions)
     if kwargs.get("solution") is None:
         raise ValueError("Detection rewards need a 'solution' column")
-    solutions = _column(kwargs, "solution", n)
-    image_sizes = _column(kwargs, "image_sizes", n)
-    coord_sizes = _column(kwargs, "coord_sizes", n)
+    solutions = column(kwargs, "solution", n)
+    image_sizes = column(kwargs, "image_sizes", n)
+    coord_sizes = column(kwargs, "coord_sizes", n)
     rewards: list[float | None] = []
     for completion, sol, image_size, coord_size in zip(completions, solutions, image_sizes, coord_sizes, strict=True):
         preds, gts, _ = _prepare(completion, sol, image_size, coord_size)

@@ -7,7 +7,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from vlm_grpo.rewards.base import completion_text
+from vlm_grpo.rewards.base import column, completion_text
 from vlm_grpo.rewards.format import extract_answer
 
 Box = tuple[float, float, float, float]
@@ -111,15 +111,6 @@ def solution_box(solution: Any) -> Box:
     return box
 
 
-def _column(kwargs: dict[str, Any], name: str, n: int) -> Sequence[Any]:
-    value = kwargs.get(name)
-    if value is None:
-        return [None] * n
-    if len(value) != n:
-        raise ValueError(f"Column '{name}' has {len(value)} entries for {n} completions")
-    return value
-
-
 def iou_reward(completions: Sequence[Any], threshold: float | None = None, **kwargs: Any) -> list[float | None]:
     """IoU reward: IoU in [0, 1] (continuous) between the completion's LAST box and the solution's box; with
     ``threshold`` (``--reward_kwargs '{"iou": {"threshold": 0.5}}'``) 1.0 when IoU >= threshold, else 0.0.
@@ -142,9 +133,9 @@ def iou_reward(completions: Sequence[Any], threshold: float | None = None, **kwa
         threshold = float(threshold)
         if not 0.0 <= threshold <= 1.0:
             raise ValueError(f"iou threshold must be in [0, 1], got {threshold}")
-    solutions = _column(kwargs, "solution", n)
-    image_sizes = _column(kwargs, "image_sizes", n)
-    coord_sizes = _column(kwargs, "coord_sizes", n)
+    solutions = column(kwargs, "solution", n)
+    image_sizes = column(kwargs, "image_sizes", n)
+    coord_sizes = column(kwargs, "coord_sizes", n)
     rewards: list[float | None] = []
     for completion, sol, image_size, coord_size in zip(completions, solutions, image_sizes, coord_sizes, strict=True):
         if isinstance(sol, str) and not parse_boxes(extract_answer(sol)):

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vlm_grpo.rewards.base import completion_text
+from vlm_grpo.rewards.base import column, completion_text
 from vlm_grpo.rewards.format import RYNNBRAIN_TASK_TAGS, extract_answer, extract_tag
 from vlm_grpo.rewards.grounding import box_iou
 
@@ -438,15 +438,6 @@ def segment_score(pred: SpatialAnswer | None, gt: SpatialAnswer) -> float:
 # --------------------------------------------------------------------------------------------- rewards
 
 
-def _column(kwargs: dict[str, Any], name: str, n: int) -> Sequence[Any]:
-    value = kwargs.get(name)
-    if value is None:
-        return [None] * n
-    if len(value) != n:
-        raise ValueError(f"Column '{name}' has {len(value)} entries for {n} completions")
-    return value
-
-
 def _positive(value: Any) -> float:
     value = float(value)
     if not (math.isfinite(value) and value > 0):
@@ -492,8 +483,8 @@ def _task_reward(task: str, completions: Sequence[Any], kwargs: dict[str, Any], 
     n = len(completions)
     if kwargs.get("solution") is None:
         raise ValueError(f"The rynn_{task} reward needs a 'solution' column")
-    solutions = _column(kwargs, "solution", n)
-    tasks = _column(kwargs, "task_type", n)
+    solutions = column(kwargs, "solution", n)
+    tasks = column(kwargs, "task_type", n)
     methods = kwargs.get("accu_reward_method")
     methods = [methods] * n if methods is None or isinstance(methods, str) else methods
     out: list[float | None] = []
@@ -601,8 +592,8 @@ def rynnbrain_reward(
     n = len(completions)
     if kwargs.get("solution") is None:
         raise ValueError("The rynnbrain reward needs a 'solution' column")
-    solutions = _column(kwargs, "solution", n)
-    tasks = _column(kwargs, "task_type", n)
+    solutions = column(kwargs, "solution", n)
+    tasks = column(kwargs, "task_type", n)
     methods = kwargs.get("accu_reward_method")
     methods = [methods] * n if methods is None or isinstance(methods, str) else methods
     out: list[float | None] = []

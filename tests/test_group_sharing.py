@@ -15,7 +15,7 @@ from trl import GRPOTrainer
 
 from vlm_grpo.configs import VLMGRPOConfig
 from vlm_grpo.data import prepare_rows, read_rows, to_datasets
-from vlm_grpo.modules import get_vlm_module
+from vlm_grpo.modules import ImageLimits, get_vlm_module
 from vlm_grpo.testing.tiny import FAMILIES
 from vlm_grpo.trainer import VLMGRPOTrainer
 
@@ -47,8 +47,8 @@ def rows_file(tmp_path_factory):
     return path
 
 
-def make_trainer(model_dir, rows_file, tmp_path, attn="sdpa", lora=False):
-    module = get_vlm_module(str(model_dir))
+def make_trainer(model_dir, rows_file, tmp_path, attn="sdpa", lora=False, max_anyres_num=None):
+    module = get_vlm_module(str(model_dir), limits=ImageLimits(max_anyres_num=max_anyres_num))
     processor = module.load_processor(str(model_dir))
     model = module.load_model(str(model_dir), dtype=torch.float32, attn_implementation=attn)
     rows, bad = read_rows([str(rows_file)], task_type="raw")
@@ -128,6 +128,14 @@ def test_shared_prompt_pass_matches_trl(family, attn, tiny_models, rows_file, tm
 def test_shared_prompt_pass_matches_trl_with_lora(family, tiny_models, rows_file, tmp_path):
     trainer = make_trainer(tiny_models[family], rows_file, tmp_path, lora=True)
     assert_parity(trainer, real_batch(trainer))
+
+
+def test_shared_prompt_pass_matches_trl_with_internvl_tiles(tiny_models, rows_file, tmp_path):
+    """Several tiles per image (``--max_anyres_num``): pixel rows are tiles, counted per sample."""
+    trainer = make_trainer(tiny_models["internvl"], rows_file, tmp_path, max_anyres_num=4)
+    inputs = real_batch(trainer)
+    assert inputs.get("num_tiles") and sum(inputs["num_tiles"]) > sum(inputs["num_images"])
+    assert_parity(trainer, inputs)
 
 
 def test_the_parity_test_catches_1d_positions(tiny_models, rows_file, tmp_path, monkeypatch):

@@ -282,4 +282,5 @@ def _cache_kwarg(model: Any, cache: Any) -> dict[str, Any]:
     """transformers renamed ``past_key_values`` to ``cache`` (5.2x); pass whichever this version takes."""
     import inspect
 
-    return {"cache": cache} if "cache" in inspect.signature(model.forward).parameters else {"past_key_values": cache}
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT hides the signature
+    return {"cache": cache} if "cache" in inspect.signature(base.forward).parameters else {"past_key_values": cache}

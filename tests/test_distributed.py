@@ -67,6 +67,15 @@ def test_ddp_two_ranks_train_together_and_agree(tiny_models, dataset, tmp_path):
         assert shared_step == pytest.approx(plain_step, rel=1e-4, abs=1e-6)
 
 
+def test_ddp_with_text_only_and_image_batches_on_different_ranks(tiny_models, tmp_path):
+    """One rank's batch is text-only while the other's has images: TRL's image gather for the
+    completions table deadlocked here; multi-process runs turn it off."""
+    data, plugin = make_dataset(tmp_path / "data", kinds=("single", "text"), n=4)
+    out = tmp_path / "mixed"
+    torchrun([*base_args(tiny_models["qwen2_5_vl"], data, plugin, out), "--max_steps", "3"])
+    assert json.loads((out / "rank1.json").read_text()) == {"world_size": 2, "step": 3}
+
+
 @pytest.mark.parametrize("stage", ["zero2", "zero3"])
 def test_deepspeed_trains_saves_and_reloads(stage, tiny_models, dataset, tmp_path):
     data, plugin = dataset

@@ -73,6 +73,11 @@ class VLMGRPOTrainer(CheckpointReloadMixin, GRPOTrainer):
             **kwargs,
         )
         self._warn_if_groups_split()
+        if self.accelerator.num_processes > 1 and self.log_multimodal:
+            # TRL gathers the batch's images for the completions table only on ranks whose batch has
+            # images: with a text-only batch on one rank and images on another the run deadlocks.
+            logger.warning("log_multimodal is turned off in multi-process runs (TRL deadlocks on mixed batches)")
+            self.log_multimodal = False
 
     def _warn_if_groups_split(self) -> None:
         """Sharing needs a group's rows in the same micro-batch; say so when the batch shape splits groups.

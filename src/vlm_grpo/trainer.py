@@ -2,8 +2,10 @@
 
 TRL already trains VLMs; what it lacks is knowing *which* family it trains. The adapter loads
 model and processor with the family's image limits, keeps LoRA off the vision tower, freezes
-the tower on request, and lets rewards be given by registered name. Everything else (losses,
-generation, logging, DeepSpeed, resume) is TRL's, unmodified.
+the tower on request, and lets rewards be given by registered name. On top of TRL's loop the
+trainer computes each GRPO group once (``share_prompt``, ``share_prefill``; see
+:mod:`vlm_grpo.sharing`), reloads resumed checkpoints correctly, and survives batches that mix
+text-only and image prompts. Losses, logging, DeepSpeed and the rest are TRL's, unmodified.
 """
 
 from __future__ import annotations

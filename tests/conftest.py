@@ -39,3 +39,15 @@ class TinyModels(Mapping[str, Path]):
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
     """Tiny checkpoints of every family (``tiny_models["qwen2_5_vl"]`` is a folder), built lazily once."""
     return TinyModels(tmp_path_factory.mktemp("tiny_models"))
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models run fastest on one thread, and do not slow down when the machine is busy
+    (use with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

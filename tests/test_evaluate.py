@@ -5,20 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from e2e_utils import make_dataset
 from test_merge_lora import make_adapter
 from vlm_grpo.evaluate import main as eval_main
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models run fastest on one thread, and do not slow down when the machine is busy."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

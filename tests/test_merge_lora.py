@@ -12,14 +12,7 @@ from PIL import Image
 from vlm_grpo.merge_lora import main as merge_main
 from vlm_grpo.modules import get_vlm_module
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models run fastest on one thread, and do not slow down when the machine is busy."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_adapter(model_dir: Path, out: Path, with_processor: bool = True) -> Path:

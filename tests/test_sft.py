@@ -12,14 +12,7 @@ from e2e_utils import make_dataset, original_params
 from vlm_grpo.modules import get_vlm_module
 from vlm_grpo.sft_jsonl import build_trainer, main, parse_args
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models run fastest on one thread, and do not slow down when the machine is busy."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

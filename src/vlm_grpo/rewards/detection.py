@@ -25,7 +25,7 @@ import math
 import re
 import threading
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from vlm_grpo.rewards.base import column, completion_text
@@ -244,16 +244,19 @@ def coco_ap(
     return min(1.0, max(0.0, value)) if math.isfinite(value) else 0.0
 
 
-def _ap_rewards(completions: Sequence[Any], kwargs: dict[str, Any], iou_50_only: bool, length: bool) -> list:
+def _rows(completions: Sequence[Any], kwargs: dict[str, Any]) -> Iterator[tuple]:
+    """(predictions, ground truths or None, image size) per sample, parsed, rescaled and clipped."""
     n = len(completions)
     if kwargs.get("solution") is None:
         raise ValueError("Detection rewards need a 'solution' column")
-    solutions = column(kwargs, "solution", n)
-    image_sizes = column(kwargs, "image_sizes", n)
-    coord_sizes = column(kwargs, "coord_sizes", n)
+    columns = (column(kwargs, name, n) for name in ("solution", "image_sizes", "coord_sizes"))
+    for completion, sol, image_size, coord_size in zip(completions, *columns, strict=True):
+        yield _prepare(completion, sol, image_size, coord_size)
+
+
+def _ap_rewards(completions: Sequence[Any], kwargs: dict[str, Any], iou_50_only: bool, length: bool) -> list:
     rewards: list[float | None] = []
-    for completion, sol, image_size, coord_size in zip(completions, solutions, image_sizes, coord_sizes, strict=True):
-        preds, gts, image_wh = _prepare(completion, sol, image_size, coord_size)
+    for preds, gts, image_wh in _rows(completions, kwargs):
         if gts is None:
             rewards.append(None)
             continue
@@ -357,15 +360,8 @@ def weighted_sum_reward(
     iou_threshold, iou_weight = float(iou_threshold), float(iou_weight)
     if not (0.0 <= iou_threshold <= 1.0 and 0.0 <= iou_weight <= 1.0):
         raise ValueError("weighted_sum needs iou_threshold and iou_weight in [0, 1]")
-    n = len(completions)
-    if kwargs.get("solution") is None:
-        raise ValueError("Detection rewards need a 'solution' column")
-    solutions = column(kwargs, "solution", n)
-    image_sizes = column(kwargs, "image_sizes", n)
-    coord_sizes = column(kwargs, "coord_sizes", n)
     rewards: list[float | None] = []
-    for completion, sol, image_size, coord_size in zip(completions, solutions, image_sizes, coord_sizes, strict=True):
-        preds, gts, _ = _prepare(completion, sol, image_size, coord_size)
+    for preds, gts, _ in _rows(completions, kwargs):
         if gts is None:
             rewards.append(None)
             continue

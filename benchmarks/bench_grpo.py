@@ -278,32 +278,42 @@ def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
     return name, overrides
 
 
-def run_one(kind: str, args: argparse.Namespace, scenario: Scenario, workdir: Path, paths) -> Result:
-    from trl import GRPOConfig, GRPOTrainer
+def build_policy(args: argparse.Namespace, workdir: Path, tag: str) -> tuple[Any, Any, Any]:
+    """(model, processor, adapter) of ``args.preset`` with random weights, on ``args.device`` in ``args.dtype``.
 
-    from vlm_grpo.configs import VLMGRPOConfig
+    A reference model (beta > 0) is loaded by TRL from the policy's path: the weights are saved under
+    ``workdir/model_<tag>`` then.
+    """
     from vlm_grpo.modules import get_vlm_module
     from vlm_grpo.testing.tiny import build_model, get_preset
-    from vlm_grpo.trainer import VLMGRPOTrainer
 
-    device = torch.device(args.device)
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-    # A reference model (beta > 0) is loaded by TRL from the policy's path: save the random weights then.
-    ref_dir = workdir / f"model_{kind.partition(':')[0]}" if args.beta > 0 else None
-    model, processor = build_model(args.preset, out_dir=ref_dir, seed=args.seed, dtype=dtype, device=device)
+    ref_dir = workdir / f"model_{tag}" if args.beta > 0 else None
+    model, processor = build_model(args.preset, out_dir=ref_dir, seed=args.seed, dtype=dtype, device=args.device)
     if ref_dir is not None:
         model.config._name_or_path = str(ref_dir)
     module = get_vlm_module("", get_preset(args.preset).family)
     processor.tokenizer.padding_side = "left"
-    n_params = sum(p.numel() for p in model.parameters())
-    steps = args.warmup + args.steps
-    overrides = {} if kind == "vanilla" else parse_variant(kind)[1]
+    return model, processor, module
+
+
+def grpo_config(
+    kind: str, args: argparse.Namespace, scenario: Scenario, workdir: Path, max_steps: int, **extra: Any
+) -> Any:
+    """``GRPOConfig`` (vanilla) or ``VLMGRPOConfig`` (ours, with the variant's overrides) for one run:
+    ``args.prompts_per_step`` x G samples per step, generation forced to the full completion length.
+    ``extra`` are further config fields (the variant's win)."""
+    from trl import GRPOConfig
+
+    from vlm_grpo.configs import VLMGRPOConfig
+
+    overrides = extra | ({} if kind == "vanilla" else parse_variant(kind)[1])
     generation_kwargs = {"min_new_tokens": scenario.completion_length}
     if "cache_implementation" in overrides:
         generation_kwargs["cache_implementation"] = overrides.pop("cache_implementation")
-    config = (GRPOConfig if kind == "vanilla" else VLMGRPOConfig)(
+    return (GRPOConfig if kind == "vanilla" else VLMGRPOConfig)(
         output_dir=str(workdir / f"out_{kind.partition(':')[0]}"),
-        max_steps=steps,
+        max_steps=max_steps,
         per_device_train_batch_size=args.prompts_per_step * args.num_generations,
         num_generations=args.num_generations,
         max_completion_length=scenario.completion_length,
@@ -311,8 +321,8 @@ def run_one(kind: str, args: argparse.Namespace, scenario: Scenario, workdir: Pa
         beta=args.beta,
         learning_rate=1e-6,
         gradient_checkpointing=args.gradient_checkpointing,
-        bf16=dtype == torch.bfloat16,
-        use_cpu=device.type == "cpu",
+        bf16=args.dtype == "bfloat16",
+        use_cpu=torch.device(args.device).type == "cpu",
         logging_steps=1,
         save_strategy="no",
         report_to="none",
@@ -320,25 +330,57 @@ def run_one(kind: str, args: argparse.Namespace, scenario: Scenario, workdir: Pa
         dataloader_num_workers=0,
         **overrides,
     )
-    timer = PhaseTimer(device)
-    time_vision(model, module, timer)
+
+
+def grpo_trainer(
+    kind: str,
+    model: Any,
+    processor: Any,
+    module: Any,
+    config: Any,
+    paths: list[list[Path]],
+    workdir: Path,
+    cls: type | None = None,
+    **kwargs: Any,
+) -> Any:
+    """The trainer of ``kind`` (``cls`` overrides its class) on ``paths``: vanilla TRL on an in-memory dataset,
+    ours on JSONL rows through the package's data pipeline. ``kwargs`` go to the trainer."""
+    from trl import GRPOTrainer
+
+    from vlm_grpo.trainer import VLMGRPOTrainer
+
     if kind == "vanilla":
-        cls = timed_trainer_class(GRPOTrainer)
+        cls = cls or GRPOTrainer
         dataset = vanilla_dataset(paths)
-        kwargs: dict[str, Any] = {}
     else:
-        cls = timed_trainer_class(VLMGRPOTrainer)
+        cls = cls or VLMGRPOTrainer
         dataset = ours_dataset(paths, workdir, module, processor)
-        kwargs = {"vlm_module": module}
-    cls.timer = timer
-    trainer = cls(
+        kwargs = {"vlm_module": module, **kwargs}
+    return cls(
         model=model,
         reward_funcs=[length_reward],
         args=config,
         train_dataset=dataset,
         processing_class=processor,
-        callbacks=[OptimizerTimer(timer)],
         **kwargs,
+    )
+
+
+def run_one(kind: str, args: argparse.Namespace, scenario: Scenario, workdir: Path, paths) -> Result:
+    from trl import GRPOTrainer
+
+    from vlm_grpo.trainer import VLMGRPOTrainer
+
+    device = torch.device(args.device)
+    model, processor, module = build_policy(args, workdir, kind.partition(":")[0])
+    n_params = sum(p.numel() for p in model.parameters())
+    config = grpo_config(kind, args, scenario, workdir, args.warmup + args.steps)
+    timer = PhaseTimer(device)
+    time_vision(model, module, timer)
+    cls = timed_trainer_class(GRPOTrainer if kind == "vanilla" else VLMGRPOTrainer)
+    cls.timer = timer
+    trainer = grpo_trainer(
+        kind, model, processor, module, config, paths, workdir, cls=cls, callbacks=[OptimizerTimer(timer)]
     )
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,3 +26,29 @@ def test_bench_grpo_tiny_cpu_prints_both_rows(tmp_path):
     assert [r["trainer"] for r in payload["results"]] == ["vanilla", "ours"]
     for r in payload["results"]:
         assert r["samples_per_s"] > 0 and r["phases_s"]["generation"] > 0 and r["completion_tokens"] > 0
+
+
+def test_max_fit_tiny_cpu_doubles_then_bisects(tmp_path):
+    """Both modes train real steps; a simulated OOM above 2 prompts drives doubling (1, 2, 4) then bisection (3)."""
+    out = tmp_path / "max_fit.json"
+    cmd = [
+        sys.executable, str(REPO / "benchmarks" / "max_fit.py"), "--preset", "tiny", "--device", "cpu",
+        "--modes", "full", "lora", "--max_prompts", "4", "--num_generations", "2", "--simulate_oom_above", "2",
+        "--out", str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # tiny models run fastest on one thread
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = result.stdout[result.stdout.index("preset") :]
+    rows = [line.split() for line in table.splitlines()[2:] if line.strip()]
+    assert [r[:2] for r in rows] == [["tiny_qwen2_5_vl", "full"], ["tiny_qwen2_5_vl", "lora"]]
+    payload = json.loads(out.read_text())
+    assert payload["device"] == "cpu" and payload["args"]["image_size"] == 56
+    for r in payload["results"]:
+        assert r["status"] == "ok" and r["fits_one_prompt"] and not r["capped"]
+        assert (r["largest_prompts"], r["samples_per_step"], r["first_oom_prompts"]) == (2, 4, 3)
+        assert [(t["prompts"], t["fits"]) for t in r["tries"]] == [(1, True), (2, True), (4, False), (3, False)]
+        assert r["peak_gib"] > 0 and all(t["seconds"] > 0 for t in r["tries"])
+        assert "OOM in loss forward" in r["tries"][-1]["error"]
+    full, lora = payload["results"]
+    assert 0 < lora["trainable_params"] < full["trainable_params"] == full["params"]

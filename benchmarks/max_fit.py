@@ -424,6 +424,7 @@ def card_memory_gib(args: argparse.Namespace) -> float:
     device = torch.device(args.device)
     if device.type != "cuda":
         return args.memory_limit_gib or float("inf")
+    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
     total = torch.cuda.get_device_properties(device).total_memory / GIB
     if args.memory_limit_gib is not None and args.memory_limit_gib < total:
         torch.cuda.set_per_process_memory_fraction(args.memory_limit_gib / total, device)

@@ -185,24 +185,95 @@ def test_shared_pass_processes_each_image_once(tiny_models, rows_file, tmp_path)
     assert calls == [unique_rows], (calls, unique_rows, int(inputs["pixel_values"].shape[0]))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_shared_prefill_generation_gives_the_same_greedy_tokens(family, tiny_models, rows_file, tmp_path):
+def _tokenized_batch(trainer):
     from trl.data_utils import prepare_multimodal_messages
 
-    trainer = make_trainer(tiny_models[family], rows_file, tmp_path)
-    trainer.generation_config.do_sample = False
-    trainer.generation_config.min_new_tokens = trainer.generation_config.max_new_tokens  # no early stop
     batch = next(iter(trainer.get_train_dataloader()))
     prompts = [prepare_multimodal_messages(x["prompt"], images=x["images"]) for x in batch]
-    prompt_ids, images, fields = trainer._tokenize_prompts(prompts)
+    return trainer._tokenize_prompts(prompts)
+
+
+def _generate_both(trainer, monkeypatch, seed=0):
+    """(ours, plain TRL, which decoder ours used): the same batch, the same RNG state for both."""
+    import vlm_grpo.decode as decode
+
+    used = []
+    real = decode.fast_decode
+    monkeypatch.setattr(decode, "fast_decode", lambda *a, **k: used.append("fast") or real(*a, **k))
+    prompt_ids, images, fields = _tokenized_batch(trainer)
+    torch.manual_seed(seed)
+    ours, _ = trainer._generate_single_turn(prompt_ids, images, fields, G)
+    torch.manual_seed(seed)
+    plain, _ = GRPOTrainer._generate_single_turn(trainer, prompt_ids, images, fields, G)
+    return ours, plain, used
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast_decode", "generate"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_shared_prefill_generation_gives_the_same_greedy_tokens(family, fast, tiny_models, rows_file, tmp_path,
+                                                                monkeypatch):  # fmt: skip
+    trainer = make_trainer(tiny_models[family], rows_file, tmp_path)
+    trainer.args.fast_decode = fast
+    trainer.generation_config.do_sample = False
+    trainer.generation_config.min_new_tokens = trainer.generation_config.max_new_tokens  # no early stop
+    trainer.generation_config.repetition_penalty = 5.0  # tiny random models repeat one token otherwise
     calls = []
     handle = trainer.vlm_module  # count prefill work through the vision tower
     tower = dict(trainer.model.named_modules())[handle.vision_prefixes[0]]
     hook = tower.register_forward_hook(lambda m, a, o: calls.append(1))
     try:
-        ours, _ = trainer._generate_single_turn(prompt_ids, images, fields, G)
+        ours, plain, used = _generate_both(trainer, monkeypatch)
     finally:
         hook.remove()
-    plain, _ = GRPOTrainer._generate_single_turn(trainer, prompt_ids, images, fields, G)
     assert ours == plain
-    assert len(calls) == 1  # one vision pass, over the unique images only
+    assert all(len(set(c)) > 2 for c in ours)  # varied tokens: a sequence the comparison can tell apart
+    assert used == (["fast"] if fast else [])
+    assert len(calls) == 2  # ours: one vision pass over the unique images; the plain path: one more
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fast_decode_samples_what_generate_samples(family, tiny_models, rows_file, tmp_path, monkeypatch):
+    """Same RNG state, same logits processors: the sampled tokens are the same as generate's."""
+    trainer = make_trainer(tiny_models[family], rows_file, tmp_path)
+    config = trainer.generation_config
+    config.temperature, config.top_k, config.top_p, config.repetition_penalty = 0.7, 50, 0.9, 1.2
+    config.min_new_tokens = config.max_new_tokens
+    ours, plain, used = _generate_both(trainer, monkeypatch, seed=5)
+    assert used == ["fast"] and ours == plain
+    assert len({tuple(c) for c in ours}) > 2  # really sampled: the G copies of a prompt differ
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_fast_decode_stops_rows_at_eos_like_generate(attn, tiny_models, rows_file, tmp_path, monkeypatch):
+    trainer = make_trainer(tiny_models["qwen2_5_vl"], rows_file, tmp_path, attn=attn)
+    trainer.generation_config.repetition_penalty = 2.0  # sampled rows that differ from each other
+    first, _, _ = _generate_both(trainer, monkeypatch)
+    # Make a token that some rows emit and others do not an EOS: those rows end there, the others go on.
+    def cut(row, tok):
+        return row.index(tok) + 1 if tok in row else len(row)
+
+    eos = next(t for row in first for t in row if len({cut(r, t) for r in first}) > 1)
+    trainer.generation_config.eos_token_id = [eos]
+    trainer.eos_token_ids = [eos]
+    ours, plain, used = _generate_both(trainer, monkeypatch)
+    assert used == ["fast"] and ours == plain
+    assert sorted(len(c) for c in ours) == sorted(cut(r, eos) for r in first)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fast_decode_on_text_only_prompts_of_different_lengths(family, tiny_models, tmp_path, monkeypatch):
+    """No images: positions come from the attention mask (left padding), mrope deltas are zero."""
+    rows = [
+        {"conversations": [{"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "1"}]},
+        {"conversations": [{"from": "human", "value": "Count the words in this longer question now."},
+                           {"from": "gpt", "value": "2"}]},
+    ]  # fmt: skip
+    path = tmp_path / "text.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    trainer = make_trainer(tiny_models[family], path, tmp_path)
+    trainer.generation_config.do_sample = False
+    trainer.generation_config.min_new_tokens = trainer.generation_config.max_new_tokens
+    trainer.generation_config.repetition_penalty = 5.0
+    ours, plain, used = _generate_both(trainer, monkeypatch)
+    assert used == ["fast"] and ours == plain
+    assert all(len(set(c)) > 2 for c in ours)

@@ -130,6 +130,16 @@ class VLMGRPOConfig(GRPOConfig):
         },
     )
 
+    fast_decode: bool = field(
+        default=True,
+        metadata={
+            "help": "With share_prefill: decode from a static KV cache with the decode step captured in a CUDA "
+            "graph (GPU; the same loop runs eagerly on CPU). Sampling uses generate's own logits processors, "
+            "so greedy outputs equal generate's (tested). Falls back to generate for flash/flex attention, "
+            "sliding-window layers, beam search, stop strings, and ZeRO-3 without ds3_gather_for_generation."
+        },
+    )
+
     def __post_init__(self) -> None:
         apply_device_defaults(self)
         super().__post_init__()

@@ -19,10 +19,14 @@ and policy log-probs all go through the same path.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -219,6 +223,8 @@ def shared_prefill_generate(
     ids, mask = _left_pad(prompt_ids, pad_id, device)
     fields = {k: v.to(device) for k, v in multimodal_fields.items() if isinstance(v, torch.Tensor)}
     per_token = {k: v for k, v in multimodal_fields.items() if isinstance(v, list)}
+    if isinstance(multimodal_fields.get("pixel_values"), list):  # e.g. InternVL: TRL stacks it for generate
+        fields["pixel_values"] = torch.tensor(np.array(per_token.pop("pixel_values")), device=device)
     if set(fields) - {"pixel_values", "image_grid_thw"} or set(per_token) - {"mm_token_type_ids"}:
         return None
     mm: dict[str, Any] = dict(fields)
@@ -253,23 +259,40 @@ def shared_prefill_generate(
         from transformers import DynamicCache
 
         cache = DynamicCache(config=unwrapped.config)
-        prefill = {k: (v[:, :-1] if k == "mm_token_type_ids" else v) for k, v in inputs.items()}
-        unwrapped(input_ids=lead_ids[:, :-1], attention_mask=lead_mask[:, :-1], **_cache_kwarg(unwrapped, cache),
-                  use_cache=True, **prefill)  # fmt: skip
-        cache.batch_select_indices(index)
         base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
         backbone = getattr(base, "model", base)
-        if getattr(backbone, "rope_deltas", None) is not None:
-            backbone.rope_deltas = backbone.rope_deltas[index]
-        extra = {"mm_token_type_ids": inputs["mm_token_type_ids"][index]} if "mm_token_type_ids" in inputs else {}
-        out = unwrapped.generate(
-            input_ids=lead_ids[index],
-            attention_mask=lead_mask[index],
-            generation_config=trainer.generation_config,
-            **_cache_kwarg(unwrapped, cache),
-            **extra,
-        )
-    completions = out[:, lead_ids.size(1) :].tolist()
+        prefill = {k: (v[:, :-1] if k == "mm_token_type_ids" else v) for k, v in inputs.items()}
+        prefill["attention_mask"] = lead_mask[:, :-1]
+        # The positions generate itself would use (mask-aware; mrope for Qwen, which also sets rope_deltas).
+        positions = _generation_positions(base, lead_ids[:, :-1], prefill)
+        if positions is not None:
+            prefill["position_ids"] = positions
+        unwrapped(input_ids=lead_ids[:, :-1], **_cache_kwarg(unwrapped, cache), use_cache=True, **prefill)
+        decode_positions = _next_positions(positions, getattr(backbone, "rope_deltas", None))
+        reason = _fast_decode_blocker(trainer, unwrapped, decode_positions)
+        if reason is None:
+            from vlm_grpo.decode import fast_decode
+
+            generated = fast_decode(
+                unwrapped, cache, index, lead_ids[index], lead_mask[index], decode_positions,
+                trainer.generation_config, use_graph=device.type == "cuda",
+            )  # fmt: skip
+        else:
+            if getattr(trainer.args, "fast_decode", False):
+                _warn_once(f"fast_decode is off for this run: {reason}; decoding with generate")
+            cache.batch_select_indices(index)
+            if getattr(backbone, "rope_deltas", None) is not None:
+                backbone.rope_deltas = backbone.rope_deltas[index]
+            extra = {"mm_token_type_ids": inputs["mm_token_type_ids"][index]} if "mm_token_type_ids" in inputs else {}
+            out = unwrapped.generate(
+                input_ids=lead_ids[index],
+                attention_mask=lead_mask[index],
+                generation_config=trainer.generation_config,
+                **_cache_kwarg(unwrapped, cache),
+                **extra,
+            )
+            generated = out[:, lead_ids.size(1) :]
+    completions = generated.tolist()
     eos = set(trainer.eos_token_ids)
     result: list[list[int]] = [[] for _ in prompt_ids]
     for row, tokens in zip(order, completions, strict=True):
@@ -284,3 +307,44 @@ def _cache_kwarg(model: Any, cache: Any) -> dict[str, Any]:
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT hides the signature
     return {"cache": cache} if "cache" in inspect.signature(base.forward).parameters else {"past_key_values": cache}
+
+
+def _generation_positions(base: Any, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """Prefill positions exactly as ``generate`` computes them (mask-aware; Qwen: text + 3-D mrope rows)."""
+    prepare = getattr(base, "_prepare_position_ids_for_generation", None)
+    if prepare is None:
+        return None
+    return prepare(input_ids, {**kwargs, "input_ids": input_ids})
+
+
+def _next_positions(positions: torch.Tensor | None, rope_deltas: torch.Tensor | None) -> torch.Tensor | None:
+    """Rotary position of each prompt's last token: ``(U,)``, or ``(3, U)`` for mrope (text position + delta)."""
+    if positions is None:
+        return None
+    if positions.ndim == 2:
+        return positions[:, -1] + 1
+    if positions.size(0) != 4 or rope_deltas is None:
+        return None
+    return (positions[0, :, -1] + 1 + rope_deltas.reshape(-1)).expand(3, -1)
+
+
+def _fast_decode_blocker(trainer: Any, model: Any, positions: torch.Tensor | None) -> str | None:
+    from vlm_grpo.decode import unsupported_reason
+
+    if not getattr(trainer.args, "fast_decode", False):
+        return "turned off"
+    if positions is None:
+        return "this model's generation positions are not known"
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    if plugin is not None and plugin.zero_stage == 3 and not trainer.args.ds3_gather_for_generation:
+        return "ZeRO-3 without ds3_gather_for_generation (parameters stay partitioned during generation)"
+    return unsupported_reason(model, trainer.generation_config)
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message)

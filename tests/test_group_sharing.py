@@ -248,6 +248,7 @@ def test_fast_decode_stops_rows_at_eos_like_generate(attn, tiny_models, rows_fil
     trainer = make_trainer(tiny_models["qwen2_5_vl"], rows_file, tmp_path, attn=attn)
     trainer.generation_config.repetition_penalty = 2.0  # sampled rows that differ from each other
     first, _, _ = _generate_both(trainer, monkeypatch)
+
     # Make a token that some rows emit and others do not an EOS: those rows end there, the others go on.
     def cut(row, tok):
         return row.index(tok) + 1 if tok in row else len(row)

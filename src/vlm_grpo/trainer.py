@@ -118,9 +118,10 @@ class VLMGRPOTrainer(CheckpointReloadMixin, GRPOTrainer):
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Rows that share a prompt share one forward (``share_prompt``); see :mod:`vlm_grpo.sharing`."""
         extra = {k for k, v in mm.items() if v is not None} - self._SHARED_MM_KEYS
-        if getattr(self.args, "share_prompt", False) and not compute_aux_loss and not extra:
+        if getattr(self.args, "share_prompt", False):  # every rank asks: ranks decide together
+            usable = not compute_aux_loss and not extra
             result = packed_logps(
-                self, model, input_ids, attention_mask, logits_to_keep, compute_entropy, mm, batch_size
+                self, model, input_ids, attention_mask, logits_to_keep, compute_entropy, mm, batch_size, usable
             )
             if result is not None:
                 return (*result, None)

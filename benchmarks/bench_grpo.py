@@ -278,11 +278,12 @@ def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
     return name, overrides
 
 
-def build_policy(args: argparse.Namespace, workdir: Path, tag: str) -> tuple[Any, Any, Any]:
+def build_policy(args: argparse.Namespace, workdir: Path, tag: str, lora_r: int = 0) -> tuple[Any, Any, Any]:
     """(model, processor, adapter) of ``args.preset`` with random weights, on ``args.device`` in ``args.dtype``.
 
     A reference model (beta > 0) is loaded by TRL from the policy's path: the weights are saved under
-    ``workdir/model_<tag>`` then.
+    ``workdir/model_<tag>`` then. ``lora_r > 0`` wraps the model in LoRA on the language model with the
+    vision tower frozen (the targets the package picks), once, so every trainer trains the same adapter.
     """
     from vlm_grpo.modules import get_vlm_module
     from vlm_grpo.testing.tiny import build_model, get_preset
@@ -294,6 +295,14 @@ def build_policy(args: argparse.Namespace, workdir: Path, tag: str) -> tuple[Any
         model.config._name_or_path = str(ref_dir)
     module = get_vlm_module("", get_preset(args.preset).family)
     processor.tokenizer.padding_side = "left"
+    if lora_r:
+        from peft import LoraConfig, get_peft_model
+
+        from vlm_grpo.trainer_common import apply_adapter_options
+
+        lora = LoraConfig(r=lora_r, lora_alpha=2 * lora_r, lora_dropout=0.05, task_type="CAUSAL_LM")
+        apply_adapter_options(module, model, lora, freeze_vision_modules=True)
+        model = get_peft_model(model, lora)
     return model, processor, module
 
 
@@ -372,7 +381,7 @@ def run_one(kind: str, args: argparse.Namespace, scenario: Scenario, workdir: Pa
     from vlm_grpo.trainer import VLMGRPOTrainer
 
     device = torch.device(args.device)
-    model, processor, module = build_policy(args, workdir, kind.partition(":")[0])
+    model, processor, module = build_policy(args, workdir, kind.partition(":")[0], lora_r=args.lora_r)
     n_params = sum(p.numel() for p in model.parameters())
     config = grpo_config(kind, args, scenario, workdir, args.warmup + args.steps)
     timer = PhaseTimer(device)
@@ -461,6 +470,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--beta", type=float, default=0.0, help="KL coefficient (TRL's default 0); > 0 adds a reference pass"
     )
     p.add_argument("--gradient_checkpointing", type=lambda s: s.lower() in ("1", "true", "yes"), default=True)
+    p.add_argument("--lora_r", type=int, default=0, help="> 0: every trainer trains the same LoRA (language model)")
     p.add_argument(
         "--trainers",
         nargs="+",

@@ -208,17 +208,9 @@ class ModeRun:
         self.args, self.mode, self.scenario, self.workdir, self.paths = args, mode, scenario, workdir, paths
         self.device = torch.device(args.device)
         self.phase = Phase()
-        model, processor, module = build_policy(args, workdir, mode)
-        if mode == "lora":
-            # LoRA on the language model, vision frozen: what the trainer does with a peft_config (the
-            # package picks the targets, TRL calls get_peft_model), done once here so tries reuse it.
-            from peft import LoraConfig, get_peft_model
-
-            from vlm_grpo.trainer_common import apply_adapter_options
-
-            lora = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.05, task_type="CAUSAL_LM")
-            apply_adapter_options(module, model, lora, freeze_vision_modules=True)
-            model = get_peft_model(model, lora)
+        # LoRA on the language model, vision frozen (the package picks the targets), built once so tries reuse it.
+        lora_r = args.lora_r if mode == "lora" else 0
+        model, processor, module = build_policy(args, workdir, mode, lora_r=lora_r)
         self.model, self.processor, self.module = model, processor, module
 
     def attempt(self, prompts: int) -> Try:

@@ -106,3 +106,39 @@ def test_deepspeed_trains_saves_and_reloads(stage, tiny_models, dataset, tmp_pat
         expected = json.loads((plain / "losses0.json").read_text())
         for shared_step, plain_step in zip(json.loads((out / "losses0.json").read_text()), expected, strict=True):
             assert shared_step == pytest.approx(plain_step, rel=1e-4, abs=1e-6)
+
+
+@pytest.fixture(scope="module")
+def mixed_reference(tiny_models, tmp_path_factory):
+    """One text-only and one image row: every step, one rank's batch is text-only and the other's has images.
+    The DDP run (no sharding, no dummy pass) is the reference for the ZeRO runs."""
+    root = tmp_path_factory.mktemp("mixed_ref")
+    data, plugin = make_dataset(root / "data", kinds=("single", "text"), n=1)
+    out = root / "ddp"
+    torchrun(base_args(tiny_models["qwen2_5_vl"], data, plugin, out))
+    return data, plugin, out
+
+
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_deepspeed_mixed_text_and_image_ranks_train_the_vision_tower(stage, tiny_models, mixed_reference, tmp_path):
+    """ZeRO-2/3 with a trainable vision tower, one rank text-only and the other with images in the same step:
+    the ranks' collectives used to part ways (gloo: 'Received data size doesn't match expected size'). The
+    text-only rank now runs the tower on a dummy image (zero-weighted), and training equals the DDP run."""
+    data, plugin, reference = mixed_reference
+    model_dir = tiny_models["qwen2_5_vl"]
+    out = tmp_path / stage
+    torchrun([*base_args(model_dir, data, plugin, out), "--deepspeed", str(REPO / "local_scripts" / f"{stage}.json")])
+    assert json.loads((out / "rank1.json").read_text()) == {"world_size": 2, "step": 2}
+    dummy = [json.loads((out / f"vision{rank}.json").read_text())["dummy_passes"] for rank in (0, 1)]
+    assert sum(dummy) >= 2, dummy  # a text-only rank in both steps (generation prefill + loss pass at least)
+
+    after = dict(AutoModelForImageTextToText.from_pretrained(out).named_parameters())
+    before = original_params(model_dir)
+    vision = [k for k in before if k.startswith("model.visual.")]
+    assert vision and all(not torch.equal(before[k], after[k].detach()) for k in vision)  # the tower trained
+    expected = torch.load(reference / "rank0.pt")
+    for name, value in expected.items():
+        torch.testing.assert_close(after[name].detach(), value, rtol=1e-4, atol=1e-5, msg=name)
+    losses = json.loads((out / "losses0.json").read_text())
+    for step, ref_step in zip(losses, json.loads((reference / "losses0.json").read_text()), strict=True):
+        assert step == pytest.approx(ref_step, rel=1e-4, abs=1e-6)

@@ -114,19 +114,23 @@ def packed_logps(
     compute_entropy: bool,
     mm: dict[str, Any],
     batch_size: int | None = None,
+    usable: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Per-token log-probs (and entropies) of the completions, one packed forward per chunk of groups.
 
     ``batch_size`` bounds the rows a forward covers (whole groups; None: one forward, as the training pass
-    needs). Returns None when no two rows share a prompt (nothing to gain): the caller falls back to TRL.
+    needs). Returns None when no two rows share a prompt (nothing to gain) or ``usable`` is False (inputs
+    the packed pass does not know), on any rank: all ranks take the same path (see ``_all_ranks_agree``),
+    and the caller falls back to TRL.
     """
     C = logits_to_keep
     prompt_ids, prompt_mask = input_ids[:, :-C], attention_mask[:, :-C]
     module = trainer.vlm_module
-    groups = plan_groups(
-        prompt_ids, prompt_mask, mm.get("pixel_values"), mm.get("num_images"), module.units_per_sample(mm)
-    )
-    if len(groups) == input_ids.size(0):
+    groups = None
+    if usable:
+        units = module.units_per_sample(mm)
+        groups = plan_groups(prompt_ids, prompt_mask, mm.get("pixel_values"), mm.get("num_images"), units)
+    if not _all_ranks_agree(trainer, groups is not None and len(groups) < input_ids.size(0)):
         return None
     chunks: list[list[Group]] = [[]]
     for group in groups:
@@ -204,6 +208,38 @@ def _left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor,
     return ids, mask
 
 
+def _plan_shared_prefill(
+    module: Any, ids: torch.Tensor, mask: torch.Tensor, fields: dict, per_token: dict, images: list | None
+) -> list[Group] | None:
+    """The groups to prefill once each, or None for inputs this path does not know."""
+    if set(fields) - {"pixel_values", "image_grid_thw"} or set(per_token) - {"mm_token_type_ids"}:
+        return None
+    mm: dict[str, Any] = dict(fields)
+    if images is not None:
+        mm["num_images"] = [len(x) if x else 0 for x in images]
+    units = module.units_per_sample(mm) if "pixel_values" in mm else None
+    if "pixel_values" in mm and (units is None or sum(units) != mm["pixel_values"].size(0)):
+        return None  # e.g. InternVL tiles whose per-sample count is not known here
+    return plan_groups(ids, mask, mm.get("pixel_values"), mm.get("num_images"), units)
+
+
+def _all_ranks_agree(trainer: Any, use_shared: bool) -> bool:
+    """Whether every rank takes the shared path (multi-process runs decide together).
+
+    Under ZeRO-3 (and FSDP) every top-level forward is a collective point (DeepSpeed's start-of-forward
+    hook, ``generate``'s ``synced_gpus`` steps) and every module's parameters are gathered as it runs.
+    The shared prefill runs one forward more than TRL's generation, and the packed log-prob pass calls
+    the LM head differently and chunks rows differently. A rank whose batch cannot share (e.g. InternVL
+    multi-tile images) while another's can (e.g. text only) would leave the ranks' collectives apart:
+    all share or none does.
+    """
+    accelerator = trainer.accelerator
+    if accelerator.num_processes <= 1:
+        return use_shared
+    flag = torch.tensor([1 if use_shared else 0], device=accelerator.device)
+    return bool(accelerator.gather(flag).min().item())
+
+
 def shared_prefill_generate(
     trainer: Any, prompt_ids: list[list[int]], images: list | None, multimodal_fields: dict[str, Any]
 ) -> list[list[int]] | None:
@@ -225,17 +261,12 @@ def shared_prefill_generate(
     per_token = {k: v for k, v in multimodal_fields.items() if isinstance(v, list)}
     if isinstance(multimodal_fields.get("pixel_values"), list):  # e.g. InternVL: TRL stacks it for generate
         fields["pixel_values"] = torch.tensor(np.array(per_token.pop("pixel_values")), device=device)
-    if set(fields) - {"pixel_values", "image_grid_thw"} or set(per_token) - {"mm_token_type_ids"}:
+    groups = _plan_shared_prefill(module, ids, mask, fields, per_token, images)
+    if not _all_ranks_agree(trainer, groups is not None and len(groups) < len(prompt_ids)):
         return None
     mm: dict[str, Any] = dict(fields)
     if images is not None:
         mm["num_images"] = [len(x) if x else 0 for x in images]
-    units = module.units_per_sample(mm) if "pixel_values" in mm else None
-    if "pixel_values" in mm and (units is None or sum(units) != mm["pixel_values"].size(0)):
-        return None  # e.g. InternVL tiles whose per-sample count is not known here
-    groups = plan_groups(ids, mask, mm.get("pixel_values"), mm.get("num_images"), units)
-    if len(groups) == len(prompt_ids):
-        return None
 
     leaders = [g.rows[0] for g in groups]
     lead_ids, lead_mask = _left_pad([prompt_ids[r] for r in leaders], pad_id, device)

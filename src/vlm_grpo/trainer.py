@@ -21,6 +21,7 @@ from vlm_grpo.modules import VLMModule
 from vlm_grpo.rewards import build_reward_funcs
 from vlm_grpo.sharing import packed_logps, shared_prefill_generate
 from vlm_grpo.trainer_common import CheckpointReloadMixin, prepare_vlm
+from vlm_grpo.vision_sync import install_vision_sync, needs_vision_sync
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,13 @@ class VLMGRPOTrainer(CheckpointReloadMixin, GRPOTrainer):
             # images: with a text-only batch on one rank and images on another the run deadlocks.
             logger.warning("log_multimodal is turned off in multi-process runs (TRL deadlocks on mixed batches)")
             self.log_multimodal = False
+        self._vision_syncs = []
+        if needs_vision_sync(self.accelerator, self.model, vlm_module):
+            # Sharded runs: a rank without images must still run the vision tower where the others do.
+            for target in (self.model, self.ref_model):
+                sync = install_vision_sync(vlm_module, target) if target is not None else None
+                if sync is not None:
+                    self._vision_syncs.append(sync)
 
     def _warn_if_groups_split(self) -> None:
         """Sharing needs a group's rows in the same micro-batch; say so when the batch shape splits groups.
@@ -118,9 +126,10 @@ class VLMGRPOTrainer(CheckpointReloadMixin, GRPOTrainer):
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Rows that share a prompt share one forward (``share_prompt``); see :mod:`vlm_grpo.sharing`."""
         extra = {k for k, v in mm.items() if v is not None} - self._SHARED_MM_KEYS
-        if getattr(self.args, "share_prompt", False) and not compute_aux_loss and not extra:
+        if getattr(self.args, "share_prompt", False):  # every rank asks: ranks decide together
+            usable = not compute_aux_loss and not extra
             result = packed_logps(
-                self, model, input_ids, attention_mask, logits_to_keep, compute_entropy, mm, batch_size
+                self, model, input_ids, attention_mask, logits_to_keep, compute_entropy, mm, batch_size, usable
             )
             if result is not None:
                 return (*result, None)

@@ -223,6 +223,34 @@ class VLMModule(GroupSharingMixin):
         _TEMPLATE_OVERHEAD[processor] = (template, overhead)
         return overhead
 
+    # ----------------------------------------------------------------- multi-process vision sync
+    def dummy_image_inputs(self, backbone: torch.nn.Module, device: Any) -> dict[str, Any]:
+        """Keyword arguments for ``backbone.get_image_features`` that encode one smallest blank image.
+
+        Used by :mod:`vlm_grpo.vision_sync` on ranks whose batch has no images.
+        """
+        raise NotImplementedError(f"the '{self.name}' adapter has no dummy image for multi-process vision sync")
+
+    def dummy_vision_sum(self, backbone: torch.nn.Module, device: Any) -> torch.Tensor:
+        """Sum of every vision output the language model would consume, for one dummy image.
+
+        That is the projected features (``pooler_output``) and, where the family has them, the deepstack
+        features: the same parameters get gradients as in a real image pass, no more.
+        """
+        out = backbone.get_image_features(**self.dummy_image_inputs(backbone, device), return_dict=True)
+        tensors: list[torch.Tensor] = []
+
+        def collect(value: Any) -> None:
+            if isinstance(value, torch.Tensor):
+                tensors.append(value)
+            elif isinstance(value, (list, tuple)):
+                for item in value:
+                    collect(item)
+
+        collect(getattr(out, "pooler_output", None))
+        collect(getattr(out, "deepstack_features", None))
+        return sum(t.float().sum() for t in tensors)
+
     def coord_size(self, processor: Any, width: int, height: int) -> tuple[int, int]:
         """Width and height of the frame in which the model writes box coordinates for such an image.
 

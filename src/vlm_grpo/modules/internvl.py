@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import torch
+
 from vlm_grpo.modules.base import VLMModule, rec_template
 
 
@@ -39,3 +41,9 @@ class InternVLModule(VLMModule):
         """InternVL pixel values are tiles, a variable count per image: TRL counts them per sample
         (``num_tiles``), and leaves them out when every image is one tile."""
         return mm.get("num_tiles") or mm.get("num_images")
+
+    def dummy_image_inputs(self, backbone: torch.nn.Module, device: Any) -> dict[str, Any]:
+        """One blank tile at the vision tower's input size."""
+        vision = backbone.config.vision_config
+        height, width = vision.image_size
+        return {"pixel_values": torch.zeros(1, vision.num_channels, height, width, device=device)}

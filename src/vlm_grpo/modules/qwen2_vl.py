@@ -64,6 +64,17 @@ class Qwen2VLModule(VLMModule):
         pads = (w // ip.patch_size) * (h // ip.patch_size) // ip.merge_size**2
         return pads + self.image_template_overhead(processor)
 
+    def dummy_image_inputs(self, backbone: torch.nn.Module, device: Any) -> dict[str, Any]:
+        """One ``merge x merge`` grid of blank patches (the smallest image the merger accepts)."""
+        visual = backbone.visual
+        embed = visual.patch_embed
+        merge = visual.spatial_merge_size
+        width = embed.in_channels * embed.temporal_patch_size * embed.patch_size**2
+        return {
+            "pixel_values": torch.zeros(merge * merge, width, device=device),
+            "image_grid_thw": torch.tensor([[1, merge, merge]], device=device),
+        }
+
     # ----------------------------------------------------------------- group sharing (vlm_grpo.sharing)
     def units_per_sample(self, mm: dict[str, Any]) -> list[int] | None:
         grid, num_images = mm.get("image_grid_thw"), mm.get("num_images")

@@ -4,7 +4,7 @@
 # Each run trains STEPS steps on a mix of image and text-only rows (the ZeRO-3 hang case), saves,
 # resumes for 2 more steps, and the result reloads with from_pretrained. One line per run.
 #   NPROC=2 PRESET=qwen2_5_vl_3b bash benchmarks/dist_checks.sh [RUN ...]
-# RUN names: zero3_full zero2_lora zero3_lora zero2_full zero3_offload_full (default: all).
+# RUN names: zero3_full zero3_vision zero2_lora zero3_lora zero2_full zero3_offload_full (default: all).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 NPROC="${NPROC:-2}"
@@ -14,7 +14,7 @@ WORK="${WORK:-/tmp/dist_checks}"
 PER_RUN_TIMEOUT="${PER_RUN_TIMEOUT:-240}"
 PY="${PYTHON:-python3}"
 RUNS=("$@")
-[ ${#RUNS[@]} -eq 0 ] && RUNS=(zero3_full zero2_lora zero3_lora zero2_full zero3_offload_full)
+[ ${#RUNS[@]} -eq 0 ] && RUNS=(zero3_full zero3_vision zero2_lora zero3_lora zero2_full zero3_offload_full)
 mkdir -p "$WORK"
 
 MODEL="$WORK/model_$PRESET"
@@ -73,6 +73,7 @@ PY
 for r in "${RUNS[@]}"; do
   case $r in
     zero3_full) run zero3_full zero3 --freeze_vision_modules true ;;
+    zero3_vision) run zero3_vision zero3 ;;  # trainable vision tower on mixed text-only / image batches
     zero2_lora) run zero2_lora zero2 --use_peft true --lora_r 16 --lora_alpha 32 --freeze_vision_modules true ;;
     zero3_lora) run zero3_lora zero3 --use_peft true --lora_r 16 --lora_alpha 32 ;;
     zero2_full) run zero2_full zero2 ;;

@@ -13,23 +13,18 @@ where the same loop runs without the graph).
 from __future__ import annotations
 
 import copy
-import logging
 from typing import Any
 
 import torch
 
-logger = logging.getLogger(__name__)
+from vlm_grpo.trainer_common import peft_base
 
 _ATTENTION = ("sdpa", "eager")
 
 
-def _base(model: Any) -> Any:
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def unsupported_reason(model: Any, generation_config: Any) -> str | None:
     """Why this model / generation setup must go through ``generate`` instead; None if it need not."""
-    base = _base(model)
+    base = peft_base(model)
     text_config = base.config.get_text_config(decoder=True)
     attn = getattr(text_config, "_attn_implementation", None)
     if attn not in _ATTENTION:
@@ -113,7 +108,7 @@ def fast_decode(
     """
     from transformers import LogitsProcessorList, StaticCache
 
-    base = _base(model)
+    base = peft_base(model)
     decoder, head = base.get_decoder(), base.get_output_embeddings()
     device = input_ids.device
     rows, prompt_len = input_ids.shape

@@ -26,6 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from vlm_grpo.trainer_common import peft_base
+
 logger = logging.getLogger(__name__)
 
 
@@ -156,8 +158,7 @@ def _packed_forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One forward over the packed groups; returns (log-probs, entropies) of their rows, in group order."""
     module = trainer.vlm_module
-    inner = trainer.accelerator.unwrap_model(model)
-    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    inner = peft_base(trainer.accelerator.unwrap_model(model))
     completion_ids, completion_mask = input_ids[:, -C:], attention_mask[:, -C:]
     device = input_ids.device
     block = C + 1
@@ -210,8 +211,8 @@ def _left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor,
 
 def _plan_shared_prefill(
     module: Any, ids: torch.Tensor, mask: torch.Tensor, fields: dict, per_token: dict, images: list | None
-) -> list[Group] | None:
-    """The groups to prefill once each, or None for inputs this path does not know."""
+) -> tuple[list[Group], dict[str, Any]] | None:
+    """The groups to prefill once each and their multimodal inputs, or None for inputs this path does not know."""
     if set(fields) - {"pixel_values", "image_grid_thw"} or set(per_token) - {"mm_token_type_ids"}:
         return None
     mm: dict[str, Any] = dict(fields)
@@ -220,7 +221,7 @@ def _plan_shared_prefill(
     units = module.units_per_sample(mm) if "pixel_values" in mm else None
     if "pixel_values" in mm and (units is None or sum(units) != mm["pixel_values"].size(0)):
         return None  # e.g. InternVL tiles whose per-sample count is not known here
-    return plan_groups(ids, mask, mm.get("pixel_values"), mm.get("num_images"), units)
+    return plan_groups(ids, mask, mm.get("pixel_values"), mm.get("num_images"), units), mm
 
 
 def _all_ranks_agree(trainer: Any, use_shared: bool) -> bool:
@@ -261,12 +262,10 @@ def shared_prefill_generate(
     per_token = {k: v for k, v in multimodal_fields.items() if isinstance(v, list)}
     if isinstance(multimodal_fields.get("pixel_values"), list):  # e.g. InternVL: TRL stacks it for generate
         fields["pixel_values"] = torch.tensor(np.array(per_token.pop("pixel_values")), device=device)
-    groups = _plan_shared_prefill(module, ids, mask, fields, per_token, images)
-    if not _all_ranks_agree(trainer, groups is not None and len(groups) < len(prompt_ids)):
+    plan = _plan_shared_prefill(module, ids, mask, fields, per_token, images)
+    if not _all_ranks_agree(trainer, plan is not None and len(plan[0]) < len(prompt_ids)):
         return None
-    mm: dict[str, Any] = dict(fields)
-    if images is not None:
-        mm["num_images"] = [len(x) if x else 0 for x in images]
+    groups, mm = plan
 
     leaders = [g.rows[0] for g in groups]
     lead_ids, lead_mask = _left_pad([prompt_ids[r] for r in leaders], pad_id, device)
@@ -290,7 +289,7 @@ def shared_prefill_generate(
         from transformers import DynamicCache
 
         cache = DynamicCache(config=unwrapped.config)
-        base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
+        base = peft_base(unwrapped)
         backbone = getattr(base, "model", base)
         prefill = {k: (v[:, :-1] if k == "mm_token_type_ids" else v) for k, v in inputs.items()}
         prefill["attention_mask"] = lead_mask[:, :-1]
@@ -336,7 +335,7 @@ def _cache_kwarg(model: Any, cache: Any) -> dict[str, Any]:
     """transformers renamed ``past_key_values`` to ``cache`` (5.2x); pass whichever this version takes."""
     import inspect
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT hides the signature
+    base = peft_base(model)  # PEFT hides the signature
     return {"cache": cache} if "cache" in inspect.signature(base.forward).parameters else {"past_key_values": cache}
 
 

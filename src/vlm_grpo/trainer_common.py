@@ -10,6 +10,12 @@ from transformers import PreTrainedModel
 
 from vlm_grpo.modules import VLMModule
 
+
+def peft_base(model: Any) -> Any:
+    """The model under a PEFT wrapper (or the model itself): its forward signature and submodules."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 logger = logging.getLogger(__name__)
 
 

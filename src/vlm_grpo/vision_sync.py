@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from vlm_grpo.trainer_common import peft_base
+
 logger = logging.getLogger(__name__)
 
 
@@ -83,7 +85,7 @@ class VisionSync:
 
 def vision_backbone(model: torch.nn.Module) -> torch.nn.Module | None:
     """The ``*Model`` that runs ``get_image_features`` and then ``language_model`` (PEFT unwrapped)."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = peft_base(model)
     backbone = getattr(inner, "model", None)
     if backbone is None or not hasattr(backbone, "get_image_features") or not hasattr(backbone, "language_model"):
         return None

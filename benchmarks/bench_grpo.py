@@ -19,6 +19,7 @@ import argparse
 import gc
 import itertools
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -183,6 +184,29 @@ class OptimizerTimer(TrainerCallback):
         self.timer.sync()
         self.timer.totals["_wall"] += time.perf_counter() - self.step_start
         self.timer.close_step()
+
+
+class StepProfiler(TrainerCallback):
+    """torch.profiler over one extra step after the measured ones; writes the top ops by device time."""
+
+    def __init__(self, step: int, path: Path) -> None:
+        self.step, self.path, self.prof = step, path, None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(activities=activities)
+            self.prof.__enter__()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.prof is not None:
+            self.prof.__exit__(None, None, None)
+            sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(self.prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70))
+            self.prof = None
 
 
 def time_vision(model: torch.nn.Module, module: Any, timer: PhaseTimer) -> None:
@@ -383,19 +407,22 @@ def run_one(kind: str, args: argparse.Namespace, scenario: Scenario, workdir: Pa
     device = torch.device(args.device)
     model, processor, module = build_policy(args, workdir, kind.partition(":")[0], lora_r=args.lora_r)
     n_params = sum(p.numel() for p in model.parameters())
-    config = grpo_config(kind, args, scenario, workdir, args.warmup + args.steps)
+    measured_steps = args.warmup + args.steps
+    config = grpo_config(kind, args, scenario, workdir, measured_steps + bool(args.profile_dir))
     timer = PhaseTimer(device)
     time_vision(model, module, timer)
     cls = timed_trainer_class(GRPOTrainer if kind == "vanilla" else VLMGRPOTrainer)
     cls.timer = timer
-    trainer = grpo_trainer(
-        kind, model, processor, module, config, paths, workdir, cls=cls, callbacks=[OptimizerTimer(timer)]
-    )
+    callbacks = [OptimizerTimer(timer)]
+    if args.profile_dir:
+        name = re.sub(r"\W+", "_", f"{scenario.name}_{kind.partition(':')[0]}")
+        callbacks.append(StepProfiler(measured_steps, Path(args.profile_dir) / f"{name}.txt"))
+    trainer = grpo_trainer(kind, model, processor, module, config, paths, workdir, cls=cls, callbacks=callbacks)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     trainer.train()
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    measured = timer.per_step[args.warmup :] or timer.per_step
+    measured = timer.per_step[args.warmup : measured_steps] or timer.per_step
 
     def median(key: str) -> float:
         return statistics.median(step.get(key, 0.0) for step in measured)
@@ -480,6 +507,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--peak_tflops", type=float, default=None, help="card's dense bf16 peak (default: by name)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile_dir", default=None, help="profile one extra step per run; top ops written here")
     p.add_argument("--out", default="bench_results.json")
     args = p.parse_args(argv)
     if args.preset == "tiny":
@@ -503,7 +531,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
         for scenario in scenarios:
             workdir = Path(tmp) / scenario.name.replace(" ", "_")
             workdir.mkdir(parents=True)
-            n_prompts = args.prompts_per_step * (args.warmup + args.steps)
+            n_prompts = args.prompts_per_step * (args.warmup + args.steps + bool(args.profile_dir))
             paths = write_images(workdir, scenario, n_prompts, args.seed)
             for kind in args.trainers:
                 result = run_one(kind, args, scenario, workdir, paths)

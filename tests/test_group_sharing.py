@@ -47,7 +47,7 @@ def rows_file(tmp_path_factory):
     return path
 
 
-def make_trainer(model_dir, rows_file, tmp_path, attn="sdpa", lora=False, max_anyres_num=None):
+def make_trainer(model_dir, rows_file, tmp_path, attn="sdpa", lora=False, max_anyres_num=None, **overrides):
     module = get_vlm_module(str(model_dir), limits=ImageLimits(max_anyres_num=max_anyres_num))
     processor = module.load_processor(str(model_dir))
     model = module.load_model(str(model_dir), dtype=torch.float32, attn_implementation=attn)
@@ -63,9 +63,9 @@ def make_trainer(model_dir, rows_file, tmp_path, attn="sdpa", lora=False, max_an
         per_device_train_batch_size=2 * G,
         num_generations=G,
         max_completion_length=6,
-        gradient_checkpointing=False,
         report_to="none",
         seed=3,
+        **{"gradient_checkpointing": False, **overrides},
     )
     return VLMGRPOTrainer(
         model=model,
@@ -157,7 +157,7 @@ def test_the_parity_test_catches_1d_positions(tiny_models, rows_file, tmp_path, 
 def test_the_parity_test_catches_blocks_that_see_each_other(tiny_models, rows_file, tmp_path, monkeypatch):
     import vlm_grpo.sharing as sharing
 
-    trainer = make_trainer(tiny_models["qwen2_vl"], rows_file, tmp_path)
+    trainer = make_trainer(tiny_models["qwen2_vl"], rows_file, tmp_path, packed_attention="dense")
     inputs = real_batch(trainer)
     real_mask = sharing.build_mask
 
@@ -168,6 +168,67 @@ def test_the_parity_test_catches_blocks_that_see_each_other(tiny_models, rows_fi
     monkeypatch.setattr(sharing, "build_mask", leaky)
     with pytest.raises(AssertionError):
         assert_parity(trainer, inputs)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_block_attention_matches_trl_without_a_dense_mask(family, tiny_models, rows_file, tmp_path, monkeypatch):
+    """sdpa models take the prefix + blocks kernel: same numbers as TRL, and no (P+G*C)^2 mask is built."""
+    import vlm_grpo.sharing as sharing
+    from vlm_grpo.block_attention import NAME
+
+    def no_dense_mask(*args, **kwargs):
+        raise AssertionError("the block kernel must not build the dense mask")
+
+    trainer = make_trainer(tiny_models[family], rows_file, tmp_path)
+    inputs = real_batch(trainer)
+    monkeypatch.setattr(sharing, "build_mask", no_dense_mask)
+    assert_parity(trainer, inputs)
+    assert trainer.model.config.get_text_config(decoder=True)._attn_implementation == NAME
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "internvl"])
+def test_block_attention_matches_trl_under_gradient_checkpointing(family, tiny_models, rows_file, tmp_path):
+    """The recomputed layers of the backward pass must see the packed layout too (it travels in kwargs)."""
+    trainer = make_trainer(tiny_models[family], rows_file, tmp_path)
+    inputs = real_batch(trainer)
+    trainer.model.gradient_checkpointing_enable({"use_reentrant": False})
+    trainer.model.train()
+    calls = []
+    attention = trainer.model.get_decoder().layers[0].self_attn
+    handle = attention.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        logps_and_grads(trainer, inputs, VLMGRPOTrainer._get_per_token_logps_and_entropies, 1.0)
+    finally:
+        handle.remove()
+    assert len(calls) == 2, "one forward and one recomputation in backward"
+    assert_parity(trainer, inputs)
+
+
+def test_the_parity_test_catches_a_detached_prompt_in_the_block_kernel(tiny_models, rows_file, tmp_path):
+    """Blocks that read the prompt's keys/values without a gradient path to them must fail parity."""
+    from transformers import AttentionInterface
+
+    from vlm_grpo.block_attention import LAYOUT_KWARG, NAME, block_sdpa
+
+    def detached_prefix(module, query, key, value, *args, **kwargs):
+        layout = kwargs.get(LAYOUT_KWARG)
+        if layout is not None:
+            cut = torch.zeros(key.size(2), dtype=torch.bool)
+            for row, prefix in enumerate(layout.prefixes):
+                cut[:prefix] = True  # rows share one tensor: detach the longest prefix of any row
+            key = torch.where(cut[None, None, :, None], key.detach(), key)
+            value = torch.where(cut[None, None, :, None], value.detach(), value)
+        return block_sdpa(module, query, key, value, *args, **kwargs)
+
+    trainer = make_trainer(tiny_models["qwen2_5_vl"], rows_file, tmp_path)
+    inputs = real_batch(trainer)
+    assert_parity(trainer, inputs)  # registers the kernel on the model
+    AttentionInterface.register(NAME, detached_prefix)
+    try:
+        with pytest.raises(AssertionError):
+            assert_parity(trainer, inputs)
+    finally:
+        AttentionInterface.register(NAME, block_sdpa)
 
 
 def test_shared_pass_processes_each_image_once(tiny_models, rows_file, tmp_path):
@@ -259,6 +320,30 @@ def test_fast_decode_stops_rows_at_eos_like_generate(attn, tiny_models, rows_fil
     ours, plain, used = _generate_both(trainer, monkeypatch)
     assert used == ["fast"] and ours == plain
     assert sorted(len(c) for c in ours) == sorted(cut(r, eos) for r in first)
+
+
+def test_fast_decode_returns_generates_width_when_every_row_ends_early(tiny_models, rows_file, tmp_path, monkeypatch):
+    """The host checks for "all rows ended" only every few tokens; the output must still stop where generate's does."""
+    import vlm_grpo.decode as decode
+
+    trainer = make_trainer(tiny_models["qwen2_5_vl"], rows_file, tmp_path)
+    trainer.generation_config.repetition_penalty = 2.0
+    first, _, _ = _generate_both(trainer, monkeypatch)
+    eos = sorted({row[1] for row in first})  # every row ends at its second token
+    trainer.generation_config.eos_token_id = eos
+    trainer.eos_token_ids = eos
+    widths = []
+    real = decode.fast_decode
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        widths.append(out.size(1))
+        return out
+
+    monkeypatch.setattr(decode, "fast_decode", spy)
+    ours, plain, _ = _generate_both(trainer, monkeypatch)
+    assert ours == plain and {len(c) for c in ours} <= {1, 2}
+    assert widths == [max(len(c) for c in plain)], (widths, decode._CHECK_EVERY)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

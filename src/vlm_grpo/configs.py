@@ -122,6 +122,16 @@ class VLMGRPOConfig(GRPOConfig):
         },
     )
 
+    packed_attention: str = field(
+        default="blocks",
+        metadata={
+            "help": "Attention kernel of the share_prompt pass. 'blocks': the prefix attends causally and the G "
+            "blocks attend to [prefix, own block] with a lower-right causal bias (flash / memory-efficient sdpa "
+            "on GPU, no (P+G*C)^2 mask); used for sdpa models with full attention in every layer. 'dense': sdpa "
+            "or eager with a dense block mask (the reference; eager models always use it).",
+            "choices": ["blocks", "dense"],
+        },
+    )
     share_prefill: bool = field(
         default=True,
         metadata={

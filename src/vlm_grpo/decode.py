@@ -17,16 +17,18 @@ from typing import Any
 
 import torch
 
+from vlm_grpo.block_attention import as_sdpa
 from vlm_grpo.trainer_common import peft_base
 
 _ATTENTION = ("sdpa", "eager")
+_CHECK_EVERY = 8  # decode steps between host checks for "every row has ended"
 
 
 def unsupported_reason(model: Any, generation_config: Any) -> str | None:
     """Why this model / generation setup must go through ``generate`` instead; None if it need not."""
     base = peft_base(model)
     text_config = base.config.get_text_config(decoder=True)
-    attn = getattr(text_config, "_attn_implementation", None)
+    attn = as_sdpa(getattr(text_config, "_attn_implementation", None))
     if attn not in _ATTENTION:
         return f"attention implementation {attn!r} (fast decode supports {', '.join(_ATTENTION)})"
     if any(t != "full_attention" for t in getattr(text_config, "layer_types", None) or ["full_attention"]):
@@ -127,7 +129,7 @@ def fast_decode(
     cache.early_initialization(
         rows, [layer.keys.size(1) for layer in layers], [layer.keys.size(-1) for layer in layers], kv_dtype, device
     )
-    attn = base.config.get_text_config(decoder=True)._attn_implementation
+    attn = as_sdpa(base.config.get_text_config(decoder=True)._attn_implementation)
     if attn == "sdpa":
         mask = torch.ones(rows, 1, 1, prefix + steps, dtype=torch.bool, device=device)
         attend, blocked = True, False
@@ -150,22 +152,27 @@ def fast_decode(
     pad = gc._pad_token_tensor
     eos = gc._eos_token_tensor
     unfinished = torch.ones(rows, dtype=torch.long, device=device)
-    generated = input_ids
+    # Steps produced while some row was unfinished: the output length generate would return. Counted on
+    # the device so the host checks for "all finished" only every _CHECK_EVERY tokens, not once per token.
+    produced = torch.zeros((), dtype=torch.long, device=device)
+    generated = torch.cat([input_ids, input_ids.new_zeros(rows, steps)], dim=-1)
     for t in range(steps):
         mask[:, 0, 0, prefix + t] = attend  # the token fed now attends to itself
         logits = step().to(copy=True, dtype=torch.float32)
-        scores = processors(generated, logits)
+        scores = processors(generated[:, : prompt_len + t], logits)
         if gc.do_sample:
             next_tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
         else:
             next_tokens = torch.argmax(scores, dim=-1)
         if eos is not None:
+            produced += unfinished.any()
             next_tokens = next_tokens * unfinished + pad * (1 - unfinished)
             unfinished = unfinished & ~torch.isin(next_tokens, eos)
-        generated = torch.cat([generated, next_tokens[:, None]], dim=-1)
-        if eos is not None and not bool(unfinished.any()):
+        generated[:, prompt_len + t] = next_tokens
+        if eos is not None and (t + 1) % _CHECK_EVERY == 0 and not bool(unfinished.any()):
             break
         tokens.copy_(next_tokens[:, None])
         positions.add_(1)
+    length = int(produced) if eos is not None else steps
     del step, cache
-    return generated[:, prompt_len:]
+    return generated[:, prompt_len : prompt_len + length]

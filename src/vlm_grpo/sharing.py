@@ -19,6 +19,7 @@ and policy log-probs all go through the same path.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vlm_grpo.block_attention import LAYOUT_KWARG, PackedLayout, packing, use_block_attention
 from vlm_grpo.trainer_common import peft_base
 
 logger = logging.getLogger(__name__)
@@ -178,16 +180,22 @@ def _packed_forward(
             gather.append(i * total + start)
         positions.append(module.packed_position_ids(inner, g, mm, C, len(g.rows), total))
 
-    attn = getattr(inner.config, "_attn_implementation", "sdpa")
-    mask_dtype = None if attn == "sdpa" else torch.float32  # eager adds the mask to the scores
-    mask = torch.cat([build_mask(g.prompt.numel() - 1, len(g.rows), block, total, mask_dtype, device) for g in groups])
     inputs: dict[str, Any] = {
         "input_ids": packed,
-        "attention_mask": mask,
         "position_ids": torch.cat(positions, dim=-2),
         **module.group_vision_inputs(groups, mm),
     }
-    with trainer.accelerator.autocast():
+    if use_block_attention(inner, getattr(trainer.args, "packed_attention", "blocks")):
+        prefixes = tuple(g.prompt.numel() - 1 for g in groups)
+        inputs[LAYOUT_KWARG] = PackedLayout(prefixes, tuple(len(g.rows) for g in groups), block)
+        mask_scope = packing()
+    else:
+        attn = inner.config.get_text_config(decoder=True)._attn_implementation
+        dtype = None if attn == "sdpa" else torch.float32  # eager adds the mask to the scores
+        masks = [build_mask(g.prompt.numel() - 1, len(g.rows), block, total, dtype, device) for g in groups]
+        inputs["attention_mask"] = torch.cat(masks)
+        mask_scope = contextlib.nullcontext()
+    with trainer.accelerator.autocast(), mask_scope:
         outputs = model(**inputs, shift_labels=labels, fused_lm_head=True)
     index = torch.tensor(gather, device=device)[:, None] + torch.arange(C, device=device)[None, :]
     logps = outputs.log_probs.reshape(-1)[index]

@@ -1,0 +1,139 @@
+"""Attention over a packed GRPO group without a (P+G·C)² mask.
+
+The packed layout of :mod:`vlm_grpo.sharing` is ``prefix | block_1 | ... | block_G`` per row. A dense
+boolean mask over it costs (P+G·C)² per row and keeps sdpa off its flash kernels; most of its
+entries are "block g does not see block h". Here the same attention is two kernel calls per row:
+
+* the prefix attends to itself causally (``is_causal``: flash on GPU);
+* the G blocks, batched, each attend to ``[prefix K/V, own K/V]`` with a lower-right causal bias
+  (``torch.nn.attention.bias.causal_lower_right``: flash / memory-efficient on GPU, no mask tensor).
+
+It is registered with transformers' ``AttentionInterface`` as :data:`NAME` and behaves exactly like
+``sdpa`` unless the forward carries a :class:`PackedLayout` in the ``vlm_grpo_layout`` keyword, which
+transformers hands through to every attention call (and which gradient checkpointing captures, so the
+recomputed layers see it too). The sdpa path with the dense mask stays the reference
+(``packed_attention="dense"``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+NAME = "vlm_grpo_sdpa"
+LAYOUT_KWARG = "vlm_grpo_layout"
+
+_packing: contextvars.ContextVar[bool] = contextvars.ContextVar("vlm_grpo_packing", default=False)
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """Per packed row: length of the shared prefix and number of blocks; every block is ``block_len`` long."""
+
+    prefixes: tuple[int, ...]
+    blocks: tuple[int, ...]
+    block_len: int
+
+
+def block_sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """``sdpa`` unless a :class:`PackedLayout` comes with the call; then prefix and blocks as described above."""
+    layout: PackedLayout | None = kwargs.get(LAYOUT_KWARG)
+    if layout is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    gqa = query.size(1) != key.size(1)
+    total, block = query.size(2), layout.block_len
+    rows = []
+    for i, (prefix, blocks) in enumerate(zip(layout.prefixes, layout.blocks, strict=True)):
+        parts = []
+        if prefix:
+            q, k, v = query[i : i + 1, :, :prefix], key[i : i + 1, :, :prefix], value[i : i + 1, :, :prefix]
+            out = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa
+            )
+            parts.append(out[0].transpose(0, 1))  # (prefix, heads, dim)
+        end = prefix + blocks * block
+
+        def per_block(x: torch.Tensor, row: int = i, start: int = prefix, stop: int = end, n: int = blocks):
+            # (heads, n * block, dim) -> (n, heads, block, dim)
+            return x[row, :, start:stop].unflatten(1, (n, block)).transpose(0, 1)
+
+        q = per_block(query)
+        k, v = per_block(key), per_block(value)
+        if prefix:
+            k = torch.cat([key[i, :, :prefix].expand(blocks, -1, -1, -1), k], dim=2)
+            v = torch.cat([value[i, :, :prefix].expand(blocks, -1, -1, -1), v], dim=2)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=causal_lower_right(block, prefix + block), dropout_p=dropout, scale=scaling,
+            enable_gqa=gqa,
+        )  # fmt: skip
+        parts.append(out.transpose(1, 2).flatten(0, 1))  # (blocks * block, heads, dim)
+        if end < total:  # right padding of shorter rows: nothing reads it
+            parts.append(query.new_zeros(total - end, query.size(1), value.size(-1)))
+        rows.append(torch.cat(parts))
+    return torch.stack(rows), None
+
+
+def block_sdpa_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """sdpa's mask, except inside a packed forward, where the layout replaces it."""
+    return None if _packing.get() else sdpa_mask(*args, **kwargs)
+
+
+AttentionInterface.register(NAME, block_sdpa)
+AttentionMaskInterface.register(NAME, block_sdpa_mask)
+
+
+@contextlib.contextmanager
+def packing():
+    """Mark a forward as packed, so the model builds no mask for it (the layout keyword carries the structure)."""
+    token = _packing.set(True)
+    try:
+        yield
+    finally:
+        _packing.reset(token)
+
+
+def use_block_attention(model: Any, mode: str) -> bool:
+    """Switch the text decoder of ``model`` (PEFT-unwrapped) between sdpa and :data:`NAME`; True when packed
+    forwards can pass a layout instead of a dense mask.
+
+    Only sdpa decoders with full attention in every layer switch: eager stays the dense reference, and
+    flash / sliding-window layers keep their own path. The decoder layers and the mask builder read the
+    text config, so that is what changes (it is not saved with checkpoints).
+    """
+    config = model.config.get_text_config(decoder=True)
+    if mode == "dense":
+        if config._attn_implementation == NAME:
+            config._attn_implementation = "sdpa"
+        return False
+    if mode != "blocks":
+        raise ValueError(f"packed_attention must be 'blocks' or 'dense', got {mode!r}")
+    full = all(t == "full_attention" for t in getattr(config, "layer_types", None) or ["full_attention"])
+    if config._attn_implementation == "sdpa" and full:
+        config._attn_implementation = NAME
+    return config._attn_implementation == NAME
+
+
+def as_sdpa(attn: str | None) -> str | None:
+    """The kernel family an attention name stands for outside packed forwards."""
+    return "sdpa" if attn == NAME else attn

@@ -75,7 +75,8 @@ def main() -> None:
                 result[f"{kernel}_peak_mib"] = times[-1][1]
                 outputs[kernel] = times[-1][2]
             result["max_abs_diff"] = max(
-                float((a.float() - b.float()).abs().max()) for a, b in zip(outputs["dense"], outputs["blocks"])
+                float((a.float() - b.float()).abs().max())
+                for a, b in zip(outputs["dense"], outputs["blocks"], strict=True)
             )
             result["speedup"] = result["dense_ms"] / result["blocks_ms"]
             rows.append(result)

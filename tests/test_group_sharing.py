@@ -213,9 +213,7 @@ def test_the_parity_test_catches_a_detached_prompt_in_the_block_kernel(tiny_mode
     def detached_prefix(module, query, key, value, *args, **kwargs):
         layout = kwargs.get(LAYOUT_KWARG)
         if layout is not None:
-            cut = torch.zeros(key.size(2), dtype=torch.bool)
-            for row, prefix in enumerate(layout.prefixes):
-                cut[:prefix] = True  # rows share one tensor: detach the longest prefix of any row
+            cut = torch.arange(key.size(2)) < max(layout.prefixes)  # the longest prefix of any row
             key = torch.where(cut[None, None, :, None], key.detach(), key)
             value = torch.where(cut[None, None, :, None], value.detach(), value)
         return block_sdpa(module, query, key, value, *args, **kwargs)

@@ -132,6 +132,15 @@ class VLMGRPOConfig(GRPOConfig):
             "choices": ["blocks", "dense"],
         },
     )
+    batch_vision_attention: bool = field(
+        default=True,
+        metadata={
+            "help": "Qwen-VL vision towers under sdpa: one sdpa call per distinct segment length (images, and "
+            "Qwen2.5-VL's windows) instead of one per segment, through a registered varlen kernel (torch sdpa, no "
+            "flash-attn needed). Same numbers (tested); eager and flash towers are left alone. Turn off for "
+            "transformers' per-segment loop."
+        },
+    )
     share_prefill: bool = field(
         default=True,
         metadata={

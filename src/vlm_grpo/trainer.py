@@ -21,6 +21,7 @@ from vlm_grpo.modules import VLMModule
 from vlm_grpo.rewards import build_reward_funcs
 from vlm_grpo.sharing import packed_logps, shared_prefill_generate
 from vlm_grpo.trainer_common import CheckpointReloadMixin, prepare_vlm
+from vlm_grpo.vision_attention import use_batched_vision_attention
 from vlm_grpo.vision_sync import install_vision_sync, needs_vision_sync
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,10 @@ class VLMGRPOTrainer(CheckpointReloadMixin, GRPOTrainer):
             **kwargs,
         )
         self._warn_if_groups_split()
+        batched = getattr(self.args, "batch_vision_attention", False)
+        for target in (self.model, self.ref_model):  # the reference model is built inside TRL's __init__
+            if target is not None:
+                use_batched_vision_attention(target, batched, vlm_module)
         if self.accelerator.num_processes > 1 and self.log_multimodal:
             # TRL gathers the batch's images for the completions table only on ranks whose batch has
             # images: with a text-only batch on one rank and images on another the run deadlocks.

@@ -89,6 +89,9 @@ class VLMModule(GroupSharingMixin):
     model_types: ClassVar[tuple[str, ...]] = ()
     #: Module-name prefixes (as in ``model.named_parameters()``) of the vision tower and its projector.
     vision_prefixes: ClassVar[tuple[str, ...]] = ()
+    #: The vision tower hands attention ``cu_seqlens`` in one call when its attention name says "flash",
+    #: so :mod:`vlm_grpo.vision_attention` can batch its segments by length (Qwen-VL towers).
+    varlen_vision: ClassVar[bool] = False
     #: Linear-layer names LoRA targets by default (in the language model only).
     lora_targets: ClassVar[tuple[str, ...]] = (
         "q_proj",

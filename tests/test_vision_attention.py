@@ -1,0 +1,202 @@
+"""The batched varlen vision attention (``vlm_grpo.vision_attention``) against transformers' per-segment sdpa.
+
+Images of different sizes give segments of several lengths (Qwen2.5-VL: windows of several lengths too),
+and two images of one size give a length with more than one segment, so the batching is exercised where
+it can go wrong: gathers, the inverse permutation, and gradients through both.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, AutoModelForImageTextToText
+from transformers.vision_utils import get_vision_window_index
+
+from e2e_utils import base_args, make_dataset
+from vlm_grpo.grpo_jsonl import main, parse_args
+from vlm_grpo.vision_attention import NAME, use_batched_vision_attention, varlen_sdpa
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+QWEN = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+# (t, h, w) in patches; h, w multiples of the merge size 2. Lengths 60, 24, 32, 24: three distinct, one twice.
+GRID = torch.tensor([[1, 6, 10], [1, 4, 6], [1, 8, 4], [1, 4, 6]])
+TOL = 1e-5
+
+
+def load(tiny_models, family: str, attn: str = "sdpa") -> torch.nn.Module:
+    return AutoModelForImageTextToText.from_pretrained(
+        tiny_models[family], dtype=torch.float32, attn_implementation=attn
+    )
+
+
+def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [block.attn for block in model.model.visual.blocks]
+
+
+def vision_pass(model: torch.nn.Module) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], list[list[tuple]]]:
+    """Image features (deepstack too), gradients of a random projection of them w.r.t. the vision
+    parameters, and the q shape of every sdpa call, per vision layer."""
+    visual = model.model.visual
+    embed = visual.patch_embed
+    width = embed.in_channels * embed.temporal_patch_size * embed.patch_size**2
+    pixels = torch.randn(int(GRID.prod(-1).sum()), width, generator=torch.Generator().manual_seed(0))
+    calls: list[list[tuple]] = []
+    hooks = [m.register_forward_pre_hook(lambda *_: calls.append([])) for m in attention_modules(model)]
+    real_sdpa = F.scaled_dot_product_attention
+
+    def spy(query: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        calls[-1].append(tuple(query.shape))
+        return real_sdpa(query, *args, **kwargs)
+
+    model.zero_grad(set_to_none=True)
+    F.scaled_dot_product_attention = spy  # transformers' sdpa and ours both look it up at call time
+    try:
+        out = model.model.get_image_features(pixel_values=pixels, image_grid_thw=GRID, return_dict=True)
+    finally:
+        F.scaled_dot_product_attention = real_sdpa
+        for hook in hooks:
+            hook.remove()
+    features = [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]
+    features = [torch.cat(f) if isinstance(f, (list, tuple)) else f for f in features]  # per-image splits
+    generator = torch.Generator().manual_seed(1)
+    sum((f * torch.randn(f.shape, generator=generator)).sum() for f in features).backward()
+    grads = {n: p.grad for n, p in visual.named_parameters() if p.grad is not None}
+    return [f.detach() for f in features], grads, calls
+
+
+def assert_same(ref: tuple, ours: tuple) -> None:
+    (ref_features, ref_grads, _), (features, grads, _) = ref, ours
+    assert len(features) == len(ref_features)
+    for a, b in zip(features, ref_features, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=TOL)
+    assert grads.keys() == ref_grads.keys() and len(grads) > 10
+    for name, g in ref_grads.items():
+        rel = (grads[name] - g).norm() / g.norm().clamp_min(1e-12)
+        assert rel <= TOL, f"{name}: relative L2 {rel:.2e}"
+
+
+def segment_lengths(model: torch.nn.Module) -> list[list[int]]:
+    """Per vision layer, the segment lengths transformers splits the sequence into under sdpa."""
+    visual = model.model.visual
+    images = GRID.prod(-1).tolist()
+    if not hasattr(visual, "fullatt_block_indexes"):
+        return [images] * len(visual.blocks)
+    _, cu = get_vision_window_index(GRID, visual.spatial_merge_size, visual.window_size, visual.patch_size)
+    windows = cu.diff().tolist()
+    return [images if i in visual.fullatt_block_indexes else windows for i in range(len(visual.blocks))]
+
+
+@pytest.mark.parametrize("family", QWEN)
+def test_batched_vision_attention_matches_per_segment_sdpa(family, tiny_models):
+    model = load(tiny_models, family)
+    ref = vision_pass(model)
+    lengths = segment_lengths(model)
+    assert [len(c) for c in ref[2]] == [len(seg) for seg in lengths]  # the reference: one call per segment
+    if family == "qwen2_5_vl":
+        windows = lengths[0]
+        assert len(set(windows)) > 1 and len(windows) > len(set(windows)), windows
+
+    assert use_batched_vision_attention(model, True)
+    assert all(m.config._attn_implementation == NAME for m in attention_modules(model))
+    assert model.config.get_text_config(decoder=True)._attn_implementation == "sdpa"  # the decoder is untouched
+    ours = vision_pass(model)
+    assert_same(ref, ours)
+    for layer, (calls, seg) in enumerate(zip(ours[2], lengths, strict=True)):
+        # One call per distinct length, on all segments of that length at once: (n_L, heads, L, dim).
+        assert Counter({shape[2]: shape[0] for shape in calls}) == Counter(seg), (layer, calls, seg)
+        assert len(calls) == len(set(seg)) < len(seg), (layer, calls)
+
+
+@pytest.mark.parametrize("family", QWEN)
+def test_the_comparison_catches_attention_across_segments(family, tiny_models):
+    """One sdpa over all tokens (segments see each other) must fail the same comparison."""
+
+    def leaky(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        out = F.scaled_dot_product_attention(query, key, value, scale=scaling)
+        return out.transpose(1, 2), None
+
+    model = load(tiny_models, family)
+    ref = vision_pass(model)
+    leaky_name = "vlm_grpo_test_flash_leaky"
+    AttentionInterface.register(leaky_name, leaky)
+    model.config.vision_config._attn_implementation = leaky_name
+    with pytest.raises(AssertionError):
+        assert_same(ref, vision_pass(model))
+    model.config.vision_config._attn_implementation = NAME  # and the real kernel passes on the same model
+    assert_same(ref, vision_pass(model))
+
+
+def test_the_segment_plan_is_computed_once_per_cu_seqlens(tiny_models, monkeypatch):
+    """Every layer gets the same cu_seqlens tensor: one host read per distinct tensor, not per layer."""
+    import vlm_grpo.vision_attention as va
+
+    model = load(tiny_models, "qwen2_5_vl")
+    use_batched_vision_attention(model, True)
+    built = []
+    real = va._build_plan
+    monkeypatch.setattr(va, "_build_plan", lambda bounds, device: built.append(bounds) or real(bounds, device))
+    model.model.visual.blocks.extend([model.model.visual.blocks[0]] * 2)  # three window layers, one full
+    vision_pass(model)
+    assert len(built) == 2 and sorted(len(b) for b in built) == [len(GRID) + 1, len(segment_lengths(model)[0]) + 1]
+
+
+def test_varlen_sdpa_without_cu_seqlens_is_plain_sdpa():
+    q, k, v = (torch.randn(2, 3, 5, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    module = torch.nn.Module()
+    module.is_causal = True
+    out, _ = varlen_sdpa(module, q, k, v, None, scaling=0.3)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3).transpose(1, 2)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+
+
+def test_switch_touches_only_sdpa_qwen_towers_and_is_not_saved(tiny_models, tmp_path):
+    eager = load(tiny_models, "qwen2_5_vl", attn="eager")
+    assert not use_batched_vision_attention(eager, True)
+    assert eager.config.vision_config._attn_implementation == "eager"
+    internvl = load(tiny_models, "internvl")
+    assert not use_batched_vision_attention(internvl, True)
+    assert internvl.config.vision_config._attn_implementation == "sdpa"
+
+    model = load(tiny_models, "qwen3_vl")
+    assert use_batched_vision_attention(model, True)
+    model.save_pretrained(tmp_path / "saved")
+    saved = (tmp_path / "saved" / "config.json").read_text()
+    assert NAME not in saved and "flash" not in saved
+    assert json.loads(saved)["vision_config"]["model_type"] == "qwen3_vl_vision"
+    assert not use_batched_vision_attention(model, False)
+    assert all(m.config._attn_implementation == "sdpa" for m in attention_modules(model))
+
+
+def test_grpo_trains_with_the_flag_and_leaves_sdpa_without_it(tiny_models, tmp_path, monkeypatch):
+    data, plugin = make_dataset(tmp_path / "data", kinds=("single", "multi"), n=2)
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("cu_seq_lens_q") is not None)
+        return varlen_sdpa(*args, **kwargs)
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, NAME, counting)
+    argv = [*base_args(tiny_models["qwen2_5_vl"], data, plugin, tmp_path / "on", steps=1), "--beta", "0.04"]
+    script_args, training_args, model_args = parse_args(argv)
+    assert training_args.batch_vision_attention  # on by default
+    before = {n: p.detach().clone() for n, p in load(tiny_models, "qwen2_5_vl").model.visual.named_parameters()}
+    trainer = main(script_args, training_args, model_args)
+    assert trainer.state.global_step == 1
+    for target in (trainer.model, trainer.ref_model):
+        assert target.config.vision_config._attn_implementation == NAME
+    assert calls and all(calls)
+    after = dict(trainer.model.model.visual.named_parameters())
+    assert any(not torch.equal(before[n], after[n]) for n in before), "no vision weight changed"
+    assert NAME not in (tmp_path / "on" / "config.json").read_text()
+
+    calls.clear()
+    argv = base_args(tiny_models["qwen2_5_vl"], data, plugin, tmp_path / "off", steps=1)
+    trainer = main(*parse_args([*argv, "--batch_vision_attention", "false"]))
+    assert trainer.state.global_step == 1
+    assert trainer.model.config.vision_config._attn_implementation == "sdpa"
+    assert not calls

@@ -344,25 +344,25 @@ def grpo_config(
     generation_kwargs = {"min_new_tokens": scenario.completion_length}
     if "cache_implementation" in overrides:
         generation_kwargs["cache_implementation"] = overrides.pop("cache_implementation")
-    return (GRPOConfig if kind == "vanilla" else VLMGRPOConfig)(
-        output_dir=str(workdir / f"out_{kind.partition(':')[0]}"),
-        max_steps=max_steps,
-        per_device_train_batch_size=args.prompts_per_step * args.num_generations,
-        num_generations=args.num_generations,
-        max_completion_length=scenario.completion_length,
-        generation_kwargs=generation_kwargs,
-        beta=args.beta,
-        learning_rate=1e-6,
-        gradient_checkpointing=args.gradient_checkpointing,
-        bf16=args.dtype == "bfloat16",
-        use_cpu=torch.device(args.device).type == "cpu",
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        seed=args.seed,
-        dataloader_num_workers=0,
-        **overrides,
-    )
+    fields = {
+        "output_dir": str(workdir / f"out_{kind.partition(':')[0]}"),
+        "max_steps": max_steps,
+        "per_device_train_batch_size": args.prompts_per_step * args.num_generations,
+        "num_generations": args.num_generations,
+        "max_completion_length": scenario.completion_length,
+        "generation_kwargs": generation_kwargs,
+        "beta": args.beta,
+        "learning_rate": 1e-6,
+        "gradient_checkpointing": args.gradient_checkpointing,
+        "bf16": args.dtype == "bfloat16",
+        "use_cpu": torch.device(args.device).type == "cpu",
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": "none",
+        "seed": args.seed,
+        "dataloader_num_workers": 0,
+    }
+    return (GRPOConfig if kind == "vanilla" else VLMGRPOConfig)(**(fields | overrides))
 
 
 def grpo_trainer(

@@ -290,6 +290,45 @@ def test_shared_prefill_generation_gives_the_same_greedy_tokens(family, fast, ti
     assert len(calls) == 2  # ours: one vision pass over the unique images; the plain path: one more
 
 
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "internvl"])
+def test_compiled_decode_step_gives_generates_greedy_tokens(family, tiny_models, rows_file, tmp_path, monkeypatch):
+    """compile_decode: the decode step runs through torch.compile (forced on here; GPU-only by default)."""
+    from torch._dynamo.utils import counters
+
+    import vlm_grpo.decode as decode
+
+    trainer = make_trainer(tiny_models[family], rows_file, tmp_path, compile_decode=True)
+    steps = []
+    real_init = decode._Step.__init__
+
+    def spy(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        steps.append(self)
+
+    monkeypatch.setattr(decode._Step, "__init__", spy)
+    counters.clear()
+    ours, plain, used = _generate_both(trainer, monkeypatch)
+    assert used == ["fast"] and steps and all(step.compiled for step in steps)
+    assert counters["stats"]["unique_graphs"] >= 1, "dynamo compiled nothing"
+    assert ours == plain and len({tuple(c) for c in ours}) > 1
+
+
+def test_a_decode_step_that_fails_to_compile_warns_and_runs_eagerly(
+    tiny_models, rows_file, tmp_path, monkeypatch, caplog
+):
+    import vlm_grpo.decode as decode
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("inductor is unhappy")
+
+    monkeypatch.setattr(decode, "_compiled", lambda: broken)
+    trainer = make_trainer(tiny_models["qwen2_5_vl"], rows_file, tmp_path, compile_decode=True)
+    with caplog.at_level("WARNING", logger="vlm_grpo.sharing"):
+        ours, plain, used = _generate_both(trainer, monkeypatch)
+    assert used == ["fast"] and ours == plain
+    assert "compiling the decode step failed (RuntimeError: inductor is unhappy)" in caplog.text
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fast_decode_samples_what_generate_samples(family, tiny_models, rows_file, tmp_path, monkeypatch):
     """Same RNG state, same logits processors: the sampled tokens are the same as generate's."""

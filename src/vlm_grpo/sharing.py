@@ -311,9 +311,11 @@ def shared_prefill_generate(
         if reason is None:
             from vlm_grpo.decode import fast_decode
 
+            compile_decode = getattr(trainer.args, "compile_decode", None)
             generated = fast_decode(
                 unwrapped, cache, index, lead_ids[index], lead_mask[index], decode_positions,
                 trainer.generation_config, use_graph=device.type == "cuda",
+                compile=device.type == "cuda" if compile_decode is None else compile_decode,
             )  # fmt: skip
         else:
             if getattr(trainer.args, "fast_decode", False):

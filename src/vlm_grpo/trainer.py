@@ -17,10 +17,11 @@ from typing import Any
 import torch
 from trl import GRPOTrainer
 
+from vlm_grpo.block_attention import use_block_attention
 from vlm_grpo.modules import VLMModule
 from vlm_grpo.rewards import build_reward_funcs
 from vlm_grpo.sharing import packed_logps, shared_prefill_generate
-from vlm_grpo.trainer_common import CheckpointReloadMixin, prepare_vlm
+from vlm_grpo.trainer_common import CheckpointReloadMixin, model_base, prepare_vlm
 from vlm_grpo.vision_attention import use_batched_vision_attention
 from vlm_grpo.vision_sync import install_vision_sync, needs_vision_sync
 
@@ -81,6 +82,8 @@ class VLMGRPOTrainer(CheckpointReloadMixin, GRPOTrainer):
         for target in (self.model, self.ref_model):  # the reference model is built inside TRL's __init__
             if target is not None:
                 use_batched_vision_attention(target, batched, vlm_module)
+                if getattr(self.args, "share_prompt", False):  # now, not at the first packed pass: a compiled
+                    use_block_attention(model_base(target), self.args.packed_attention)  # decode step keeps it
         if self.accelerator.num_processes > 1 and self.log_multimodal:
             # TRL gathers the batch's images for the completions table only on ranks whose batch has
             # images: with a text-only batch on one rank and images on another the run deadlocks.

@@ -16,6 +16,13 @@ def peft_base(model: Any) -> Any:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def model_base(model: Any) -> Any:
+    """The ``PreTrainedModel`` inside DeepSpeed / DDP / FSDP and PEFT wrappers (whose config is the model's)."""
+    while not isinstance(model, PreTrainedModel) and isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module  # a DeepSpeed engine's own ``config`` is DeepSpeed's, not the model's
+    return peft_base(model)
+
+
 logger = logging.getLogger(__name__)
 
 

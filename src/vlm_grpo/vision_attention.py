@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface, PreTrainedModel
+from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from vlm_grpo.trainer_common import peft_base
+from vlm_grpo.trainer_common import model_base
 
 NAME = "vlm_grpo_sdpa_flash_varlen"
 
@@ -131,13 +131,6 @@ def _segments(x: torch.Tensor, index: torch.Tensor | None, count: int, length: i
 AttentionInterface.register(NAME, varlen_sdpa)
 
 
-def _unwrap(model: Any) -> Any:
-    """The ``PreTrainedModel`` inside DeepSpeed / DDP / FSDP and PEFT wrappers."""
-    while not isinstance(model, PreTrainedModel) and isinstance(getattr(model, "module", None), torch.nn.Module):
-        model = model.module  # a DeepSpeed engine's own ``config`` is DeepSpeed's, not the model's
-    return peft_base(model)
-
-
 def use_batched_vision_attention(model: Any, enabled: bool, vlm_module: Any = None) -> bool:
     """Switch the vision tower of ``model`` between ``sdpa`` and :data:`NAME`; True when it runs :data:`NAME`.
 
@@ -147,7 +140,7 @@ def use_batched_vision_attention(model: Any, enabled: bool, vlm_module: Any = No
     """
     from vlm_grpo.modules import VLM_MODULES
 
-    base = _unwrap(model)
+    base = model_base(model)
     config = getattr(base.config, "vision_config", None)
     if vlm_module is None and base.config.model_type in VLM_MODULES.names():
         vlm_module = VLM_MODULES.get(base.config.model_type)

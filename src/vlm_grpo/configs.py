@@ -137,9 +137,9 @@ class VLMGRPOConfig(GRPOConfig):
         metadata={
             "help": "With fast_decode: run the decode step through torch.compile before the CUDA graph captures "
             "it, fusing the hundreds of small norm / rotary / elementwise kernels of a decoder step. None "
-            "(default): on GPU only. The first generation call compiles (about a minute for a 3B model), and "
-            "a new cache length recompiles once with that size dynamic. Greedy outputs equal generate's "
-            "(tested); a failed compilation warns and decodes eagerly."
+            "(default): on GPU only. The first generation call pays the compilation once, and a new cache "
+            "length recompiles once with that size dynamic. Greedy outputs equal generate's (tested); a "
+            "failed compilation warns and decodes eagerly."
         },
     )
     batch_vision_attention: bool = field(

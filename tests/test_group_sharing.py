@@ -186,6 +186,29 @@ def test_block_attention_matches_trl_without_a_dense_mask(family, tiny_models, r
     assert trainer.model.config.get_text_config(decoder=True)._attn_implementation == NAME
 
 
+def test_block_attention_is_chosen_only_where_it_applies_and_is_not_saved(tiny_models, rows_file, tmp_path):
+    """sdpa + full attention switches; eager, sliding-window layers and packed_attention=dense do not; a
+    checkpoint saved after training does not carry the kernel's name."""
+    from vlm_grpo.block_attention import NAME, use_block_attention
+
+    trainer = make_trainer(tiny_models["qwen2_5_vl"], rows_file, tmp_path)
+    model = trainer.model
+    text = model.config.get_text_config(decoder=True)
+    assert text._attn_implementation == NAME  # switched when the trainer was built
+    assert not use_block_attention(model, "dense") and text._attn_implementation == "sdpa"
+    assert use_block_attention(model, "blocks") and text._attn_implementation == NAME
+    model.save_pretrained(tmp_path / "saved")
+    assert "vlm_grpo" not in (tmp_path / "saved" / "config.json").read_text()
+
+    text._attn_implementation = "sdpa"
+    text.layer_types = ["sliding_attention", *text.layer_types[1:]]
+    assert not use_block_attention(model, "blocks") and text._attn_implementation == "sdpa"
+    eager = make_trainer(tiny_models["qwen2_vl"], rows_file, tmp_path, attn="eager")
+    assert eager.model.config.get_text_config(decoder=True)._attn_implementation == "eager"
+    with pytest.raises(ValueError, match="packed_attention must be"):
+        use_block_attention(eager.model, "flex")
+
+
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "internvl"])
 def test_block_attention_matches_trl_under_gradient_checkpointing(family, tiny_models, rows_file, tmp_path):
     """The recomputed layers of the backward pass must see the packed layout too (it travels in kwargs)."""

@@ -82,8 +82,10 @@ class VLMGRPOTrainer(CheckpointReloadMixin, GRPOTrainer):
         for target in (self.model, self.ref_model):  # the reference model is built inside TRL's __init__
             if target is not None:
                 use_batched_vision_attention(target, batched, vlm_module)
-                if getattr(self.args, "share_prompt", False):  # now, not at the first packed pass: a compiled
-                    use_block_attention(model_base(target), self.args.packed_attention)  # decode step keeps it
+                if getattr(self.args, "share_prompt", False):
+                    # Here rather than at the first packed pass: generation then sees the final attention
+                    # name from the start, and a compiled decode step is not recompiled when it changes.
+                    use_block_attention(model_base(target), self.args.packed_attention)
         if self.accelerator.num_processes > 1 and self.log_multimodal:
             # TRL gathers the batch's images for the completions table only on ranks whose batch has
             # images: with a text-only batch on one rank and images on another the run deadlocks.

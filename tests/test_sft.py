@@ -132,10 +132,22 @@ def test_lora_sft_writes_merged_model_and_adapter(tiny_models, dataset, tmp_path
     assert changed and all("visual" not in n for n in changed)  # LoRA stays off the vision tower
 
 
+@pytest.mark.parametrize("batched", [True, False])
+def test_sft_batches_the_vision_towers_attention_unless_turned_off(batched, tiny_models, dataset, tmp_path):
+    from vlm_grpo.vision_attention import NAME
+
+    flag = [] if batched else ["--batch_vision_attention", "false"]
+    trainer, _ = build_trainer(*parse_args(sft_args(tiny_models["qwen2_5_vl"], dataset, tmp_path / "out", 1, *flag)))
+    vision = trainer.model.config.vision_config._attn_implementation
+    assert vision == (NAME if batched else "sdpa")
+    trainer.train()
+
+
 def test_help_lists_the_sft_flags(capsys):
     with pytest.raises(SystemExit) as exc:
         parse_args(["--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    for flag in ("--llm_lr", "--vision_encoder_lr", "--assistant_only_loss", "--use_peft", "--freeze_vision_modules"):
+    flags = ("--llm_lr", "--vision_encoder_lr", "--assistant_only_loss", "--use_peft", "--freeze_vision_modules")
+    for flag in (*flags, "--batch_vision_attention"):
         assert flag in out

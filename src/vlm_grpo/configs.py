@@ -14,6 +14,19 @@ import torch
 from trl import GRPOConfig, ModelConfig, ScriptArguments
 
 
+def batch_vision_attention_field() -> Any:
+    """The ``batch_vision_attention`` option, shared by the GRPO and SFT configs."""
+    return field(
+        default=True,
+        metadata={
+            "help": "Qwen-VL vision towers under sdpa: one sdpa call per distinct segment length (images, and "
+            "Qwen2.5-VL's windows) instead of one per segment, through a registered varlen kernel (torch sdpa, no "
+            "flash-attn needed). Same numbers (tested); eager and flash towers are left alone. Turn off for "
+            "transformers' per-segment loop."
+        },
+    )
+
+
 @dataclass
 class GRPOScriptArguments(ScriptArguments):
     data_file_paths: str | None = field(
@@ -142,15 +155,7 @@ class VLMGRPOConfig(GRPOConfig):
             "failed compilation warns and decodes eagerly."
         },
     )
-    batch_vision_attention: bool = field(
-        default=True,
-        metadata={
-            "help": "Qwen-VL vision towers under sdpa: one sdpa call per distinct segment length (images, and "
-            "Qwen2.5-VL's windows) instead of one per segment, through a registered varlen kernel (torch sdpa, no "
-            "flash-attn needed). Same numbers (tested); eager and flash towers are left alone. Turn off for "
-            "transformers' per-segment loop."
-        },
-    )
+    batch_vision_attention: bool = batch_vision_attention_field()
     share_prefill: bool = field(
         default=True,
         metadata={

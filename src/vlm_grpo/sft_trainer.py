@@ -16,10 +16,11 @@ from typing import Any
 import torch
 from trl import SFTConfig, SFTTrainer
 
-from vlm_grpo.configs import apply_device_defaults
+from vlm_grpo.configs import apply_device_defaults, batch_vision_attention_field
 from vlm_grpo.data.jsonl import LazyImageTransform
 from vlm_grpo.modules import VLMModule
 from vlm_grpo.trainer_common import CheckpointReloadMixin, prepare_vlm
+from vlm_grpo.vision_attention import use_batched_vision_attention
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class VLMSFTConfig(SFTConfig):
             "so output_dir is a --model_name_or_path for GRPO. false: the adapter only, in output_dir."
         },
     )
+    batch_vision_attention: bool = batch_vision_attention_field()
     remove_unused_columns: bool = field(
         default=False,
         metadata={"help": "Kept False: the dataset builds its messages and images on access from its own columns."},
@@ -161,6 +163,7 @@ class VLMSFTTrainer(CheckpointReloadMixin, SFTTrainer):
         )
         self.vlm_module = vlm_module
         super().__init__(model=model, args=args, processing_class=processing_class, peft_config=peft_config, **kwargs)
+        use_batched_vision_attention(self.model, getattr(self.args, "batch_vision_attention", False), vlm_module)
 
     # ------------------------------------------------------------------ two learning rates
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:

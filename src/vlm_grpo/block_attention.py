@@ -29,6 +29,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from vlm_grpo.trainer_common import model_base
+
 NAME = "vlm_grpo_sdpa"
 LAYOUT_KWARG = "vlm_grpo_layout"
 
@@ -64,27 +66,22 @@ def block_sdpa(
     gqa = query.size(1) != key.size(1)
     total, block = query.size(2), layout.block_len
     rows = []
-    for i, (prefix, blocks) in enumerate(zip(layout.prefixes, layout.blocks, strict=True)):
+    for q, k, v, prefix, blocks in zip(query, key, value, layout.prefixes, layout.blocks, strict=True):
+        # q, k, v: (heads, total, dim) of one packed row
         parts = []
         if prefix:
-            q, k, v = query[i : i + 1, :, :prefix], key[i : i + 1, :, :prefix], value[i : i + 1, :, :prefix]
             out = F.scaled_dot_product_attention(
-                q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa
-            )
-            parts.append(out[0].transpose(0, 1))  # (prefix, heads, dim)
+                q[:, :prefix], k[:, :prefix], v[:, :prefix], dropout_p=dropout, is_causal=True, scale=scaling,
+                enable_gqa=gqa,
+            )  # fmt: skip
+            parts.append(out.transpose(0, 1))  # (prefix, heads, dim)
         end = prefix + blocks * block
-
-        def per_block(x: torch.Tensor, row: int = i, start: int = prefix, stop: int = end, n: int = blocks):
-            # (heads, n * block, dim) -> (n, heads, block, dim)
-            return x[row, :, start:stop].unflatten(1, (n, block)).transpose(0, 1)
-
-        q = per_block(query)
-        k, v = per_block(key), per_block(value)
+        qb, kb, vb = (_blocks(x[:, prefix:end], blocks, block) for x in (q, k, v))
         if prefix:
-            k = torch.cat([key[i, :, :prefix].expand(blocks, -1, -1, -1), k], dim=2)
-            v = torch.cat([value[i, :, :prefix].expand(blocks, -1, -1, -1), v], dim=2)
+            kb = torch.cat([k[:, :prefix].expand(blocks, -1, -1, -1), kb], dim=2)
+            vb = torch.cat([v[:, :prefix].expand(blocks, -1, -1, -1), vb], dim=2)
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=causal_lower_right(block, prefix + block), dropout_p=dropout, scale=scaling,
+            qb, kb, vb, attn_mask=causal_lower_right(block, prefix + block), dropout_p=dropout, scale=scaling,
             enable_gqa=gqa,
         )  # fmt: skip
         parts.append(out.transpose(1, 2).flatten(0, 1))  # (blocks * block, heads, dim)
@@ -92,6 +89,11 @@ def block_sdpa(
             parts.append(query.new_zeros(total - end, query.size(1), value.size(-1)))
         rows.append(torch.cat(parts))
     return torch.stack(rows), None
+
+
+def _blocks(x: torch.Tensor, n: int, block: int) -> torch.Tensor:
+    """(heads, n * block, dim) -> (n, heads, block, dim)."""
+    return x.unflatten(1, (n, block)).transpose(0, 1)
 
 
 def block_sdpa_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
@@ -114,14 +116,14 @@ def packing():
 
 
 def use_block_attention(model: Any, mode: str) -> bool:
-    """Switch the text decoder of ``model`` (PEFT-unwrapped) between sdpa and :data:`NAME`; True when packed
+    """Switch the text decoder of ``model`` (wrappers allowed) between sdpa and :data:`NAME`; True when packed
     forwards can pass a layout instead of a dense mask.
 
     Only sdpa decoders with full attention in every layer switch: eager stays the dense reference, and
     flash / sliding-window layers keep their own path. The decoder layers and the mask builder read the
     text config, so that is what changes (it is not saved with checkpoints).
     """
-    config = model.config.get_text_config(decoder=True)
+    config = model_base(model).config.get_text_config(decoder=True)
     if mode == "dense":
         if config._attn_implementation == NAME:
             config._attn_implementation = "sdpa"

@@ -21,7 +21,7 @@ from vlm_grpo.block_attention import use_block_attention
 from vlm_grpo.modules import VLMModule
 from vlm_grpo.rewards import build_reward_funcs
 from vlm_grpo.sharing import packed_logps, shared_prefill_generate
-from vlm_grpo.trainer_common import CheckpointReloadMixin, model_base, prepare_vlm
+from vlm_grpo.trainer_common import CheckpointReloadMixin, prepare_vlm
 from vlm_grpo.vision_attention import use_batched_vision_attention
 from vlm_grpo.vision_sync import install_vision_sync, needs_vision_sync
 
@@ -85,7 +85,7 @@ class VLMGRPOTrainer(CheckpointReloadMixin, GRPOTrainer):
                 if getattr(self.args, "share_prompt", False):
                     # Here rather than at the first packed pass: generation then sees the final attention
                     # name from the start, and a compiled decode step is not recompiled when it changes.
-                    use_block_attention(model_base(target), self.args.packed_attention)
+                    use_block_attention(target, self.args.packed_attention)
         if self.accelerator.num_processes > 1 and self.log_multimodal:
             # TRL gathers the batch's images for the completions table only on ranks whose batch has
             # images: with a text-only batch on one rank and images on another the run deadlocks.

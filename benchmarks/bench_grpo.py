@@ -88,7 +88,8 @@ class PhaseTimer:
         self.sync()
         start = time.perf_counter()
         try:
-            yield
+            with torch.profiler.record_function(f"phase:{name}"):  # for StepProfiler's training window
+                yield
         finally:
             self.sync()
             self.totals[name] += time.perf_counter() - start
@@ -139,7 +140,8 @@ def timed_trainer_class(base: type) -> type:
             self.timer.sync()
             start = time.perf_counter()
             before = dict(self.timer.totals)
-            out = super().training_step(model, inputs, num_items_in_batch)
+            with torch.profiler.record_function("phase:training_step"):
+                out = super().training_step(model, inputs, num_items_in_batch)
             self.timer.sync()
             inner = sum(self.timer.totals[k] - before.get(k, 0.0) for k in PHASES if k not in ("vision", "backward"))
             self.timer.totals["backward"] += max(0.0, time.perf_counter() - start - inner)
@@ -206,7 +208,53 @@ class StepProfiler(TrainerCallback):
             sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text(self.prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70))
+            self.path.with_suffix(".train.txt").write_text(training_window(self.prof.events()))
             self.prof = None
+
+
+def training_window(events: list[Any]) -> str:
+    """What the GPU does between the start of the loss forward and the end of the backward: how much of
+    that window it is busy (the rest is host-bound), and which kernels / host ops fill it."""
+    from torch.autograd import DeviceType
+
+    def spans(name: str) -> list[tuple[float, float]]:
+        return [(e.time_range.start, e.time_range.end) for e in events if e.name == name]
+
+    steps = spans("phase:training_step")
+    windows = [(a, next((e for s, e in steps if s <= a <= e), b)) for a, b in spans("phase:loss_forward")]
+    if not windows:
+        return "no loss_forward phase in the profiled step\n"
+
+    def inside(e: Any) -> bool:
+        return any(s <= e.time_range.start < t for s, t in windows)
+
+    device = [e for e in events if e.device_type == DeviceType.CUDA and inside(e)]
+    device.sort(key=lambda e: e.time_range.start)
+    busy, reach = 0.0, float("-inf")
+    for e in device:  # union of kernel intervals
+        start, end = max(e.time_range.start, reach), e.time_range.end
+        busy += max(0.0, end - start)
+        reach = max(reach, end)
+    wall = sum(t - s for s, t in windows)
+    lines = [
+        f"training window (loss forward + backward): {wall / 1e3:.1f} ms wall, GPU busy {busy / 1e3:.1f} ms "
+        f"({busy / wall:.0%}), {len(device)} device events",
+        "",
+        f"{'device ms':>10} {'calls':>7} {'mean us':>8}  kernel",
+    ]
+    by_kernel: dict[str, list[float]] = defaultdict(list)
+    for e in device:
+        by_kernel[e.name].append(e.time_range.end - e.time_range.start)
+    for name, times in sorted(by_kernel.items(), key=lambda kv: -sum(kv[1]))[:30]:
+        lines.append(f"{sum(times) / 1e3:10.2f} {len(times):7d} {statistics.mean(times):8.1f}  {name[:110]}")
+    host: dict[str, list[float]] = defaultdict(list)
+    for e in events:
+        if e.device_type == DeviceType.CPU and not e.name.startswith("phase:") and inside(e):
+            host[e.name].append(e.self_cpu_time_total)
+    lines += ["", f"{'host self ms':>12} {'calls':>7}  op"]
+    for name, times in sorted(host.items(), key=lambda kv: -sum(kv[1]))[:25]:
+        lines.append(f"{sum(times) / 1e3:12.2f} {len(times):7d}  {name[:110]}")
+    return "\n".join(lines) + "\n"
 
 
 def time_vision(model: torch.nn.Module, module: Any, timer: PhaseTimer) -> None:

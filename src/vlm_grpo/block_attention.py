@@ -67,14 +67,15 @@ def block_sdpa(
     total, block = query.size(2), layout.block_len
     rows = []
     for q, k, v, prefix, blocks in zip(query, key, value, layout.prefixes, layout.blocks, strict=True):
-        # q, k, v: (heads, total, dim) of one packed row
+        # q, k, v: (heads, total, dim) of one packed row. Every sdpa call gets 4-D inputs: on GPU the flash,
+        # memory-efficient and cuDNN kernels take nothing else, and 3-D inputs fall back to the math kernel.
         parts = []
         if prefix:
             out = F.scaled_dot_product_attention(
-                q[:, :prefix], k[:, :prefix], v[:, :prefix], dropout_p=dropout, is_causal=True, scale=scaling,
-                enable_gqa=gqa,
+                q[None, :, :prefix], k[None, :, :prefix], v[None, :, :prefix], dropout_p=dropout, is_causal=True,
+                scale=scaling, enable_gqa=gqa,
             )  # fmt: skip
-            parts.append(out.transpose(0, 1))  # (prefix, heads, dim)
+            parts.append(out[0].transpose(0, 1))  # (prefix, heads, dim)
         end = prefix + blocks * block
         qb, kb, vb = (_blocks(x[:, prefix:end], blocks, block) for x in (q, k, v))
         if prefix:

@@ -584,7 +584,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
             for kind in args.trainers:
                 result = run_one(kind, args, scenario, workdir, paths)
                 results.append(result)
-                print(f"[bench] {scenario.name} {result.trainer}: {result.samples_per_s:.2f} samples/s", flush=True)
+                print(f"[bench] {json.dumps(asdict(result))}", flush=True)  # survives a time-out of the run
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"\ndevice: {device_name}; preset: {args.preset}; G={args.num_generations}; beta={args.beta}")
     print(format_table(results))

@@ -155,16 +155,6 @@ class VLMGRPOConfig(GRPOConfig):
             "failed compilation warns and decodes eagerly."
         },
     )
-    compile_norms_and_mlps: bool | None = field(
-        default=None,
-        metadata={
-            "help": "Run every layer's RMSNorm and dense MLP through torch.compile, so inductor fuses their "
-            "small elementwise kernels in the training passes (forward, backward, recomputation) and in "
-            "generation. None (default): on GPU, except under DeepSpeed ZeRO-3 and FSDP, whose parameter "
-            "hooks run inside each module. The first steps pay the compilation. Log-probs and gradients "
-            "match TRL's (tested)."
-        },
-    )
     batch_vision_attention: bool = batch_vision_attention_field()
     share_prefill: bool = field(
         default=True,

@@ -18,7 +18,6 @@ import torch
 from trl import GRPOTrainer
 
 from vlm_grpo.block_attention import use_block_attention
-from vlm_grpo.compiled_parts import compile_norms_and_mlps
 from vlm_grpo.modules import VLMModule
 from vlm_grpo.rewards import build_reward_funcs
 from vlm_grpo.sharing import packed_logps, shared_prefill_generate
@@ -80,12 +79,9 @@ class VLMGRPOTrainer(CheckpointReloadMixin, GRPOTrainer):
         )
         self._warn_if_groups_split()
         batched = getattr(self.args, "batch_vision_attention", False)
-        compile_parts = self._compile_norms_and_mlps()
         for target in (self.model, self.ref_model):  # the reference model is built inside TRL's __init__
             if target is not None:
                 use_batched_vision_attention(target, batched, vlm_module)
-                if compile_parts:
-                    compile_norms_and_mlps(target)
                 if getattr(self.args, "share_prompt", False):
                     # Here rather than at the first packed pass: generation then sees the final attention
                     # name from the start, and a compiled decode step is not recompiled when it changes.
@@ -102,21 +98,6 @@ class VLMGRPOTrainer(CheckpointReloadMixin, GRPOTrainer):
                 sync = install_vision_sync(vlm_module, target) if target is not None else None
                 if sync is not None:
                     self._vision_syncs.append(sync)
-
-    def _compile_norms_and_mlps(self) -> bool:
-        """``compile_norms_and_mlps`` resolved: None means GPU runs whose parameters are not sharded per module."""
-        wanted = getattr(self.args, "compile_norms_and_mlps", False)
-        sharded = self.is_fsdp_enabled or (
-            self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
-        )
-        if wanted and sharded:
-            raise ValueError(
-                "compile_norms_and_mlps=True does not work with DeepSpeed ZeRO-3 or FSDP: their parameter hooks "
-                "run inside each compiled module. Leave it unset (off there) or set it to False."
-            )
-        if wanted is None:
-            return self.accelerator.device.type == "cuda" and not sharded
-        return bool(wanted)
 
     def _warn_if_groups_split(self) -> None:
         """Sharing needs a group's rows in the same micro-batch; say so when the batch shape splits groups.

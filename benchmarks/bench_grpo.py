@@ -228,7 +228,8 @@ def training_window(events: list[Any]) -> str:
     def inside(e: Any) -> bool:
         return any(s <= e.time_range.start < t for s, t in windows)
 
-    device = [e for e in events if e.device_type == DeviceType.CUDA and inside(e)]
+    # On the device timeline the phase ranges themselves appear as annotations: not kernels.
+    device = [e for e in events if e.device_type == DeviceType.CUDA and not e.name.startswith("phase:") and inside(e)]
     device.sort(key=lambda e: e.time_range.start)
     busy, reach = 0.0, float("-inf")
     for e in device:  # union of kernel intervals
@@ -297,7 +298,14 @@ def write_images(root: Path, scenario: Scenario, n_prompts: int, seed: int) -> l
 QUESTION = "Describe everything you can see in these pictures, object by object, with positions and colours."
 
 
-def vanilla_dataset(paths: list[list[Path]]):
+def question(index: int, vary: int) -> str:
+    """The prompt text of prompt ``index``: with ``vary`` > 0, 0..vary extra sentences, so prompt lengths (and
+    every attention shape) change from step to step as in real data; kernels that plan per shape pay for it."""
+    extra = (index * 3) % (vary + 1) if vary else 0
+    return QUESTION + "".join(f" Then detail number {k}." for k in range(extra))
+
+
+def vanilla_dataset(paths: list[list[Path]], vary: int = 0):
     from datasets import Dataset
 
     def transform(batch):
@@ -306,21 +314,21 @@ def vanilla_dataset(paths: list[list[Path]]):
         return batch
 
     prompts = [
-        [{"role": "user", "content": [*({"type": "image"} for _ in row), {"type": "text", "text": QUESTION}]}]
-        for row in paths
+        [{"role": "user", "content": [*({"type": "image"} for _ in row), {"type": "text", "text": question(i, vary)}]}]
+        for i, row in enumerate(paths)
     ]
     dataset = Dataset.from_dict({"prompt": prompts, "image_path": [[str(p) for p in row] for row in paths]})
     return dataset.with_transform(transform)
 
 
-def ours_dataset(paths: list[list[Path]], root: Path, module: Any, processor: Any):
+def ours_dataset(paths: list[list[Path]], root: Path, module: Any, processor: Any, vary: int = 0):
     from vlm_grpo.data import prepare_rows, read_rows, to_datasets
 
     jsonl = root / "rows.jsonl"
     with open(jsonl, "w") as f:
         for i, row in enumerate(paths):
             conversations = [
-                {"from": "human", "value": "<image>" * len(row) + QUESTION},
+                {"from": "human", "value": "<image>" * len(row) + question(i, vary)},
                 {"from": "gpt", "value": "<answer>none</answer>"},
             ]
             f.write(json.dumps({"id": i, "image": [str(p) for p in row], "conversations": conversations}) + "\n")
@@ -422,6 +430,7 @@ def grpo_trainer(
     paths: list[list[Path]],
     workdir: Path,
     cls: type | None = None,
+    vary_prompts: int = 0,
     **kwargs: Any,
 ) -> Any:
     """The trainer of ``kind`` (``cls`` overrides its class) on ``paths``: vanilla TRL on an in-memory dataset,
@@ -432,10 +441,10 @@ def grpo_trainer(
 
     if kind == "vanilla":
         cls = cls or GRPOTrainer
-        dataset = vanilla_dataset(paths)
+        dataset = vanilla_dataset(paths, vary_prompts)
     else:
         cls = cls or VLMGRPOTrainer
-        dataset = ours_dataset(paths, workdir, module, processor)
+        dataset = ours_dataset(paths, workdir, module, processor, vary_prompts)
         kwargs = {"vlm_module": module, **kwargs}
     return cls(
         model=model,
@@ -465,7 +474,10 @@ def run_one(kind: str, args: argparse.Namespace, scenario: Scenario, workdir: Pa
     if args.profile_dir:
         name = re.sub(r"\W+", "_", f"{scenario.name}_{kind.partition(':')[0]}")
         callbacks.append(StepProfiler(measured_steps, Path(args.profile_dir) / f"{name}.txt"))
-    trainer = grpo_trainer(kind, model, processor, module, config, paths, workdir, cls=cls, callbacks=callbacks)
+    trainer = grpo_trainer(
+        kind, model, processor, module, config, paths, workdir, cls=cls, vary_prompts=args.vary_prompts,
+        callbacks=callbacks,
+    )  # fmt: skip
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     trainer.train()
@@ -555,6 +567,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--peak_tflops", type=float, default=None, help="card's dense bf16 peak (default: by name)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--vary_prompts", type=int, default=0,
+        help="add 0..N sentences to the prompts so their lengths change from step to step (default: one length)",
+    )  # fmt: skip
+    p.add_argument(
+        "--no_cudnn_sdpa", action="store_true",
+        help="take cuDNN out of sdpa's backends for the whole run (it builds an execution plan per new shape)",
+    )  # fmt: skip
     p.add_argument("--profile_dir", default=None, help="profile one extra step per run; top ops written here")
     p.add_argument("--out", default="bench_results.json")
     args = p.parse_args(argv)
@@ -565,6 +585,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args.image_sizes = args.image_sizes or ([448, 896] if on_gpu else [56])
     args.completion_lengths = args.completion_lengths or ([128] if on_gpu else [8])
     args.peak_tflops = args.peak_tflops or card_peak_tflops(args.device)
+    if args.no_cudnn_sdpa:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     return args
 
 

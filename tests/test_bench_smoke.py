@@ -16,10 +16,15 @@ def test_bench_grpo_tiny_cpu_prints_both_rows(tmp_path):
     cmd = [
         sys.executable, str(REPO / "benchmarks" / "bench_grpo.py"), "--preset", "tiny", "--device", "cpu",
         "--steps", "1", "--warmup", "1", "--num_generations", "4", "--out", str(out),
+        "--vary_prompts", "4", "--profile_dir", str(tmp_path / "prof"),
     ]  # fmt: skip
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    table = result.stdout[result.stdout.index("scenario") :]
+    for kind in ("vanilla", "ours"):  # the profiled extra step: top ops, and the loss forward + backward window
+        assert "Self CPU" in (tmp_path / "prof" / f"56px_x1_C8_{kind}.txt").read_text()
+        window = (tmp_path / "prof" / f"56px_x1_C8_{kind}.train.txt").read_text()
+        assert window.startswith("training window (loss forward + backward): ") and "aten::mm" in window
+    table = result.stdout[result.stdout.index("\nscenario ") + 1 :]  # the table after the per-run JSON lines
     rows = [line.split() for line in table.splitlines()[2:] if line.strip()]
     assert [r[3] for r in rows] == ["vanilla", "ours"]  # the scenario "56px x1 C8" is three words
     payload = json.loads(out.read_text())

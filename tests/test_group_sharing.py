@@ -185,6 +185,7 @@ def test_block_attention_matches_trl_without_a_dense_mask(family, tiny_models, r
     assert_parity(trainer, inputs)
     assert trainer.model.config.get_text_config(decoder=True)._attn_implementation == NAME
 
+
 def test_every_attention_call_of_the_shared_pass_takes_batched_4d_inputs(tiny_models, rows_file, tmp_path):
     """On GPU sdpa's flash / memory-efficient / cuDNN kernels take only (batch, heads, length, dim): a 3-D call
     falls back to the math kernel (fp32 scores, several times slower), which the CPU numbers cannot show."""

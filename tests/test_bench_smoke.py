@@ -57,3 +57,16 @@ def test_max_fit_tiny_cpu_doubles_then_bisects(tmp_path):
         assert "OOM in loss forward" in r["tries"][-1]["error"]
     full, lora = payload["results"]
     assert 0 < lora["trainable_params"] < full["trainable_params"] == full["params"]
+
+
+def test_sdpa_shapes_cpu_times_both_backend_settings(tmp_path):
+    out = tmp_path / "shapes.json"
+    cmd = [
+        sys.executable, str(REPO / "benchmarks" / "sdpa_shapes.py"), "--device", "cpu", "--lengths", "2",
+        "--first_length", "20", "--completion_length", "4", "--out", str(out),
+    ]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"default", "no_cudnn"}
+    assert all(r["first_call_ms"] > 0 and r["repeat_ms"] > 0 for r in rows.values())

@@ -7,6 +7,7 @@ ragged completions; prompts differ in length (left padding) and in image count.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -246,6 +247,52 @@ def test_block_attention_matches_trl_under_gradient_checkpointing(family, tiny_m
         handle.remove()
     assert len(calls) == 2, "one forward and one recomputation in backward"
     assert_parity(trainer, inputs)
+
+
+@pytest.mark.parametrize(("family", "lora"), [("qwen2_5_vl", False), ("internvl", False), ("qwen2_5_vl", True)])
+def test_compiled_layers_match_trl_under_gradient_checkpointing(family, lora, tiny_models, rows_file, tmp_path):
+    """compile_layers: decoder layers compiled inside the checkpoint, the packed kernel an eager island.
+    A new completion width recompiles once (dynamic shapes), a third width not at all; new layouts never."""
+    from torch._dynamo.utils import counters
+
+    from vlm_grpo.compiled_layers import decoder_layers
+
+    trainer = make_trainer(tiny_models[family], rows_file, tmp_path, lora=lora, compile_layers=True)
+    inputs = real_batch(trainer)
+    trainer.model.gradient_checkpointing_enable({"use_reentrant": False})
+    trainer.model.train()
+    torch._dynamo.reset()  # forget shapes earlier tests compiled for: the counts below start from nothing
+    counters.clear()
+    frames = []
+    for cut in (0, 1, 2):  # narrower completions: other shapes, other layouts
+        batch = {**inputs}
+        for key in ("completion_ids", "completion_mask", "mm_token_type_ids"):  # the last spans prompt + completion
+            if batch.get(key) is not None:
+                batch[key] = inputs[key][:, : inputs[key].size(1) - cut]
+        assert_parity(trainer, batch)
+        frames.append(counters["frames"]["total"])
+    assert counters["stats"]["unique_graphs"] >= 2, "dynamo compiled nothing"
+    assert frames[2] == frames[1] > frames[0] > 0, frames
+    assert all("disable" in reason for reason in counters["graph_break"]), list(counters["graph_break"])
+    layers = decoder_layers(trainer.model)
+    assert layers and all("forward" not in layer.__dict__ for layer in layers), "layers restored after the pass"
+
+
+def test_training_with_compiled_layers_and_a_reference_model_updates_the_policy(tiny_models, rows_file, tmp_path):
+    """The whole loop (generation, reference and policy passes, optimizer) with compile_layers on."""
+    from vlm_grpo.compiled_layers import decoder_layers
+
+    trainer = make_trainer(
+        tiny_models["qwen2_5_vl"], rows_file, tmp_path, compile_layers=True, gradient_checkpointing=True,
+        beta=0.04, max_steps=2, learning_rate=1e-2, logging_steps=1,
+    )  # fmt: skip
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "layers.0.mlp" in n}
+    trainer.train()
+    after = dict(trainer.model.named_parameters())
+    assert before and any(not torch.equal(before[n], after[n]) for n in before), "the policy did not change"
+    kl = [log["kl"] for log in trainer.state.log_history if "kl" in log]
+    assert len(kl) == 2 and all(math.isfinite(x) for x in kl)
+    assert all("forward" not in layer.__dict__ for layer in decoder_layers(trainer.model))
 
 
 def test_the_parity_test_catches_a_detached_prompt_in_the_block_kernel(tiny_models, rows_file, tmp_path):

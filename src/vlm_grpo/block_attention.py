@@ -63,6 +63,20 @@ def block_sdpa(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
+    return _packed_sdpa(query, key, value, layout, dropout, scaling), None
+
+
+@torch.compiler.disable
+def _packed_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layout: PackedLayout,
+    dropout: float,
+    scaling: float | None,
+) -> torch.Tensor:
+    """The packed rows, one by one. Outside compilation (``compile_layers``): the loop over the layout's
+    Python ints would otherwise recompile a compiled decoder layer for every new layout."""
     gqa = query.size(1) != key.size(1)
     total, block = query.size(2), layout.block_len
     rows = []
@@ -89,7 +103,7 @@ def block_sdpa(
         if end < total:  # right padding of shorter rows: nothing reads it
             parts.append(query.new_zeros(total - end, query.size(1), value.size(-1)))
         rows.append(torch.cat(parts))
-    return torch.stack(rows), None
+    return torch.stack(rows)
 
 
 def _blocks(x: torch.Tensor, n: int, block: int) -> torch.Tensor:

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from vlm_grpo.block_attention import LAYOUT_KWARG, PackedLayout, packing, use_block_attention
+from vlm_grpo.compiled_layers import compiled_layers
 from vlm_grpo.trainer_common import peft_base
 
 logger = logging.getLogger(__name__)
@@ -195,7 +196,11 @@ def _packed_forward(
         masks = [build_mask(g.prompt.numel() - 1, len(g.rows), block, total, dtype, device) for g in groups]
         inputs["attention_mask"] = torch.cat(masks)
         mask_scope = contextlib.nullcontext()
-    with trainer.accelerator.autocast(), mask_scope:
+    with (
+        trainer.accelerator.autocast(),
+        mask_scope,
+        compiled_layers(inner, getattr(trainer.args, "compile_layers", False)),
+    ):
         outputs = model(**inputs, shift_labels=labels, fused_lm_head=True)
     index = torch.tensor(gather, device=device)[:, None] + torch.arange(C, device=device)[None, :]
     logps = outputs.log_probs.reshape(-1)[index]

@@ -78,6 +78,14 @@ class VLMGRPOTrainer(CheckpointReloadMixin, GRPOTrainer):
             **kwargs,
         )
         self._warn_if_groups_split()
+        sharded = self.is_fsdp_enabled or (
+            self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
+        )
+        if getattr(self.args, "compile_layers", False) and sharded:
+            raise ValueError(
+                "compile_layers=True does not work with DeepSpeed ZeRO-3 or FSDP: their per-module parameter "
+                "hooks would run inside the compiled layers. Set compile_layers=False."
+            )
         batched = getattr(self.args, "batch_vision_attention", False)
         for target in (self.model, self.ref_model):  # the reference model is built inside TRL's __init__
             if target is not None:

@@ -1,0 +1,78 @@
+"""``torch.compile`` for the text decoder layers in the shared-prompt training passes (``compile_layers``).
+
+After sharing, those passes are launch-bound: at 896² and 128 completion tokens on an H200 the kernels of
+the loss forward + backward fill about two-thirds of its time, over ~12,000 kernel launches
+(``benchmarks/RESULTS.md``). Compiling a whole decoder layer turns its ~50 host-side ops per pass into
+two graph calls and fuses the small kernels. Compiling only the norms and MLPs did not help (measured):
+at that grain the compiled call costs what it saves.
+
+Two things stand in the way, and are handled here without touching transformers' code:
+
+* transformers checkpoints inside the layer's ``forward``, and a checkpointed region cannot contain
+  graph breaks. For the duration of a packed forward, each layer's ``forward`` is set on the instance to
+  "checkpoint (as configured) around the compiled original forward", and restored afterwards.
+* the packed attention kernel (:mod:`vlm_grpo.block_attention`) loops over the layout's Python ints; it
+  runs as a compiler-disabled island, so new layouts do not recompile the layer.
+
+Generation does not go through this (its decode step has its own compilation, ``compile_decode``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+logger = logging.getLogger(__name__)
+
+_compiled: dict[Callable, Callable] = {}  # original forward -> its compiled form (one per layer class)
+
+
+def _compiled_forward(layer: torch.nn.Module) -> Callable | None:
+    """The compiled original ``forward`` of the layer's class; None when transformers does not wrap it."""
+    original = getattr(type(layer).forward, "__wrapped__", None)  # transformers' checkpointing wrapper
+    if original is None:
+        return None
+    if original not in _compiled:
+        _compiled[original] = torch.compile(original)
+    return _compiled[original]
+
+
+def _layer_forward(layer: torch.nn.Module, compiled: Callable) -> Callable:
+    """What transformers' wrapper does (checkpoint when training with grad), around the compiled forward."""
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if layer.gradient_checkpointing and layer.training and torch.is_grad_enabled():
+            return layer._gradient_checkpointing_func(functools.partial(compiled, layer, **kwargs), *args)
+        return compiled(layer, *args, **kwargs)
+
+    return forward
+
+
+def decoder_layers(model: Any) -> list[torch.nn.Module]:
+    """The text decoder's layers (``model`` unwrapped down to the transformers model)."""
+    return [m for m in model.get_decoder().modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+@contextlib.contextmanager
+def compiled_layers(model: Any, enabled: bool = True) -> Iterator[None]:
+    """Within the block, the decoder layers of ``model`` (a transformers model) run compiled."""
+    layers = decoder_layers(model) if enabled else []
+    swapped = []
+    for layer in layers:
+        compiled = _compiled_forward(layer)
+        if compiled is None:
+            logger.warning("compile_layers: %s has no wrapped forward to compile; eager", type(layer).__name__)
+            break
+        layer.forward = _layer_forward(layer, compiled)
+        swapped.append(layer)
+    try:
+        yield
+    finally:
+        for layer in swapped:
+            del layer.forward

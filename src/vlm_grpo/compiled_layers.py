@@ -1,10 +1,10 @@
 """``torch.compile`` for the text decoder layers in the shared-prompt training passes (``compile_layers``).
 
-After sharing, those passes are launch-bound: at 896² and 128 completion tokens on an H200 the kernels of
-the loss forward + backward fill about two-thirds of its time, over ~12,000 kernel launches
+After sharing, those passes are partly host-bound: at 896² and 128 completion tokens on an H200 the kernels
+of the loss forward + backward fill about two-thirds of its time, over ~12,000 kernel launches
 (``benchmarks/RESULTS.md``). Compiling a whole decoder layer turns its ~50 host-side ops per pass into
-two graph calls and fuses the small kernels. Compiling only the norms and MLPs did not help (measured):
-at that grain the compiled call costs what it saves.
+two graph calls and fuses the small kernels. Compiling only the norms and MLPs did not help (measured);
+presumably each compiled call's own overhead is about what it saves at that grain.
 
 Two things stand in the way, and are handled here without touching transformers' code:
 

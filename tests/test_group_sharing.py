@@ -278,6 +278,15 @@ def test_compiled_layers_match_trl_under_gradient_checkpointing(family, lora, ti
     assert layers and all("forward" not in layer.__dict__ for layer in layers), "layers restored after the pass"
 
 
+def test_compile_layers_is_refused_where_parameters_are_gathered_per_module():
+    from vlm_grpo.compiled_layers import check_compile_layers
+
+    with pytest.raises(ValueError, match="compile_layers=True does not work with DeepSpeed ZeRO-3 or FSDP"):
+        check_compile_layers(True, sharded=True)
+    check_compile_layers(True, sharded=False)
+    check_compile_layers(False, sharded=True)
+
+
 def test_training_with_compiled_layers_and_a_reference_model_updates_the_policy(tiny_models, rows_file, tmp_path):
     """The whole loop (generation, reference and policy passes, optimizer) with compile_layers on."""
     from vlm_grpo.compiled_layers import decoder_layers

@@ -59,6 +59,15 @@ def decoder_layers(model: Any) -> list[torch.nn.Module]:
     return [m for m in model.get_decoder().modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
+def check_compile_layers(enabled: bool, sharded: bool) -> None:
+    """Refuse ``compile_layers`` where parameters are gathered per module (DeepSpeed ZeRO-3, FSDP)."""
+    if enabled and sharded:
+        raise ValueError(
+            "compile_layers=True does not work with DeepSpeed ZeRO-3 or FSDP: their per-module parameter hooks "
+            "would run inside the compiled layers. Set compile_layers=False."
+        )
+
+
 @contextlib.contextmanager
 def compiled_layers(model: Any, enabled: bool = True) -> Iterator[None]:
     """Within the block, the decoder layers of ``model`` (a transformers model) run compiled."""

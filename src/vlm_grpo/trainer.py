@@ -18,6 +18,7 @@ import torch
 from trl import GRPOTrainer
 
 from vlm_grpo.block_attention import use_block_attention
+from vlm_grpo.compiled_layers import check_compile_layers
 from vlm_grpo.modules import VLMModule
 from vlm_grpo.rewards import build_reward_funcs
 from vlm_grpo.sharing import packed_logps, shared_prefill_generate
@@ -81,11 +82,7 @@ class VLMGRPOTrainer(CheckpointReloadMixin, GRPOTrainer):
         sharded = self.is_fsdp_enabled or (
             self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
         )
-        if getattr(self.args, "compile_layers", False) and sharded:
-            raise ValueError(
-                "compile_layers=True does not work with DeepSpeed ZeRO-3 or FSDP: their per-module parameter "
-                "hooks would run inside the compiled layers. Set compile_layers=False."
-            )
+        check_compile_layers(getattr(self.args, "compile_layers", False), sharded)
         batched = getattr(self.args, "batch_vision_attention", False)
         for target in (self.model, self.ref_model):  # the reference model is built inside TRL's __init__
             if target is not None:

@@ -23,6 +23,7 @@ from vlm_grpo.data import to_datasets
 from vlm_grpo.recipe import load_checked_rows, pick_module
 from vlm_grpo.resume import resolve_resume
 from vlm_grpo.sft_trainer import SFTTransform, VLMSFTConfig, VLMSFTTrainer, assistant_masks_supported
+from vlm_grpo.trainer_common import is_zero3
 
 logger = logging.getLogger("vlm_grpo")
 
@@ -108,7 +109,7 @@ def save_final_model(trainer: VLMSFTTrainer, args: VLMSFTConfig, base: str) -> N
     if not isinstance(model, PeftModel):
         trainer.save_model(args.output_dir)
         return
-    zero3 = trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3
+    zero3 = is_zero3(trainer.accelerator)
     if not args.save_merged_model or zero3:
         trainer.save_model(args.output_dir)
         if zero3 and args.save_merged_model:

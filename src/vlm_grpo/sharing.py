@@ -29,7 +29,7 @@ import torch
 
 from vlm_grpo.block_attention import LAYOUT_KWARG, PackedLayout, packing, use_block_attention
 from vlm_grpo.compiled_layers import compiled_layers
-from vlm_grpo.trainer_common import peft_base
+from vlm_grpo.trainer_common import is_zero3, peft_base
 
 logger = logging.getLogger(__name__)
 
@@ -380,8 +380,7 @@ def _fast_decode_blocker(trainer: Any, model: Any, positions: torch.Tensor | Non
         return "turned off"
     if positions is None:
         return "this model's generation positions are not known"
-    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
-    if plugin is not None and plugin.zero_stage == 3 and not trainer.args.ds3_gather_for_generation:
+    if is_zero3(trainer.accelerator) and not trainer.args.ds3_gather_for_generation:
         return "ZeRO-3 without ds3_gather_for_generation (parameters stay partitioned during generation)"
     return unsupported_reason(model, trainer.generation_config)
 

@@ -22,7 +22,7 @@ from vlm_grpo.compiled_layers import check_compile_layers
 from vlm_grpo.modules import VLMModule
 from vlm_grpo.rewards import build_reward_funcs
 from vlm_grpo.sharing import packed_logps, shared_prefill_generate
-from vlm_grpo.trainer_common import CheckpointReloadMixin, prepare_vlm
+from vlm_grpo.trainer_common import CheckpointReloadMixin, is_zero3, prepare_vlm
 from vlm_grpo.vision_attention import use_batched_vision_attention
 from vlm_grpo.vision_sync import install_vision_sync, needs_vision_sync
 
@@ -79,9 +79,7 @@ class VLMGRPOTrainer(CheckpointReloadMixin, GRPOTrainer):
             **kwargs,
         )
         self._warn_if_groups_split()
-        sharded = self.is_fsdp_enabled or (
-            self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
-        )
+        sharded = self.is_fsdp_enabled or is_zero3(self.accelerator)
         check_compile_layers(getattr(self.args, "compile_layers", False), sharded)
         batched = getattr(self.args, "batch_vision_attention", False)
         for target in (self.model, self.ref_model):  # the reference model is built inside TRL's __init__

@@ -23,6 +23,12 @@ def model_base(model: Any) -> Any:
     return peft_base(model)
 
 
+def is_zero3(accelerator: Any) -> bool:
+    """DeepSpeed ZeRO-3: parameters are partitioned and gathered module by module."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return plugin is not None and plugin.zero_stage == 3
+
+
 logger = logging.getLogger(__name__)
 
 

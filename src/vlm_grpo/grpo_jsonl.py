@@ -20,7 +20,7 @@ from trl import TrlParser, get_peft_config
 
 from vlm_grpo.configs import GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig
 from vlm_grpo.data import to_datasets
-from vlm_grpo.recipe import load_checked_rows, pick_module
+from vlm_grpo.recipe import load_checked_rows, load_model, pick_module
 from vlm_grpo.resume import resolve_resume
 from vlm_grpo.rewards import build_reward_funcs
 from vlm_grpo.trainer import VLMGRPOTrainer
@@ -62,13 +62,7 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
     train_dataset, eval_dataset = to_datasets(rows, module, script_args.val_split_ratio, training_args.seed)
     logger.info("Data: %d training rows, %d evaluation rows", len(train_dataset), len(eval_dataset or []))
 
-    model = module.load_model(
-        model_args.model_name_or_path,
-        dtype=model_args.dtype,
-        attn_implementation=model_args.attn_implementation,
-        trust_remote_code=training_args.trust_remote_code,
-        revision=model_args.model_revision,
-    )
+    model = load_model(module, model_args, training_args.trust_remote_code)
 
     overrides = module.reward_overrides if script_args.is_reward_customized_from_vlm_module else None
     reward_funcs = build_reward_funcs(script_args.reward_funcs, overrides, script_args.reward_kwargs)

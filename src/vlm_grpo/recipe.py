@@ -1,4 +1,4 @@
-"""Steps the GRPO and SFT recipes share: pick the model family's module, then load and check the rows."""
+"""Steps the GRPO and SFT recipes share: pick the model family's module, load and check the rows, load the model."""
 
 from __future__ import annotations
 
@@ -45,4 +45,15 @@ def load_checked_rows(script_args: GRPOScriptArguments, module: VLMModule, proce
         processor,
         max_prompt_length=script_args.max_prompt_length,
         skip_bad_rows=script_args.skip_bad_rows,
+    )
+
+
+def load_model(module: VLMModule, model_args: VLMModelConfig, trust_remote_code: bool = False) -> Any:
+    """The model to train, loaded by its family's adapter with the user's dtype, attention and revision."""
+    return module.load_model(
+        model_args.model_name_or_path,
+        dtype=model_args.dtype,
+        attn_implementation=model_args.attn_implementation,
+        trust_remote_code=trust_remote_code,
+        revision=model_args.model_revision,
     )

@@ -20,7 +20,7 @@ from trl import TrlParser, get_peft_config
 
 from vlm_grpo.configs import GRPOScriptArguments, VLMModelConfig
 from vlm_grpo.data import to_datasets
-from vlm_grpo.recipe import load_checked_rows, pick_module
+from vlm_grpo.recipe import load_checked_rows, load_model, pick_module
 from vlm_grpo.resume import resolve_resume
 from vlm_grpo.sft_trainer import SFTTransform, VLMSFTConfig, VLMSFTTrainer, assistant_masks_supported
 from vlm_grpo.trainer_common import is_zero3
@@ -78,13 +78,7 @@ def build_trainer(
     eval_dataset = eval_dataset.with_transform(transform) if eval_dataset is not None else None
     logger.info("Data: %d training rows, %d evaluation rows", len(train_dataset), len(eval_dataset or []))
 
-    model = module.load_model(
-        model_args.model_name_or_path,
-        dtype=model_args.dtype,
-        attn_implementation=model_args.attn_implementation,
-        trust_remote_code=training_args.trust_remote_code,
-        revision=model_args.model_revision,
-    )
+    model = load_model(module, model_args, training_args.trust_remote_code)
     trainer = VLMSFTTrainer(
         model=model,
         args=training_args,

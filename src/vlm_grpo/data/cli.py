@@ -36,6 +36,18 @@ def _print_bad(bad: Sequence, limit: int = 50) -> None:
         print(f"  ... and {len(bad) - limit} more", file=sys.stderr)
 
 
+def _refuse_bad(bad: Sequence, skip_bad_rows: bool, noun: str) -> bool:
+    """Print the bad inputs; True when they stop the command (nothing was written)."""
+    if not bad:
+        return False
+    print(f"{'Skipped' if skip_bad_rows else 'Found'} {len(bad)} bad {noun}(s):", file=sys.stderr)
+    _print_bad(bad)
+    if skip_bad_rows:
+        return False
+    print(f"Nothing written. Fix these {noun}s or pass --skip_bad_rows.", file=sys.stderr)
+    return True
+
+
 # --------------------------------------------------------------------------- preprocess
 
 
@@ -113,13 +125,8 @@ def _run_preprocess(args: argparse.Namespace) -> int:
         skip_bad_rows=args.skip_bad_rows,
         overwrite=args.yes,
     )
-    if result.bad:
-        verb = "Skipped" if args.skip_bad_rows else "Found"
-        print(f"{verb} {len(result.bad)} bad record(s):", file=sys.stderr)
-        _print_bad(result.bad)
-        if not args.skip_bad_rows:
-            print("Nothing written. Fix these records or pass --skip_bad_rows.", file=sys.stderr)
-            return 1
+    if _refuse_bad(result.bad, args.skip_bad_rows, "record"):
+        return 1
     for key, path in result.written.items():
         print(f"wrote {result.counts[key]:>7} rows  {path}")
     return 0
@@ -177,11 +184,8 @@ def _run_convert_vqa(args: argparse.Namespace) -> int:
         skip_bad_rows=args.skip_bad_rows,
         overwrite=args.yes,
     )
-    if result.bad:
-        print(f"{'Skipped' if args.skip_bad_rows else 'Found'} {len(result.bad)} bad item(s):", file=sys.stderr)
-        _print_bad(result.bad)
-        if not args.skip_bad_rows:
-            return 1
+    if _refuse_bad(result.bad, args.skip_bad_rows, "item"):
+        return 1
     print(f"wrote {len(result.rows)} rows  {result.path}")
     return 0
 
@@ -296,12 +300,8 @@ def _run_format(args: argparse.Namespace) -> int:
         overwrite=args.yes,
         skip_bad_rows=args.skip_bad_rows,
     )
-    if result.bad:
-        print(f"{'Skipped' if args.skip_bad_rows else 'Found'} {len(result.bad)} bad row(s):", file=sys.stderr)
-        _print_bad(result.bad)
-        if not args.skip_bad_rows:
-            print("Nothing written. Fix these rows or pass --skip_bad_rows.", file=sys.stderr)
-            return 1
+    if _refuse_bad(result.bad, args.skip_bad_rows, "row"):
+        return 1
     print(f"wrote {len(result.rows)} rows  {result.path}")
     return 0
 

@@ -479,14 +479,17 @@ def _score_row(task: str, text: str, solution: Any, method: Any, options: dict[s
     return scorer(pred, gt, **options)
 
 
-def _task_reward(task: str, completions: Sequence[Any], kwargs: dict[str, Any], options: dict[str, Any]) -> list:
-    n = len(completions)
+def _row_columns(reward: str, n: int, kwargs: dict[str, Any]) -> tuple[Sequence[Any], Sequence[Any], list[Any]]:
+    """Each sample's solution, task type and accuracy method (a single method applies to every row)."""
     if kwargs.get("solution") is None:
-        raise ValueError(f"The rynn_{task} reward needs a 'solution' column")
-    solutions = column(kwargs, "solution", n)
-    tasks = column(kwargs, "task_type", n)
+        raise ValueError(f"The {reward} reward needs a 'solution' column")
     methods = kwargs.get("accu_reward_method")
-    methods = [methods] * n if methods is None or isinstance(methods, str) else methods
+    methods = [methods] * n if methods is None or isinstance(methods, str) else list(methods)
+    return column(kwargs, "solution", n), column(kwargs, "task_type", n), methods
+
+
+def _task_reward(task: str, completions: Sequence[Any], kwargs: dict[str, Any], options: dict[str, Any]) -> list:
+    solutions, tasks, methods = _row_columns(f"rynn_{task}", len(completions), kwargs)
     out: list[float | None] = []
     for completion, sol, row_task, method in zip(completions, solutions, tasks, methods, strict=True):
         row = _task_of(row_task)
@@ -589,13 +592,7 @@ def rynnbrain_reward(
         "segment": dict(segment or {}),
         "general": {},
     }
-    n = len(completions)
-    if kwargs.get("solution") is None:
-        raise ValueError("The rynnbrain reward needs a 'solution' column")
-    solutions = column(kwargs, "solution", n)
-    tasks = column(kwargs, "task_type", n)
-    methods = kwargs.get("accu_reward_method")
-    methods = [methods] * n if methods is None or isinstance(methods, str) else methods
+    solutions, tasks, methods = _row_columns("rynnbrain", len(completions), kwargs)
     out: list[float | None] = []
     for completion, sol, row_task, method in zip(completions, solutions, tasks, methods, strict=True):
         task = _task_of(row_task)

@@ -249,7 +249,9 @@ def test_block_attention_matches_trl_under_gradient_checkpointing(family, tiny_m
     assert_parity(trainer, inputs)
 
 
-@pytest.mark.parametrize(("family", "lora"), [("qwen2_5_vl", False), ("internvl", False), ("qwen2_5_vl", True)])
+@pytest.mark.parametrize(
+    ("family", "lora"), [("qwen2_5_vl", False), ("qwen3_vl", False), ("internvl", False), ("qwen2_5_vl", True)]
+)
 def test_compiled_layers_match_trl_under_gradient_checkpointing(family, lora, tiny_models, rows_file, tmp_path):
     """compile_layers: decoder layers compiled inside the checkpoint, the packed kernel an eager island.
     A new completion width recompiles once (dynamic shapes), a third width not at all; new layouts never."""

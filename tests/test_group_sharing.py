@@ -425,7 +425,7 @@ def test_a_decode_step_that_fails_to_compile_warns_and_runs_eagerly(
 
     monkeypatch.setattr(decode, "_compiled", lambda: broken)
     trainer = make_trainer(tiny_models["qwen2_5_vl"], rows_file, tmp_path, compile_decode=True)
-    with caplog.at_level("WARNING", logger="vlm_grpo.sharing"):
+    with caplog.at_level("WARNING", logger="vlm_grpo.decode"):
         ours, plain, used = _generate_both(trainer, monkeypatch)
     assert used == ["fast"] and ours == plain
     assert "compiling the decode step failed (RuntimeError: inductor is unhappy)" in caplog.text

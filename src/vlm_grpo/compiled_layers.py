@@ -21,11 +21,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
+
+from vlm_grpo.trainer_common import warn_once
+
+logger = logging.getLogger(__name__)
 
 _compiled: dict[Callable, Callable] = {}  # original forward -> its compiled form (one per layer class)
 
@@ -73,9 +78,7 @@ def compiled_layers(model: Any, enabled: bool = True) -> Iterator[None]:
     for layer in layers:
         compiled = _compiled_forward(layer)
         if compiled is None:  # every packed forward comes here: say it once
-            from vlm_grpo.sharing import _warn_once  # sharing imports this module
-
-            _warn_once(f"compile_layers: {type(layer).__name__} has no wrapped forward to compile; eager")
+            warn_once(logger, f"compile_layers: {type(layer).__name__} has no wrapped forward to compile; eager")
             break
         layer.forward = _layer_forward(layer, compiled)
         swapped.append(layer)

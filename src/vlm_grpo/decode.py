@@ -13,12 +13,15 @@ where the same loop runs without the graph).
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any
 
 import torch
 
 from vlm_grpo.block_attention import as_sdpa
-from vlm_grpo.trainer_common import peft_base
+from vlm_grpo.trainer_common import peft_base, warn_once
+
+logger = logging.getLogger(__name__)
 
 _ATTENTION = ("sdpa", "eager")
 _CHECK_EVERY = 8  # decode steps between host checks for "every row has ended"
@@ -91,9 +94,7 @@ class _Step:
         try:
             return self._fn(*args)
         except Exception as err:  # compilation happens on the first call, before the step writes anything
-            from vlm_grpo.sharing import _warn_once
-
-            _warn_once(f"compile_decode: compiling the decode step failed ({type(err).__name__}: {err}); eager")
+            warn_once(logger, f"compile_decode: compiling the decode step failed ({type(err).__name__}: {err}); eager")
             self._fn = _decode_forward
             return _decode_forward(*args)
 

@@ -29,7 +29,7 @@ import torch
 
 from vlm_grpo.block_attention import LAYOUT_KWARG, PackedLayout, packing, use_block_attention
 from vlm_grpo.compiled_layers import compiled_layers
-from vlm_grpo.trainer_common import is_zero3, peft_base
+from vlm_grpo.trainer_common import is_zero3, peft_base, warn_once
 
 logger = logging.getLogger(__name__)
 
@@ -324,7 +324,7 @@ def shared_prefill_generate(
             )  # fmt: skip
         else:
             if getattr(trainer.args, "fast_decode", False):
-                _warn_once(f"fast_decode is off for this run: {reason}; decoding with generate")
+                warn_once(logger, f"fast_decode is off for this run: {reason}; decoding with generate")
             cache.batch_select_indices(index)
             if getattr(backbone, "rope_deltas", None) is not None:
                 backbone.rope_deltas = backbone.rope_deltas[index]
@@ -383,12 +383,3 @@ def _fast_decode_blocker(trainer: Any, model: Any, positions: torch.Tensor | Non
     if is_zero3(trainer.accelerator) and not trainer.args.ds3_gather_for_generation:
         return "ZeRO-3 without ds3_gather_for_generation (parameters stay partitioned during generation)"
     return unsupported_reason(model, trainer.generation_config)
-
-
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        logger.warning(message)

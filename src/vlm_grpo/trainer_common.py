@@ -31,6 +31,15 @@ def is_zero3(accelerator: Any) -> bool:
 
 logger = logging.getLogger(__name__)
 
+_warned: set[str] = set()
+
+
+def warn_once(log: logging.Logger, message: str) -> None:
+    """Log ``message`` once per process: the paths that call this run every step."""
+    if message not in _warned:
+        _warned.add(message)
+        log.warning(message)
+
 
 def prepare_vlm(
     model: str | torch.nn.Module,

@@ -462,6 +462,7 @@ def run_one(kind: str, args: argparse.Namespace, scenario: Scenario, workdir: Pa
     from vlm_grpo.trainer import VLMGRPOTrainer
 
     device = torch.device(args.device)
+    torch.backends.cuda.enable_cudnn_sdp(not args.no_cudnn_sdpa)  # a trainer before this one may have changed it
     model, processor, module = build_policy(args, workdir, kind.partition(":")[0], lora_r=args.lora_r)
     n_params = sum(p.numel() for p in model.parameters())
     measured_steps = args.warmup + args.steps
@@ -573,7 +574,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument(
         "--no_cudnn_sdpa", action="store_true",
-        help="take cuDNN out of sdpa's backends for the whole run (it builds an execution plan per new shape)",
+        help="take cuDNN out of sdpa's backends for every trainer, vanilla included (it builds an execution plan "
+        "per new shape); without it each trainer starts from torch's default and ours turns cuDNN off itself "
+        "unless cudnn_attention=true",
     )  # fmt: skip
     p.add_argument("--profile_dir", default=None, help="profile one extra step per run; top ops written here")
     p.add_argument("--out", default="bench_results.json")
@@ -585,8 +588,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args.image_sizes = args.image_sizes or ([448, 896] if on_gpu else [56])
     args.completion_lengths = args.completion_lengths or ([128] if on_gpu else [8])
     args.peak_tflops = args.peak_tflops or card_peak_tflops(args.device)
-    if args.no_cudnn_sdpa:
-        torch.backends.cuda.enable_cudnn_sdp(False)
     return args
 
 

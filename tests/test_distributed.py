@@ -42,13 +42,15 @@ def dataset(tmp_path_factory):
 
 
 SHARING_OFF = ["--share_prompt", "false", "--share_prefill", "false"]
+COMPILED = ["--compile_layers", "true", "--gradient_checkpointing", "true"]
 
 
 def test_ddp_two_ranks_train_together_and_agree(tiny_models, dataset, tmp_path):
     data, plugin = dataset
     model_dir = tiny_models["qwen2_5_vl"]
     out = tmp_path / "ddp"
-    torchrun(base_args(model_dir, data, plugin, out))  # group sharing on (the default)
+    # Group sharing on (the default), with the opt-in compiled decoder layers under gradient checkpointing.
+    torchrun(base_args(model_dir, data, plugin, out) + COMPILED)
     for rank in (0, 1):
         info = json.loads((out / f"rank{rank}.json").read_text())
         assert info == {"world_size": 2, "step": 2}, info  # a real 2-process group, not two solo runs
@@ -90,7 +92,7 @@ def test_deepspeed_trains_saves_and_reloads(stage, tiny_models, dataset, tmp_pat
         "--save_steps",
         "2",
     ]
-    torchrun(argv)
+    torchrun(argv + (COMPILED if stage == "zero2" else []))  # ZeRO-3 refuses compiled layers
     assert json.loads((out / "rank1.json").read_text()) == {"world_size": 2, "step": 2}
     assert (out / "checkpoint-2").is_dir()
     model, info = AutoModelForImageTextToText.from_pretrained(out, output_loading_info=True)

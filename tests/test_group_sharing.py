@@ -7,6 +7,7 @@ ragged completions; prompts differ in length (left padding) and in image count.
 from __future__ import annotations
 
 import json
+import logging
 import math
 
 import pytest
@@ -208,6 +209,20 @@ def test_every_attention_call_of_the_shared_pass_takes_batched_4d_inputs(tiny_mo
     assert shapes and set(shapes) == {(4, 4, 4)}, sorted(set(shapes))
 
 
+def test_the_trainer_turns_cudnn_attention_off_unless_asked(tiny_models, rows_file, tmp_path):
+    """cuDNN plans every new sequence length (~150 ms on H100) and prompts change length every step. The switch
+    is process-wide so that checkpointing's recomputation picks the kernels its forward picked (on an H100 a
+    forward-only switch failed: flash's saved tensors against cuDNN's in the recomputation)."""
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    try:
+        make_trainer(tiny_models["qwen2_5_vl"], rows_file, tmp_path, cudnn_attention=True)
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        make_trainer(tiny_models["qwen2_5_vl"], rows_file, tmp_path)
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+
+
 def test_block_attention_is_chosen_only_where_it_applies_and_is_not_saved(tiny_models, rows_file, tmp_path):
     """sdpa + full attention switches; eager, sliding-window layers and packed_attention=dense do not; a
     checkpoint saved after training does not carry the kernel's name."""
@@ -287,6 +302,28 @@ def test_compile_layers_is_refused_where_parameters_are_gathered_per_module():
         check_compile_layers(True, sharded=True)
     check_compile_layers(True, sharded=False)
     check_compile_layers(False, sharded=True)
+
+
+def test_a_failed_layer_compilation_warns_once_and_trains_eagerly(tiny_models, rows_file, tmp_path, monkeypatch,
+                                                                  caplog):  # fmt: skip
+    """A machine where inductor cannot compile must still train, with TRL's numbers."""
+    import vlm_grpo.compiled_layers as compiled_layers
+
+    def broken_backend(graph, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(compiled_layers, "_compiled", {})
+    monkeypatch.setattr(compiled_layers, "_BACKEND", broken_backend)
+    trainer = make_trainer(tiny_models["qwen2_5_vl"], rows_file, tmp_path, compile_layers=True)
+    inputs = real_batch(trainer)
+    trainer.model.gradient_checkpointing_enable({"use_reentrant": False})
+    trainer.model.train()
+    torch._dynamo.reset()
+    with caplog.at_level(logging.WARNING, logger="vlm_grpo.compiled_layers"):
+        assert_parity(trainer, inputs)
+        assert_parity(trainer, inputs)
+    failures = [r.message for r in caplog.records if "compiling the decoder layer failed" in r.message]
+    assert len(failures) == 1 and "no compiler here" in failures[0], failures
 
 
 def test_training_with_compiled_layers_and_a_reference_model_updates_the_policy(tiny_models, rows_file, tmp_path):

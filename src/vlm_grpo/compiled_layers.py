@@ -33,6 +33,7 @@ from vlm_grpo.trainer_common import warn_once
 logger = logging.getLogger(__name__)
 
 _compiled: dict[Callable, Callable] = {}  # original forward -> its compiled form (one per layer class)
+_BACKEND: str | Callable = "inductor"
 
 
 def _compiled_forward(layer: torch.nn.Module) -> Callable | None:
@@ -41,8 +42,31 @@ def _compiled_forward(layer: torch.nn.Module) -> Callable | None:
     if original is None:
         return None
     if original not in _compiled:
-        _compiled[original] = torch.compile(original)
+        _compiled[original] = _eager_on_failure(original, torch.compile(original, backend=_BACKEND))
     return _compiled[original]
+
+
+def _eager_on_failure(original: Callable, compiled: Callable) -> Callable:
+    """Run ``compiled``; if compiling it fails (the first call compiles), warn once and run eagerly from then on.
+
+    A machine whose compiler toolchain is broken still trains, with TRL's numbers. Only dynamo's own errors
+    count: a compiled layer has written nothing when they are raised.
+    """
+    state = {"fn": compiled}
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return state["fn"](*args, **kwargs)
+        except torch._dynamo.exc.TorchDynamoException as err:
+            if state["fn"] is original:
+                raise
+            warn_once(
+                logger, f"compile_layers: compiling the decoder layer failed ({type(err).__name__}: {err}); eager"
+            )
+            state["fn"] = original
+            return original(*args, **kwargs)
+
+    return call
 
 
 def _layer_forward(layer: torch.nn.Module, compiled: Callable) -> Callable:

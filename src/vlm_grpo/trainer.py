@@ -81,6 +81,8 @@ class VLMGRPOTrainer(CheckpointReloadMixin, GRPOTrainer):
         self._warn_if_groups_split()
         sharded = self.is_fsdp_enabled or is_zero3(self.accelerator)
         check_compile_layers(getattr(self.args, "compile_layers", False), sharded)
+        if not getattr(self.args, "cudnn_attention", True):
+            torch.backends.cuda.enable_cudnn_sdp(False)
         batched = getattr(self.args, "batch_vision_attention", False)
         for target in (self.model, self.ref_model):  # the reference model is built inside TRL's __init__
             if target is not None:

@@ -161,7 +161,7 @@ class VLMGRPOConfig(GRPOConfig):
             "help": "In the share_prompt passes, run each text decoder layer through torch.compile (the packed "
             "attention kernel stays eager, gradient checkpointing wraps the compiled layer). Measured on an H100 "
             "(3B, gradient checkpointing): the training window shrinks at 512 completion tokens (0.79 -> 0.67 s, "
-            "MFU 25.5% -> 30.0%) but not at 128, and the step time not at all, hence off by default. Log-probs "
+            "MFU 25.5 -> 30.0 percent) but not at 128, and the step time not at all, hence off by default. Log-probs "
             "and gradients match TRL's (tested); the first steps pay the compilation; a failed compilation warns "
             "and runs eagerly. Not with DeepSpeed ZeRO-3 or FSDP."
         },

@@ -81,7 +81,8 @@ class VLMGRPOTrainer(CheckpointReloadMixin, GRPOTrainer):
         self._warn_if_groups_split()
         sharded = self.is_fsdp_enabled or is_zero3(self.accelerator)
         check_compile_layers(getattr(self.args, "compile_layers", False), sharded)
-        if not getattr(self.args, "cudnn_attention", True):
+        if not getattr(self.args, "cudnn_attention", True) and torch.backends.cuda.cudnn_sdp_enabled():
+            logger.info("cudnn_attention=False: sdpa's cuDNN backend is off for this process (see its help)")
             torch.backends.cuda.enable_cudnn_sdp(False)
         batched = getattr(self.args, "batch_vision_attention", False)
         for target in (self.model, self.ref_model):  # the reference model is built inside TRL's __init__

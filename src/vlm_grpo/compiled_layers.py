@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from vlm_grpo.trainer_common import warn_once
+from vlm_grpo.trainer_common import EagerOnFailure, warn_once
 
 logger = logging.getLogger(__name__)
 
@@ -42,31 +42,11 @@ def _compiled_forward(layer: torch.nn.Module) -> Callable | None:
     if original is None:
         return None
     if original not in _compiled:
-        _compiled[original] = _eager_on_failure(original, torch.compile(original, backend=_BACKEND))
+        compiled = torch.compile(original, backend=_BACKEND)
+        # Only dynamo's own errors: any other error of a layer is the user's to see.
+        failed = "compile_layers: compiling the decoder layer failed"
+        _compiled[original] = EagerOnFailure(compiled, original, logger, failed, torch._dynamo.exc.TorchDynamoException)
     return _compiled[original]
-
-
-def _eager_on_failure(original: Callable, compiled: Callable) -> Callable:
-    """Run ``compiled``; if compiling it fails (the first call compiles), warn once and run eagerly from then on.
-
-    A machine whose compiler toolchain is broken still trains, with TRL's numbers. Only dynamo's own errors
-    count: a compiled layer has written nothing when they are raised.
-    """
-    state = {"fn": compiled}
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return state["fn"](*args, **kwargs)
-        except torch._dynamo.exc.TorchDynamoException as err:
-            if state["fn"] is original:
-                raise
-            warn_once(
-                logger, f"compile_layers: compiling the decoder layer failed ({type(err).__name__}: {err}); eager"
-            )
-            state["fn"] = original
-            return original(*args, **kwargs)
-
-    return call
 
 
 def _layer_forward(layer: torch.nn.Module, compiled: Callable) -> Callable:

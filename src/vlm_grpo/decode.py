@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from vlm_grpo.block_attention import as_sdpa
-from vlm_grpo.trainer_common import peft_base, warn_once
+from vlm_grpo.trainer_common import EagerOnFailure, peft_base
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,8 @@ class _Step:
         self.decoder, self.head, self.cache = decoder, head, cache
         self.tokens, self.positions, self.mask = tokens, positions, mask
         self._cache_kwarg = _cache_kwarg(decoder, cache)
-        self._fn = _compiled() if compile else _decode_forward
+        failed = "compile_decode: compiling the decode step failed"
+        self._fn = EagerOnFailure(_compiled(), _decode_forward, logger, failed) if compile else _decode_forward
         self.graph = None
         self.logits: torch.Tensor | None = None
         if use_graph:
@@ -85,18 +86,10 @@ class _Step:
 
     @property
     def compiled(self) -> bool:
-        return self._fn is not _decode_forward
+        return isinstance(self._fn, EagerOnFailure) and self._fn.compiled
 
     def _forward(self) -> torch.Tensor:
-        args = (self.decoder, self.head, self.tokens, self.positions, self.mask, self._cache_kwarg)
-        if not self.compiled:
-            return _decode_forward(*args)
-        try:
-            return self._fn(*args)
-        except Exception as err:  # compilation happens on the first call, before the step writes anything
-            warn_once(logger, f"compile_decode: compiling the decode step failed ({type(err).__name__}: {err}); eager")
-            self._fn = _decode_forward
-            return _decode_forward(*args)
+        return self._fn(self.decoder, self.head, self.tokens, self.positions, self.mask, self._cache_kwarg)
 
     def _capture(self) -> None:
         # Warm-up on a side stream (compilation, lazy cuBLAS / kernel selection), then capture. Both write

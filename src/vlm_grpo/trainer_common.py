@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,6 +40,37 @@ def warn_once(log: logging.Logger, message: str) -> None:
     if message not in _warned:
         _warned.add(message)
         log.warning(message)
+
+
+class EagerOnFailure:
+    """Calls ``compiled`` until it raises one of ``errors``; then warns once and calls ``eager`` from there on.
+
+    Compilation happens on the first call, before the function has written anything, so a machine whose
+    compiler toolchain is broken still trains, with the eager numbers.
+    """
+
+    def __init__(
+        self,
+        compiled: Callable,
+        eager: Callable,
+        log: logging.Logger,
+        what: str,
+        errors: type[BaseException] | tuple[type[BaseException], ...] = Exception,
+    ) -> None:
+        self.fn, self.eager, self.log, self.what, self.errors = compiled, eager, log, what, errors
+
+    @property
+    def compiled(self) -> bool:
+        return self.fn is not self.eager
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.compiled:
+            try:
+                return self.fn(*args, **kwargs)
+            except self.errors as err:
+                warn_once(self.log, f"{self.what} ({type(err).__name__}: {err}); eager")
+                self.fn = self.eager
+        return self.eager(*args, **kwargs)
 
 
 def prepare_vlm(

@@ -16,8 +16,8 @@ from types import SimpleNamespace
 
 import torch
 
-from vlm_grpo.block_attention import LAYOUT_KWARG, PackedLayout, block_sdpa
-from vlm_grpo.sharing import build_mask
+from vlm_grpo.fastpath.block_attention import LAYOUT_KWARG, PackedLayout, block_sdpa
+from vlm_grpo.fastpath.sharing import build_mask
 
 
 def flex_block_mask(layout: PackedLayout, total: int, device: torch.device):

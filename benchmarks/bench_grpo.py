@@ -153,7 +153,7 @@ def timed_trainer_class(base: type) -> type:
 
 def executed_tokens(inputs: dict[str, Any], shared: bool) -> float:
     """Tokens the training pass really runs: every row's prompt + completion, or with the shared-prompt
-    pass each distinct prompt once plus (1 + C) per row (see vlm_grpo.sharing). Used for MFU."""
+    pass each distinct prompt once plus (1 + C) per row (see vlm_grpo.fastpath.sharing). Used for MFU."""
     prompt_len = inputs["prompt_mask"].sum(1)
     width = inputs["completion_ids"].size(1)
     if not shared:

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import torch
 
-from vlm_grpo.block_attention import LAYOUT_KWARG, PackedLayout, block_sdpa
+from vlm_grpo.fastpath.block_attention import LAYOUT_KWARG, PackedLayout, block_sdpa
 
 
 def timed(module, q, k, v, layout: PackedLayout) -> float:

@@ -20,6 +20,6 @@ if __name__ == "__main__":
     losses = [[entry[k] for k in keys] for entry in trainer.state.log_history if "grad_norm" in entry]
     with open(f"{out}/losses{rank}.json", "w") as f:
         json.dump(losses, f)
-    # Dummy vision passes this rank ran to stay in step with ranks that had images (vlm_grpo.vision_sync).
+    # Dummy vision passes this rank ran to stay in step with ranks that had images (vlm_grpo.fastpath.vision_sync).
     with open(f"{out}/vision{rank}.json", "w") as f:
         json.dump({"dummy_passes": sum(s.dummy_passes for s in getattr(trainer, "_vision_syncs", []))}, f)

@@ -157,7 +157,7 @@ def test_the_parity_test_catches_1d_positions(tiny_models, rows_file, tmp_path, 
 
 
 def test_the_parity_test_catches_blocks_that_see_each_other(tiny_models, rows_file, tmp_path, monkeypatch):
-    import vlm_grpo.sharing as sharing
+    import vlm_grpo.fastpath.sharing as sharing
 
     trainer = make_trainer(tiny_models["qwen2_vl"], rows_file, tmp_path, packed_attention="dense")
     inputs = real_batch(trainer)
@@ -175,8 +175,8 @@ def test_the_parity_test_catches_blocks_that_see_each_other(tiny_models, rows_fi
 @pytest.mark.parametrize("family", FAMILIES)
 def test_block_attention_matches_trl_without_a_dense_mask(family, tiny_models, rows_file, tmp_path, monkeypatch):
     """sdpa models take the prefix + blocks kernel: same numbers as TRL, and no (P+G*C)^2 mask is built."""
-    import vlm_grpo.sharing as sharing
-    from vlm_grpo.block_attention import NAME
+    import vlm_grpo.fastpath.sharing as sharing
+    from vlm_grpo.fastpath.block_attention import NAME
 
     def no_dense_mask(*args, **kwargs):
         raise AssertionError("the block kernel must not build the dense mask")
@@ -226,7 +226,7 @@ def test_the_trainer_turns_cudnn_attention_off_unless_asked(tiny_models, rows_fi
 def test_block_attention_is_chosen_only_where_it_applies_and_is_not_saved(tiny_models, rows_file, tmp_path):
     """sdpa + full attention switches; eager, sliding-window layers and packed_attention=dense do not; a
     checkpoint saved after training does not carry the kernel's name."""
-    from vlm_grpo.block_attention import NAME, use_block_attention
+    from vlm_grpo.fastpath.block_attention import NAME, use_block_attention
 
     trainer = make_trainer(tiny_models["qwen2_5_vl"], rows_file, tmp_path)
     model = trainer.model
@@ -272,7 +272,7 @@ def test_compiled_layers_match_trl_under_gradient_checkpointing(family, lora, ti
     A new completion width recompiles once (dynamic shapes), a third width not at all; new layouts never."""
     from torch._dynamo.utils import counters
 
-    from vlm_grpo.compiled_layers import decoder_layers
+    from vlm_grpo.fastpath.compiled_layers import decoder_layers
 
     trainer = make_trainer(tiny_models[family], rows_file, tmp_path, lora=lora, compile_layers=True)
     inputs = real_batch(trainer)
@@ -296,7 +296,7 @@ def test_compiled_layers_match_trl_under_gradient_checkpointing(family, lora, ti
 
 
 def test_compile_layers_is_refused_where_parameters_are_gathered_per_module():
-    from vlm_grpo.compiled_layers import check_compile_layers
+    from vlm_grpo.fastpath.compiled_layers import check_compile_layers
 
     with pytest.raises(ValueError, match="compile_layers=True does not work with DeepSpeed ZeRO-3 or FSDP"):
         check_compile_layers(True, sharded=True)
@@ -307,7 +307,7 @@ def test_compile_layers_is_refused_where_parameters_are_gathered_per_module():
 def test_a_failed_layer_compilation_warns_once_and_trains_eagerly(tiny_models, rows_file, tmp_path, monkeypatch,
                                                                   caplog):  # fmt: skip
     """A machine where inductor cannot compile must still train, with TRL's numbers."""
-    import vlm_grpo.compiled_layers as compiled_layers
+    import vlm_grpo.fastpath.compiled_layers as compiled_layers
 
     def broken_backend(graph, example_inputs):
         raise RuntimeError("no compiler here")
@@ -319,7 +319,7 @@ def test_a_failed_layer_compilation_warns_once_and_trains_eagerly(tiny_models, r
     trainer.model.gradient_checkpointing_enable({"use_reentrant": False})
     trainer.model.train()
     torch._dynamo.reset()
-    with caplog.at_level(logging.WARNING, logger="vlm_grpo.compiled_layers"):
+    with caplog.at_level(logging.WARNING, logger="vlm_grpo.fastpath.compiled_layers"):
         assert_parity(trainer, inputs)
         assert_parity(trainer, inputs)
     failures = [r.message for r in caplog.records if "compiling the decoder layer failed" in r.message]
@@ -328,7 +328,7 @@ def test_a_failed_layer_compilation_warns_once_and_trains_eagerly(tiny_models, r
 
 def test_training_with_compiled_layers_and_a_reference_model_updates_the_policy(tiny_models, rows_file, tmp_path):
     """The whole loop (generation, reference and policy passes, optimizer) with compile_layers on."""
-    from vlm_grpo.compiled_layers import decoder_layers
+    from vlm_grpo.fastpath.compiled_layers import decoder_layers
 
     trainer = make_trainer(
         tiny_models["qwen2_5_vl"], rows_file, tmp_path, compile_layers=True, gradient_checkpointing=True,
@@ -347,7 +347,7 @@ def test_the_parity_test_catches_a_detached_prompt_in_the_block_kernel(tiny_mode
     """Blocks that read the prompt's keys/values without a gradient path to them must fail parity."""
     from transformers import AttentionInterface
 
-    from vlm_grpo.block_attention import LAYOUT_KWARG, NAME, block_sdpa
+    from vlm_grpo.fastpath.block_attention import LAYOUT_KWARG, NAME, block_sdpa
 
     def detached_prefix(module, query, key, value, *args, **kwargs):
         layout = kwargs.get(LAYOUT_KWARG)
@@ -393,7 +393,7 @@ def _tokenized_batch(trainer):
 
 def _generate_both(trainer, monkeypatch, seed=0):
     """(ours, plain TRL, which decoder ours used): the same batch, the same RNG state for both."""
-    import vlm_grpo.decode as decode
+    import vlm_grpo.fastpath.decode as decode
 
     used = []
     real = decode.fast_decode
@@ -434,7 +434,7 @@ def test_compiled_decode_step_gives_generates_greedy_tokens(family, tiny_models,
     """compile_decode: the decode step runs through torch.compile (forced on here; GPU-only by default)."""
     from torch._dynamo.utils import counters
 
-    import vlm_grpo.decode as decode
+    import vlm_grpo.fastpath.decode as decode
 
     trainer = make_trainer(tiny_models[family], rows_file, tmp_path, compile_decode=True)
     steps = []
@@ -455,14 +455,14 @@ def test_compiled_decode_step_gives_generates_greedy_tokens(family, tiny_models,
 def test_a_decode_step_that_fails_to_compile_warns_and_runs_eagerly(
     tiny_models, rows_file, tmp_path, monkeypatch, caplog
 ):
-    import vlm_grpo.decode as decode
+    import vlm_grpo.fastpath.decode as decode
 
     def broken(*args, **kwargs):
         raise RuntimeError("inductor is unhappy")
 
     monkeypatch.setattr(decode, "_compiled", lambda: broken)
     trainer = make_trainer(tiny_models["qwen2_5_vl"], rows_file, tmp_path, compile_decode=True)
-    with caplog.at_level("WARNING", logger="vlm_grpo.decode"):
+    with caplog.at_level("WARNING", logger="vlm_grpo.fastpath.decode"):
         ours, plain, used = _generate_both(trainer, monkeypatch)
     assert used == ["fast"] and ours == plain
     assert "compiling the decode step failed (RuntimeError: inductor is unhappy)" in caplog.text
@@ -500,7 +500,7 @@ def test_fast_decode_stops_rows_at_eos_like_generate(attn, tiny_models, rows_fil
 
 def test_fast_decode_returns_generates_width_when_every_row_ends_early(tiny_models, rows_file, tmp_path, monkeypatch):
     """The host checks for "all rows ended" only every few tokens; the output must still stop where generate's does."""
-    import vlm_grpo.decode as decode
+    import vlm_grpo.fastpath.decode as decode
 
     trainer = make_trainer(tiny_models["qwen2_5_vl"], rows_file, tmp_path)
     trainer.generation_config.repetition_penalty = 2.0

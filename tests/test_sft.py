@@ -134,7 +134,7 @@ def test_lora_sft_writes_merged_model_and_adapter(tiny_models, dataset, tmp_path
 
 @pytest.mark.parametrize("batched", [True, False])
 def test_sft_batches_the_vision_towers_attention_unless_turned_off(batched, tiny_models, dataset, tmp_path):
-    from vlm_grpo.vision_attention import NAME
+    from vlm_grpo.fastpath.vision_attention import NAME
 
     flag = [] if batched else ["--batch_vision_attention", "false"]
     trainer, _ = build_trainer(*parse_args(sft_args(tiny_models["qwen2_5_vl"], dataset, tmp_path / "out", 1, *flag)))

@@ -1,4 +1,4 @@
-"""The batched varlen vision attention (``vlm_grpo.vision_attention``) against transformers' per-segment sdpa.
+"""The batched varlen vision attention (``vlm_grpo.fastpath.vision_attention``) against transformers' per-segment sdpa.
 
 Images of different sizes give segments of several lengths (Qwen2.5-VL: windows of several lengths too),
 and two images of one size give a length with more than one segment, so the batching is exercised where
@@ -17,8 +17,8 @@ from transformers import AttentionInterface, AutoModelForImageTextToText
 from transformers.vision_utils import get_vision_window_index
 
 from e2e_utils import base_args, make_dataset
+from vlm_grpo.fastpath.vision_attention import NAME, use_batched_vision_attention, varlen_sdpa
 from vlm_grpo.grpo_jsonl import main, parse_args
-from vlm_grpo.vision_attention import NAME, use_batched_vision_attention, varlen_sdpa
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -133,7 +133,7 @@ def test_the_comparison_catches_attention_across_segments(family, tiny_models):
 
 def test_the_segment_plan_is_computed_once_per_cu_seqlens(tiny_models, monkeypatch):
     """Every layer gets the same cu_seqlens tensor: one host read per distinct tensor, not per layer."""
-    import vlm_grpo.vision_attention as va
+    import vlm_grpo.fastpath.vision_attention as va
 
     model = load(tiny_models, "qwen2_5_vl")
     use_batched_vision_attention(model, True)

@@ -1,4 +1,4 @@
-"""The dummy vision pass that keeps sharded ranks in step (``vlm_grpo.vision_sync``), on one process:
+"""The dummy vision pass that keeps sharded ranks in step (``vlm_grpo.fastpath.vision_sync``), on one process:
 it runs exactly where and when the real vision pass would, and changes neither loss nor gradients."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, DynamicCache
 
+from vlm_grpo.fastpath.decode import cache_kwarg
+from vlm_grpo.fastpath.vision_sync import install_vision_sync
 from vlm_grpo.modules import get_vlm_module
-from vlm_grpo.sharing import _cache_kwarg
 from vlm_grpo.testing import FAMILIES
-from vlm_grpo.vision_sync import install_vision_sync
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -78,9 +78,9 @@ def test_dummy_vision_pass_runs_in_prefill_only(tiny_models, family):
     ids, mask = batch["input_ids"], batch["attention_mask"]
     with torch.no_grad():
         cache = DynamicCache(config=model.config)  # the shared-prefill path: prefill, then continue the cache
-        model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], **_cache_kwarg(model, cache), use_cache=True)
+        model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], **cache_kwarg(model, cache), use_cache=True)
         assert sync.dummy_passes == 1
-        model(input_ids=ids[:, -1:], attention_mask=mask, **_cache_kwarg(model, cache), use_cache=True)
+        model(input_ids=ids[:, -1:], attention_mask=mask, **cache_kwarg(model, cache), use_cache=True)
         assert sync.dummy_passes == 1
         model.generate(**batch, max_new_tokens=4, min_new_tokens=4, do_sample=False)
     assert sync.dummy_passes == 2

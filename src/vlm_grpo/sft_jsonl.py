@@ -23,7 +23,7 @@ from vlm_grpo.data import to_datasets
 from vlm_grpo.recipe import load_checked_rows, load_model, pick_module
 from vlm_grpo.resume import resolve_resume
 from vlm_grpo.sft_trainer import SFTTransform, VLMSFTConfig, VLMSFTTrainer, assistant_masks_supported
-from vlm_grpo.trainer_common import is_zero3
+from vlm_grpo.utils import is_zero3
 
 logger = logging.getLogger("vlm_grpo")
 

@@ -18,9 +18,9 @@ from trl import SFTConfig, SFTTrainer
 
 from vlm_grpo.configs import apply_device_defaults, batch_vision_attention_field
 from vlm_grpo.data.jsonl import LazyImageTransform
+from vlm_grpo.fastpath.vision_attention import use_batched_vision_attention
 from vlm_grpo.modules import VLMModule
 from vlm_grpo.trainer_common import CheckpointReloadMixin, prepare_vlm
-from vlm_grpo.vision_attention import use_batched_vision_attention
 
 logger = logging.getLogger(__name__)
 

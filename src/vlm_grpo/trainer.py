@@ -4,7 +4,7 @@ TRL already trains VLMs; what it lacks is knowing *which* family it trains. The 
 model and processor with the family's image limits, keeps LoRA off the vision tower, freezes
 the tower on request, and lets rewards be given by registered name. On top of TRL's loop the
 trainer computes each GRPO group once (``share_prompt``, ``share_prefill``; see
-:mod:`vlm_grpo.sharing`), reloads resumed checkpoints correctly, and survives batches that mix
+:mod:`vlm_grpo.fastpath.sharing`), reloads resumed checkpoints correctly, and survives batches that mix
 text-only and image prompts. Losses, logging, DeepSpeed and the rest are TRL's, unmodified.
 """
 
@@ -17,14 +17,15 @@ from typing import Any
 import torch
 from trl import GRPOTrainer
 
-from vlm_grpo.block_attention import use_block_attention
-from vlm_grpo.compiled_layers import check_compile_layers
+from vlm_grpo.fastpath.block_attention import use_block_attention
+from vlm_grpo.fastpath.compiled_layers import check_compile_layers
+from vlm_grpo.fastpath.sharing import packed_logps, shared_prefill_generate
+from vlm_grpo.fastpath.vision_attention import use_batched_vision_attention
+from vlm_grpo.fastpath.vision_sync import install_vision_sync, needs_vision_sync
 from vlm_grpo.modules import VLMModule
 from vlm_grpo.rewards import build_reward_funcs
-from vlm_grpo.sharing import packed_logps, shared_prefill_generate
-from vlm_grpo.trainer_common import CheckpointReloadMixin, is_zero3, prepare_vlm
-from vlm_grpo.vision_attention import use_batched_vision_attention
-from vlm_grpo.vision_sync import install_vision_sync, needs_vision_sync
+from vlm_grpo.trainer_common import CheckpointReloadMixin, prepare_vlm
+from vlm_grpo.utils import is_zero3
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +141,7 @@ class VLMGRPOTrainer(CheckpointReloadMixin, GRPOTrainer):
         compute_aux_loss: bool = False,
         **mm: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Rows that share a prompt share one forward (``share_prompt``); see :mod:`vlm_grpo.sharing`."""
+        """Rows that share a prompt share one forward (``share_prompt``); see :mod:`vlm_grpo.fastpath.sharing`."""
         extra = {k for k, v in mm.items() if v is not None} - self._SHARED_MM_KEYS
         if getattr(self.args, "share_prompt", False):  # every rank asks: ranks decide together
             usable = not compute_aux_loss and not extra

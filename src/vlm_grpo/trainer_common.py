@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -11,66 +10,7 @@ from transformers import PreTrainedModel
 
 from vlm_grpo.modules import VLMModule
 
-
-def peft_base(model: Any) -> Any:
-    """The model under a PEFT wrapper (or the model itself): its forward signature and submodules."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-def model_base(model: Any) -> Any:
-    """The ``PreTrainedModel`` inside DeepSpeed / DDP / FSDP and PEFT wrappers (whose config is the model's)."""
-    while not isinstance(model, PreTrainedModel) and isinstance(getattr(model, "module", None), torch.nn.Module):
-        model = model.module  # a DeepSpeed engine's own ``config`` is DeepSpeed's, not the model's
-    return peft_base(model)
-
-
-def is_zero3(accelerator: Any) -> bool:
-    """DeepSpeed ZeRO-3: parameters are partitioned and gathered module by module."""
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    return plugin is not None and plugin.zero_stage == 3
-
-
 logger = logging.getLogger(__name__)
-
-_warned: set[str] = set()
-
-
-def warn_once(log: logging.Logger, message: str) -> None:
-    """Log ``message`` once per process: the paths that call this run every step."""
-    if message not in _warned:
-        _warned.add(message)
-        log.warning(message)
-
-
-class EagerOnFailure:
-    """Calls ``compiled`` until it raises one of ``errors``; then warns once and calls ``eager`` from there on.
-
-    Compilation happens on the first call, before the function has written anything, so a machine whose
-    compiler toolchain is broken still trains, with the eager numbers.
-    """
-
-    def __init__(
-        self,
-        compiled: Callable,
-        eager: Callable,
-        log: logging.Logger,
-        what: str,
-        errors: type[BaseException] | tuple[type[BaseException], ...] = Exception,
-    ) -> None:
-        self.fn, self.eager, self.log, self.what, self.errors = compiled, eager, log, what, errors
-
-    @property
-    def compiled(self) -> bool:
-        return self.fn is not self.eager
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.compiled:
-            try:
-                return self.fn(*args, **kwargs)
-            except self.errors as err:
-                warn_once(self.log, f"{self.what} ({type(err).__name__}: {err}); eager")
-                self.fn = self.eager
-        return self.eager(*args, **kwargs)
 
 
 def prepare_vlm(

@@ -53,7 +53,7 @@ class ImageLimits:
 
 
 class GroupSharingMixin:
-    """Hooks ``vlm_grpo.sharing`` needs from a family: how pixels split per sample, and positions."""
+    """Hooks ``vlm_grpo.fastpath.sharing`` needs from a family: how pixels split per sample, and positions."""
 
     def units_per_sample(self, mm: dict[str, Any]) -> list[int] | None:
         """Rows of ``pixel_values`` each sample owns (None: no images in the batch)."""
@@ -90,7 +90,7 @@ class VLMModule(GroupSharingMixin):
     #: Module-name prefixes (as in ``model.named_parameters()``) of the vision tower and its projector.
     vision_prefixes: ClassVar[tuple[str, ...]] = ()
     #: The vision tower hands attention ``cu_seqlens`` in one call when its attention name says "flash",
-    #: so :mod:`vlm_grpo.vision_attention` can batch its segments by length (Qwen-VL towers).
+    #: so :mod:`vlm_grpo.fastpath.vision_attention` can batch its segments by length (Qwen-VL towers).
     varlen_vision: ClassVar[bool] = False
     #: Linear-layer names LoRA targets by default (in the language model only).
     lora_targets: ClassVar[tuple[str, ...]] = (
@@ -230,7 +230,7 @@ class VLMModule(GroupSharingMixin):
     def dummy_image_inputs(self, backbone: torch.nn.Module, device: Any) -> dict[str, Any]:
         """Keyword arguments for ``backbone.get_image_features`` that encode one smallest blank image.
 
-        Used by :mod:`vlm_grpo.vision_sync` on ranks whose batch has no images.
+        Used by :mod:`vlm_grpo.fastpath.vision_sync` on ranks whose batch has no images.
         """
         raise NotImplementedError(f"the '{self.name}' adapter has no dummy image for multi-process vision sync")
 

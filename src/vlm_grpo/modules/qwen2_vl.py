@@ -76,7 +76,7 @@ class Qwen2VLModule(VLMModule):
             "image_grid_thw": torch.tensor([[1, merge, merge]], device=device),
         }
 
-    # ----------------------------------------------------------------- group sharing (vlm_grpo.sharing)
+    # ----------------------------------------------------------------- group sharing (vlm_grpo.fastpath.sharing)
     def units_per_sample(self, mm: dict[str, Any]) -> list[int] | None:
         grid, num_images = mm.get("image_grid_thw"), mm.get("num_images")
         if grid is None or not num_images:

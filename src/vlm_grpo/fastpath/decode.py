@@ -13,13 +13,15 @@ where the same loop runs without the graph).
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 from typing import Any
 
 import torch
 
-from vlm_grpo.block_attention import as_sdpa
-from vlm_grpo.trainer_common import EagerOnFailure, peft_base
+from vlm_grpo.fastpath.block_attention import as_sdpa
+from vlm_grpo.fastpath.fallback import EagerOnFailure
+from vlm_grpo.utils import peft_base
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +46,14 @@ def unsupported_reason(model: Any, generation_config: Any) -> str | None:
     return None
 
 
-def _decode_forward(decoder: Any, head: Any, tokens, positions, mask, cache_kwarg: dict[str, Any]) -> torch.Tensor:
-    out = decoder(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True, **cache_kwarg)
+def cache_kwarg(model: Any, cache: Any) -> dict[str, Any]:
+    """transformers renamed ``past_key_values`` to ``cache`` (5.2x); pass whichever this version takes."""
+    base = peft_base(model)  # PEFT hides the signature
+    return {"cache": cache} if "cache" in inspect.signature(base.forward).parameters else {"past_key_values": cache}
+
+
+def _decode_forward(decoder: Any, head: Any, tokens, positions, mask, cache_kw: dict[str, Any]) -> torch.Tensor:
+    out = decoder(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True, **cache_kw)
     return head(out.last_hidden_state[:, -1, :])
 
 
@@ -72,11 +80,9 @@ class _Step:
     def __init__(
         self, decoder: Any, head: Any, cache: Any, tokens, positions, mask, use_graph: bool, compile: bool = False
     ) -> None:
-        from vlm_grpo.sharing import _cache_kwarg
-
         self.decoder, self.head, self.cache = decoder, head, cache
         self.tokens, self.positions, self.mask = tokens, positions, mask
-        self._cache_kwarg = _cache_kwarg(decoder, cache)
+        self._cache_kwarg = cache_kwarg(decoder, cache)
         failed = "compile_decode: compiling the decode step failed"
         self._fn = EagerOnFailure(_compiled(), _decode_forward, logger, failed) if compile else _decode_forward
         self.graph = None

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from vlm_grpo.trainer_common import model_base
+from vlm_grpo.utils import model_base
 
 NAME = "vlm_grpo_sdpa_flash_varlen"
 

@@ -27,9 +27,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from vlm_grpo.block_attention import LAYOUT_KWARG, PackedLayout, packing, use_block_attention
-from vlm_grpo.compiled_layers import compiled_layers
-from vlm_grpo.trainer_common import is_zero3, peft_base, warn_once
+from vlm_grpo.fastpath.block_attention import LAYOUT_KWARG, PackedLayout, packing, use_block_attention
+from vlm_grpo.fastpath.compiled_layers import compiled_layers
+from vlm_grpo.fastpath.decode import cache_kwarg, fast_decode, unsupported_reason
+from vlm_grpo.utils import is_zero3, peft_base, warn_once
 
 logger = logging.getLogger(__name__)
 
@@ -310,12 +311,10 @@ def shared_prefill_generate(
         positions = _generation_positions(base, lead_ids[:, :-1], prefill)
         if positions is not None:
             prefill["position_ids"] = positions
-        unwrapped(input_ids=lead_ids[:, :-1], **_cache_kwarg(unwrapped, cache), use_cache=True, **prefill)
+        unwrapped(input_ids=lead_ids[:, :-1], **cache_kwarg(unwrapped, cache), use_cache=True, **prefill)
         decode_positions = _next_positions(positions, getattr(backbone, "rope_deltas", None))
         reason = _fast_decode_blocker(trainer, unwrapped, decode_positions)
         if reason is None:
-            from vlm_grpo.decode import fast_decode
-
             compile_decode = getattr(trainer.args, "compile_decode", None)
             generated = fast_decode(
                 unwrapped, cache, index, lead_ids[index], lead_mask[index], decode_positions,
@@ -333,7 +332,7 @@ def shared_prefill_generate(
                 input_ids=lead_ids[index],
                 attention_mask=lead_mask[index],
                 generation_config=trainer.generation_config,
-                **_cache_kwarg(unwrapped, cache),
+                **cache_kwarg(unwrapped, cache),
                 **extra,
             )
             generated = out[:, lead_ids.size(1) :]
@@ -344,14 +343,6 @@ def shared_prefill_generate(
         cut = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
         result[row] = tokens[:cut]
     return result
-
-
-def _cache_kwarg(model: Any, cache: Any) -> dict[str, Any]:
-    """transformers renamed ``past_key_values`` to ``cache`` (5.2x); pass whichever this version takes."""
-    import inspect
-
-    base = peft_base(model)  # PEFT hides the signature
-    return {"cache": cache} if "cache" in inspect.signature(base.forward).parameters else {"past_key_values": cache}
 
 
 def _generation_positions(base: Any, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor | None:
@@ -374,8 +365,6 @@ def _next_positions(positions: torch.Tensor | None, rope_deltas: torch.Tensor | 
 
 
 def _fast_decode_blocker(trainer: Any, model: Any, positions: torch.Tensor | None) -> str | None:
-    from vlm_grpo.decode import unsupported_reason
-
     if not getattr(trainer.args, "fast_decode", False):
         return "turned off"
     if positions is None:

@@ -11,7 +11,7 @@ Two things stand in the way, and are handled here without touching transformers'
 * transformers checkpoints inside the layer's ``forward``, and a checkpointed region cannot contain
   graph breaks. For the duration of a packed forward, each layer's ``forward`` is set on the instance to
   "checkpoint (as configured) around the compiled original forward", and restored afterwards.
-* the packed attention kernel (:mod:`vlm_grpo.block_attention`) loops over the layout's Python ints; it
+* the packed attention kernel (:mod:`vlm_grpo.fastpath.block_attention`) loops over the layout's Python ints; it
   runs as a compiler-disabled island, so new layouts do not recompile the layer.
 
 Generation does not go through this (its decode step has its own compilation, ``compile_decode``).
@@ -28,7 +28,8 @@ from typing import Any
 import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from vlm_grpo.trainer_common import EagerOnFailure, warn_once
+from vlm_grpo.fastpath.fallback import EagerOnFailure
+from vlm_grpo.utils import warn_once
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from vlm_grpo.trainer_common import peft_base
+from vlm_grpo.utils import peft_base
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Attention over a packed GRPO group without a (P+G·C)² mask.
 
-The packed layout of :mod:`vlm_grpo.sharing` is ``prefix | block_1 | ... | block_G`` per row. A dense
+The packed layout of :mod:`vlm_grpo.fastpath.sharing` is ``prefix | block_1 | ... | block_G`` per row. A dense
 boolean mask over it costs (P+G·C)² per row and keeps sdpa off its flash kernels; most of its
 entries are "block g does not see block h". Here the same attention is two kernel calls per row:
 
@@ -29,7 +29,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from vlm_grpo.trainer_common import model_base
+from vlm_grpo.utils import model_base
 
 NAME = "vlm_grpo_sdpa"
 LAYOUT_KWARG = "vlm_grpo_layout"

@@ -1,0 +1,25 @@
+"""The speed path: each GRPO group computed once, at TRL's numbers.
+
+What it does (every piece behind a ``VLMGRPOConfig`` flag, parity-tested against TRL's own path):
+
+* ``sharing``: ``share_prompt`` (one forward per group over ``[prompt | c1 | ... | cG]`` for the old,
+  reference and policy log-probs) and ``share_prefill`` (prefill each unique prompt once, decode its G samples
+  from the repeated cache);
+* ``decode``: ``fast_decode`` / ``compile_decode`` (static cache, CUDA-graph decode step);
+* ``block_attention``: the packed pass's attention kernel (``packed_attention=blocks``);
+* ``compiled_layers``: ``compile_layers``; ``fallback``: compiled-with-eager-fallback;
+* ``vision_attention``: ``batch_vision_attention``; ``vision_sync``: vision passes kept in step across ranks.
+
+It leans on names that TRL, transformers and torch do not promise to keep. ``contract.PRIVATE_NAMES`` lists
+each one with the signature we rely on, and ``tests/test_fastpath_contract.py`` checks them against the
+installed versions, so an upgrade that drops one fails there, naming it:
+
+* TRL ``GRPOTrainer``: ``_get_per_token_logps_and_entropies``, ``_generate_single_turn``, ``_tokenize_prompts``
+  (overridden by ``VLMGRPOTrainer``), the ``_tokenizer`` attribute; ``trl.models.utils.unwrap_model_for_generation``.
+* transformers ``Trainer._load_from_checkpoint``; ``GenerationMixin._prepare_generation_config``,
+  ``_prepare_special_tokens`` (which sets ``GenerationConfig._pad_token_tensor`` / ``_eos_token_tensor``),
+  ``_get_logits_processor``; Qwen-VL's ``_prepare_position_ids_for_generation``;
+  ``PretrainedConfig._attn_implementation``; ``GradientCheckpointingLayer._gradient_checkpointing_func``;
+  ``integrations.sdpa_attention.sdpa_attention_forward``; ``masking_utils.sdpa_mask``.
+* torch ``torch._dynamo.exc.TorchDynamoException``.
+"""

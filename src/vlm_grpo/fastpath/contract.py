@@ -1,0 +1,126 @@
+"""The private TRL / transformers / torch names the speed path relies on, and a check that they still exist.
+
+Each entry names an owner (``module:qualname``), the private attribute we use, and either the parameters
+we call or override it with, or ``source`` (for attributes set at run time: the owner's source must mention
+it). ``missing()`` lists what the installed versions lack, one readable line per name.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PrivateName:
+    owner: str  # "module:Qualified.name"
+    name: str
+    params: tuple[str, ...] = ()  # parameters our override / call passes
+    source: str | None = None  # "module:Qualified.name" whose source must mention ``name`` (run-time attribute)
+    why: str = ""
+
+
+PRIVATE_NAMES: tuple[PrivateName, ...] = (
+    PrivateName(
+        "trl:GRPOTrainer",
+        "_get_per_token_logps_and_entropies",
+        ("model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy"),
+        why="share_prompt overrides it (the packed log-prob pass)",
+    ),
+    PrivateName(
+        "trl:GRPOTrainer",
+        "_generate_single_turn",
+        ("prompt_ids", "images", "multimodal_fields", "num_generations"),
+        why="share_prefill overrides it (one prefill per group)",
+    ),
+    PrivateName("trl:GRPOTrainer", "_tokenize_prompts", ("prompts",), why="mixed text/image batches"),
+    PrivateName(
+        "trl:GRPOTrainer",
+        "_tokenizer",
+        source="trl:GRPOTrainer.__init__",
+        why="the pad id of the packed rows and the shared prefill",
+    ),
+    PrivateName("trl.models.utils", "unwrap_model_for_generation", ("model", "accelerator"), why="shared prefill"),
+    PrivateName(
+        "transformers:Trainer",
+        "_load_from_checkpoint",
+        ("resume_from_checkpoint", "model"),
+        why="checkpoint reload through from_pretrained (CheckpointReloadMixin)",
+    ),
+    PrivateName("transformers.generation.utils:GenerationMixin", "_prepare_generation_config", ("generation_config",)),
+    PrivateName("transformers.generation.utils:GenerationMixin", "_prepare_special_tokens", ("generation_config",)),
+    PrivateName(
+        "transformers:GenerationConfig",
+        "_pad_token_tensor",
+        source="transformers.generation.utils:GenerationMixin._prepare_special_tokens",
+        why="fast_decode pads and stops like generate",
+    ),
+    PrivateName(
+        "transformers:GenerationConfig",
+        "_eos_token_tensor",
+        source="transformers.generation.utils:GenerationMixin._prepare_special_tokens",
+    ),
+    PrivateName(
+        "transformers.generation.utils:GenerationMixin",
+        "_get_logits_processor",
+        ("generation_config", "input_ids_seq_length"),
+        why="fast_decode samples with generate's own processors",
+    ),
+    PrivateName(
+        "transformers:Qwen2VLForConditionalGeneration",
+        "_prepare_position_ids_for_generation",
+        why="prefill positions (mrope) exactly as generate computes them",
+    ),
+    PrivateName(
+        "transformers:PretrainedConfig", "_attn_implementation", why="block / varlen kernels are selected by name"
+    ),
+    PrivateName(
+        "transformers.modeling_layers:GradientCheckpointingLayer",
+        "_gradient_checkpointing_func",
+        source="transformers.modeling_layers",
+        why="compile_layers wraps the compiled layer in the same checkpoint function",
+    ),
+    PrivateName("transformers.integrations.sdpa_attention", "sdpa_attention_forward", ("module", "query", "key")),
+    PrivateName("transformers.masking_utils", "sdpa_mask", why="the block kernel's fallback mask"),
+    PrivateName("torch._dynamo.exc", "TorchDynamoException", why="compile_layers falls back to eager on it"),
+)
+
+
+def _resolve(spec: str) -> object:
+    module_name, _, qualname = spec.partition(":")
+    obj: object = importlib.import_module(module_name)
+    for part in filter(None, qualname.split(".")):
+        obj = getattr(obj, part)
+    return obj
+
+
+def check(entry: PrivateName) -> str | None:
+    """None if ``entry`` holds in the installed versions, else what is missing."""
+    label = f"{entry.owner.replace(':', '.')}.{entry.name}"
+    try:
+        owner = _resolve(entry.owner)
+    except (ImportError, AttributeError) as err:
+        return f"{label}: cannot import {entry.owner} ({err})"
+    if entry.source is not None:
+        try:
+            text = inspect.getsource(_resolve(entry.source))  # type: ignore[arg-type]
+        except (ImportError, AttributeError, OSError, TypeError) as err:
+            return f"{label}: cannot read {entry.source} ({err})"
+        return None if entry.name in text else f"{label}: {entry.source} no longer sets or uses '{entry.name}'"
+    if not hasattr(owner, entry.name):
+        return f"{label}: missing"
+    if entry.params:
+        try:
+            params = inspect.signature(getattr(owner, entry.name)).parameters
+        except (TypeError, ValueError):
+            return None
+        absent = [p for p in entry.params if p not in params]
+        if absent:
+            return f"{label}: signature changed, no parameter(s) {', '.join(absent)}"
+    return None
+
+
+def missing() -> list[str]:
+    """One line per private name the installed TRL / transformers / torch no longer has as we use it."""
+    return [problem for entry in PRIVATE_NAMES if (problem := check(entry)) is not None]

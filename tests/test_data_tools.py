@@ -11,7 +11,7 @@ from PIL import Image
 from vlm_grpo.data import read_rows
 from vlm_grpo.data.cli import main as data_main
 from vlm_grpo.data.records import iter_records, read_any_rows, write_rows
-from vlm_grpo.rewards.rynnbrain import OUTPUT_FORMATS
+from vlm_grpo.tasks import RYNNBRAIN_OUTPUT_FORMATS as OUTPUT_FORMATS
 
 DEMO = Path(__file__).resolve().parents[1] / "data" / "demo"
 

@@ -12,8 +12,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from vlm_grpo.rewards import build_reward_funcs
+from vlm_grpo.rewards.client import clear_clients
 from vlm_grpo.rewards.judge import chat_completions_url, llm_judge_reward, load_template, parse_verdict
-from vlm_grpo.rewards.remote import clear_clients
 from vlm_grpo.serve.threaded import ThreadedServer, free_port
 
 SECRET = "sk-local-test-7c1f9a"

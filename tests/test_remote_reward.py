@@ -11,17 +11,9 @@ import pytest
 from PIL import Image
 
 from vlm_grpo.rewards import REWARDS, build_reward_funcs
-from vlm_grpo.rewards.remote import (
-    ClientConfig,
-    clear_clients,
-    describe_text,
-    distributed_rank,
-    http_reward,
-    listener_reward,
-    listener_url,
-    parse_lewis_target,
-    resolve_config,
-)
+from vlm_grpo.rewards.client import ClientConfig, clear_clients, distributed_rank, resolve_config
+from vlm_grpo.rewards.http_endpoint import http_reward
+from vlm_grpo.rewards.listener import describe_text, listener_reward, listener_url, parse_lewis_target
 from vlm_grpo.serve.threaded import ThreadedServer, free_port
 
 SPEAKER = "<thinking>it is red</thinking><coarse>a red square</coarse><detailed>A red square on the left.</detailed>"
@@ -202,7 +194,7 @@ def test_retries_a_server_that_fails_twice_then_answers(httpserver, lewis_images
 def test_client_errors_are_not_retried(httpserver, lewis_images, caplog):
     httpserver.expect_request("/batch_score").respond_with_json({"detail": "invalid request: nope"}, status=422)
     image_path, solution = lewis_columns(lewis_images, 2)
-    with caplog.at_level(logging.WARNING, logger="vlm_grpo.rewards.remote"):
+    with caplog.at_level(logging.WARNING, logger="vlm_grpo.rewards.client"):
         rewards = listener_reward(
             [SPEAKER, SPEAKER],
             image_path=image_path,
@@ -225,7 +217,7 @@ def test_a_server_that_is_down_gives_the_fallback_quickly_and_warns_once_per_n(l
         "image_path": image_path, "solution": solution, "url": url, "warn_every": 8, "fallback": -1.0,
         "max_retries": 2, "backoff_factor": 0.05, "chunk_size": 1, "timeout": 2,
     }  # fmt: skip
-    with caplog.at_level(logging.WARNING, logger="vlm_grpo.rewards.remote"):
+    with caplog.at_level(logging.WARNING, logger="vlm_grpo.rewards.client"):
         start = time.monotonic()
         first = listener_reward(completions, log_metric=lambda k, v: metrics.append((k, v)), **kwargs)
         elapsed = time.monotonic() - start
@@ -367,7 +359,7 @@ def test_config_resolution(monkeypatch):
 
 
 def test_backoff_grows_exponentially_with_bounded_jitter():
-    from vlm_grpo.rewards.remote import ResilientClient
+    from vlm_grpo.rewards.client import ResilientClient
 
     client = ResilientClient(
         ClientConfig(url="http://127.0.0.1:9", backoff_factor=1.0, jitter=0.5, max_backoff=30), "t"

@@ -13,7 +13,8 @@ import pytest
 from e2e_utils import base_args, make_dataset
 from test_rewards_explanation import build_tiny_clip
 from vlm_grpo.grpo_jsonl import main, parse_args
-from vlm_grpo.rewards.rynnbrain import OUTPUT_FORMATS, SYSTEM_PROMPTS
+from vlm_grpo.tasks import RYNNBRAIN_OUTPUT_FORMATS as OUTPUT_FORMATS
+from vlm_grpo.tasks import RYNNBRAIN_SYSTEM_PROMPTS as SYSTEM_PROMPTS
 
 EASYR1_PLUGIN = '''
 REWARD_TYPE = "batch"

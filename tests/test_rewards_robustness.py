@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from vlm_grpo.rewards import REWARDS, reward_kind
 from vlm_grpo.rewards.base import reward_inputs_from_kwargs
-from vlm_grpo.rewards.rynnbrain import TASKS
+from vlm_grpo.tasks import RYNNBRAIN_TASKS as TASKS
 
 EXAMPLES_PER_REWARD = 25
 BATCH = (12, 28)

@@ -10,9 +10,6 @@ import pytest
 
 from vlm_grpo.rewards import SafeReward, build_reward_funcs
 from vlm_grpo.rewards.rynnbrain import (
-    OUTPUT_FORMATS,
-    SYSTEM_PROMPTS,
-    TASKS,
     SpatialAnswer,
     discrete_frechet,
     dtw_mean_distance,
@@ -29,6 +26,9 @@ from vlm_grpo.rewards.rynnbrain import (
     rynn_segment_reward,
     rynn_trajectory_reward,
 )
+from vlm_grpo.tasks import RYNNBRAIN_OUTPUT_FORMATS as OUTPUT_FORMATS
+from vlm_grpo.tasks import RYNNBRAIN_SYSTEM_PROMPTS as SYSTEM_PROMPTS
+from vlm_grpo.tasks import RYNNBRAIN_TASKS as TASKS
 
 
 def answer(tag: str, body: str) -> str:

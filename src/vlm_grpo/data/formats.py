@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-IMAGE_TOKEN = "<image>"
+from vlm_grpo.tasks import IMAGE_TOKEN
 
 
 class RowError(ValueError):

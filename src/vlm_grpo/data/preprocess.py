@@ -32,10 +32,12 @@ from typing import Any
 
 from vlm_grpo.data.formats import RowError, normalise_row
 from vlm_grpo.data.records import Record, iter_records, vlm_r1_row, write_rows
-from vlm_grpo.rewards.format import RYNNBRAIN_TASK_TAGS
-from vlm_grpo.rewards.rynnbrain import OUTPUT_FORMATS
-from vlm_grpo.rewards.rynnbrain import SYSTEM_PROMPTS as RYNNBRAIN_SYSTEM_PROMPTS
-from vlm_grpo.rewards.rynnbrain import TASKS as RYNNBRAIN_TASKS
+from vlm_grpo.tasks import (
+    RYNNBRAIN_OUTPUT_FORMATS,
+    RYNNBRAIN_SYSTEM_PROMPTS,
+    RYNNBRAIN_TASK_TAGS,
+    RYNNBRAIN_TASKS,
+)
 
 # One definition of the RynnBrain tasks, shared with their rewards: system prompts, output-format hints, tags.
 SYSTEM_PROMPTS: dict[str, str] = RYNNBRAIN_SYSTEM_PROMPTS
@@ -45,7 +47,7 @@ TASK_ALIASES = {"segmentation": "segment", "object": "segment"}
 COORDINATE_TASKS = ("trajectory", "affordance", "area", "segment")
 #: the output-format hint appended to the question (unless it already states one): reasoning, then
 #: ``#### <answer><TAG>…</TAG></answer>``, the layout ``format_rynnbrain`` scores
-FORMAT_HINTS: dict[str, str] = OUTPUT_FORMATS
+FORMAT_HINTS: dict[str, str] = RYNNBRAIN_OUTPUT_FORMATS
 #: chain-of-thought layouts of SFT answers: RynnBrain's (reasoning, then ``####`` and the answer) and the
 #: package's ``<think>…</think><answer>…</answer>`` (what the ``format`` reward scores)
 COT_LAYOUTS = ("auto", "rynnbrain", "think")

@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from vlm_grpo.fastpath import decode
 from vlm_grpo.fastpath.block_attention import LAYOUT_KWARG, PackedLayout, packing, use_block_attention
 from vlm_grpo.fastpath.compiled_layers import compiled_layers
-from vlm_grpo.fastpath.decode import cache_kwarg, fast_decode, unsupported_reason
 from vlm_grpo.utils import is_zero3, peft_base, warn_once
 
 logger = logging.getLogger(__name__)
@@ -311,12 +311,12 @@ def shared_prefill_generate(
         positions = _generation_positions(base, lead_ids[:, :-1], prefill)
         if positions is not None:
             prefill["position_ids"] = positions
-        unwrapped(input_ids=lead_ids[:, :-1], **cache_kwarg(unwrapped, cache), use_cache=True, **prefill)
+        unwrapped(input_ids=lead_ids[:, :-1], **decode.cache_kwarg(unwrapped, cache), use_cache=True, **prefill)
         decode_positions = _next_positions(positions, getattr(backbone, "rope_deltas", None))
         reason = _fast_decode_blocker(trainer, unwrapped, decode_positions)
         if reason is None:
             compile_decode = getattr(trainer.args, "compile_decode", None)
-            generated = fast_decode(
+            generated = decode.fast_decode(
                 unwrapped, cache, index, lead_ids[index], lead_mask[index], decode_positions,
                 trainer.generation_config, use_graph=device.type == "cuda",
                 compile=device.type == "cuda" if compile_decode is None else compile_decode,
@@ -332,7 +332,7 @@ def shared_prefill_generate(
                 input_ids=lead_ids[index],
                 attention_mask=lead_mask[index],
                 generation_config=trainer.generation_config,
-                **cache_kwarg(unwrapped, cache),
+                **decode.cache_kwarg(unwrapped, cache),
                 **extra,
             )
             generated = out[:, lead_ids.size(1) :]
@@ -371,4 +371,4 @@ def _fast_decode_blocker(trainer: Any, model: Any, positions: torch.Tensor | Non
         return "this model's generation positions are not known"
     if is_zero3(trainer.accelerator) and not trainer.args.ds3_gather_for_generation:
         return "ZeRO-3 without ds3_gather_for_generation (parameters stay partitioned during generation)"
-    return unsupported_reason(model, trainer.generation_config)
+    return decode.unsupported_reason(model, trainer.generation_config)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import json
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -237,48 +236,3 @@ class SafeReward:
                     log_metric(f"rewards/{self.__name__}/{key}", sum(vals) / len(vals))
         self._metrics = {}
         return clean
-
-
-def parse_reward_kwargs(value: str | Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
-    """``--reward_kwargs`` as JSON text (command line) or a mapping (YAML): reward name -> keyword arguments."""
-    if value is None or value == "":
-        return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--reward_kwargs is not valid JSON ({exc.msg}): {value!r}") from None
-    if not isinstance(value, Mapping) or not all(isinstance(v, Mapping) for v in value.values()):
-        raise ValueError('--reward_kwargs must map reward names to keyword arguments, e.g. {"iou": {"threshold": 0.5}}')
-    return {str(k): dict(v) for k, v in value.items()}
-
-
-def build_reward_funcs(
-    names: Sequence[str],
-    overrides: Mapping[str, str | Callable] | None = None,
-    reward_kwargs: str | Mapping[str, Any] | None = None,
-) -> list[SafeReward]:
-    """Resolve reward names (or ``file.py:fn`` / ``module:fn`` specs) into safe callables for TRL.
-
-    ``overrides`` (a VLM module's own variants, name -> callable or ``module:attr``) win over the registry.
-    ``reward_kwargs`` (name -> keyword arguments) are bound to the reward, e.g. ``{"vqa_graded": {"scale": 3}}``.
-    """
-    from vlm_grpo.registry import load_object
-    from vlm_grpo.rewards import REWARDS
-
-    bound = parse_reward_kwargs(reward_kwargs)
-    unknown = set(bound) - set(names)
-    if unknown:
-        raise ValueError(f"--reward_kwargs names reward(s) not in --reward_funcs: {', '.join(sorted(unknown))}")
-    funcs = []
-    for name in names:
-        fn = (overrides or {}).get(name) or REWARDS.get(name)
-        if isinstance(fn, str):
-            fn = load_object(fn)
-        if not callable(fn):
-            raise TypeError(f"Reward '{name}' resolved to {fn!r}, which is not callable")
-        if name in bound:
-            fn = functools.partial(fn, **bound[name])
-        label = name.rpartition(":")[2] if ":" in name else name
-        funcs.append(SafeReward(fn, label))
-    return funcs

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from vlm_grpo.rewards.base import RewardFunc, completion_text
+from vlm_grpo.tasks import RYNNBRAIN_TASK_TAGS
 
 _TAG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
 
@@ -129,14 +130,6 @@ format_speaker_reward.__doc__ = (
 
 # ------------------------------------------------------------------------------------------- RynnBrain
 
-# task_type -> the tag wrapping the answer inside <answer>…</answer> (``general`` answers are free text).
-RYNNBRAIN_TASK_TAGS: dict[str, str] = {
-    "trajectory": "trajectory",
-    "affordance": "affordance",
-    "area": "area",
-    "counting": "counting",
-    "segment": "object",
-}
 _NUM = r"[-+]?(?:\d{1,12}(?:\.\d{0,12})?|\.\d{1,12})"
 _POINT = rf"[(\[]\s*{_NUM}\s*,\s*{_NUM}\s*[)\]]"
 _SEP = r"(?:\s*,\s*|\s+)"
@@ -212,7 +205,6 @@ def format_rynnbrain_reward(
 format_rynnbrain_reward.value_range = (0.0, 1.0)  # type: ignore[attr-defined]
 
 __all__ = [
-    "RYNNBRAIN_TASK_TAGS",
     "extract_answer",
     "extract_tag",
     "format_explain_reward",

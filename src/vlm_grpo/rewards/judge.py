@@ -1,9 +1,10 @@
 """``llm_judge``: a served LLM grades each completion through an OpenAI-compatible chat endpoint.
 
-For each sample a prompt is filled from a template file and sent to ``{base_url}/chat/completions`` (vLLM, SGLang,
-TGI, llama.cpp, OpenAI ...); the judge's reply is parsed into a reward in [0, 1] (:func:`parse_verdict`).
-Requests run concurrently (at most ``max_concurrency`` in flight) with the retry, cache, down-state and fallback
-rules of :mod:`vlm_grpo.rewards.remote`.
+For each sample a prompt is filled from a template file and sent with the official ``openai`` client to
+``{base_url}/chat/completions`` (vLLM, SGLang, TGI, llama.cpp, OpenAI ...); the judge's reply is parsed into a
+reward in [0, 1] (:func:`parse_verdict`). Requests run concurrently (at most ``max_concurrency`` in flight) with
+the retry, cache, down-state and fallback rules of :mod:`vlm_grpo.rewards.client` (the openai client's own
+retries are off, so one policy counts and bounds every attempt).
 
 Template placeholders (plain text replacement, other braces are left alone): ``{question}`` (the row's question,
 ``<image>`` markers removed), ``{solution}`` (the reference: the content of its last ``<answer>`` tag, or all of
@@ -12,12 +13,13 @@ it), ``{answer}`` (the completion's answer the same way; the whole completion wi
 
 Parameters (``--reward_kwargs '{"llm_judge": {...}}'``; environment in brackets):
 
-* ``base_url`` or ``judge_base_url`` [``JUDGE_BASE_URL``]: e.g. ``http://127.0.0.1:8000/v1`` (as for the OpenAI
-  client; a URL already ending in ``/chat/completions`` is used as it is). Required.
+* ``base_url`` or ``judge_base_url`` [``JUDGE_BASE_URL``, else ``OPENAI_BASE_URL``]: e.g.
+  ``http://127.0.0.1:8000/v1`` (a URL ending in ``/chat/completions`` is accepted too). Required.
 * ``model`` or ``judge_model`` [``JUDGE_MODEL``]: the served model name. Required.
-* ``api_key_env`` (default ``JUDGE_API_KEY``): the NAME of the environment variable holding the key. The key
-  itself is read from the environment only -- passing ``api_key`` is refused -- is sent as a bearer token, and
-  never appears in logs, warnings, metrics or reprs. No variable set: no Authorization header (local servers).
+* ``api_key_env`` (default ``JUDGE_API_KEY``, else ``OPENAI_API_KEY``): the NAME of the environment variable
+  holding the key. The key itself is read from the environment only -- passing ``api_key`` is refused -- is sent
+  as a bearer token, and never appears in logs, warnings, metrics or reprs. No key set: no Authorization header
+  (local servers).
 * ``template`` [``JUDGE_TEMPLATE``]: path of a template file; ``system_prompt``: optional system message.
 * ``verdict``: ``"auto"`` (default: a score if the reply gives one, else yes/no), ``"yes_no"`` or ``"score"``;
   ``max_score``: divide scores by it (e.g. 10); without it a score needs a denominator (``7/10``) or must be in
@@ -41,17 +43,20 @@ from collections.abc import Callable, Coroutine, Sequence
 from importlib import resources
 from typing import Any
 
-from vlm_grpo.data.formats import IMAGE_TOKEN
 from vlm_grpo.rewards.base import completion_text
-from vlm_grpo.rewards.format import extract_answer
-from vlm_grpo.rewards.remote import (
+from vlm_grpo.rewards.client import (
+    RETRY_STATUSES,
     CallResult,
     RemoteError,
+    ResilientClient,
     env_fallback,
     get_client,
     report,
     resolve_config,
+    retry_after_seconds,
 )
+from vlm_grpo.rewards.format import extract_answer
+from vlm_grpo.tasks import IMAGE_TOKEN
 
 DEFAULT_TEMPLATE = "judge_default.txt"
 DEFAULT_API_KEY_ENV = "JUDGE_API_KEY"
@@ -187,15 +192,64 @@ def chat_completions_url(base_url: str) -> str:
     return base if base.endswith("/chat/completions") else base + "/chat/completions"
 
 
-def _reply_text(answer: Any) -> str | None:
+def _api_base(base_url: str) -> str:
+    """The openai client's ``base_url``: the given URL without a trailing ``/chat/completions``."""
+    base = base_url.rstrip("/")
+    return base[: -len("/chat/completions")] if base.endswith("/chat/completions") else base
+
+
+def _reply_text(completion: Any) -> str | None:
     try:
-        message = answer["choices"][0]["message"]
-    except (KeyError, IndexError, TypeError):
+        message = completion.choices[0].message
+    except (AttributeError, IndexError, TypeError):
         raise RemoteError("judge answer has no choices[0].message", retryable=False) from None
-    content = message.get("content") if isinstance(message, dict) else None
+    content = getattr(message, "content", None)
     if isinstance(content, list):  # content parts
         content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
     return content if isinstance(content, str) else None
+
+
+def _sender(client: ResilientClient, api: Any) -> Callable[[dict[str, Any], float], Coroutine[Any, Any, Any]]:
+    """One chat request through the openai client, its failures as :class:`RemoteError` (retryable or not)."""
+    import openai
+
+    # No key: send no Authorization header at all (local servers), rather than a placeholder bearer token.
+    auth = {} if client.config.token else {"extra_headers": {"Authorization": openai.Omit()}}
+
+    async def send(payload: dict[str, Any], timeout: float) -> Any:
+        try:
+            return await api.chat.completions.create(**payload, **auth, timeout=timeout)
+        except openai.APITimeoutError as exc:
+            raise RemoteError(f"timed out ({type(exc).__name__})", retryable=True) from None
+        except openai.APIStatusError as exc:
+            body = client.scrub(exc.response.text[:300].replace("\n", " "))
+            raise RemoteError(
+                f"HTTP {exc.status_code} from {client.config.url}: {body}",
+                exc.status_code in RETRY_STATUSES,
+                retry_after_seconds(exc.response.headers),
+            ) from None
+        except openai.APIConnectionError as exc:
+            raise RemoteError(client.scrub(f"{type(exc).__name__}: {exc}"), retryable=True) from None
+        except openai.OpenAIError as exc:
+            raise RemoteError(client.scrub(f"{type(exc).__name__}: {exc}"), retryable=False) from None
+
+    return send
+
+
+async def _judge_all(client: ResilientClient, payloads: list[dict[str, Any]], parse: Callable, concurrency: int):
+    import openai
+
+    loopback = client.config.is_loopback
+    http_client = openai.DefaultAsyncHttpxClient(trust_env=not loopback)
+    async with openai.AsyncOpenAI(
+        base_url=_api_base(client.config.url),
+        api_key=client.config.token
+        or "no-key",  # the client wants one; without a key the header is omitted per request
+        max_retries=0,
+        timeout=client.config.timeout,
+        http_client=http_client,
+    ) as api:
+        return await client.amap_each(payloads, _sender(client, api), parse, concurrency)
 
 
 def _run(factory: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
@@ -253,13 +307,15 @@ def llm_judge_reward(
             )
     if verdict not in VERDICT_MODES:
         raise ValueError(f"verdict must be one of {VERDICT_MODES}, got {verdict!r}")
-    base = base_url or judge_base_url or os.environ.get("JUDGE_BASE_URL")
+    base = base_url or judge_base_url or os.environ.get("JUDGE_BASE_URL") or os.environ.get("OPENAI_BASE_URL")
     model_name = model or judge_model or os.environ.get("JUDGE_MODEL")
     if not base:
         raise ValueError("llm_judge needs base_url (or judge_base_url, or $JUDGE_BASE_URL)")
     if not model_name:
         raise ValueError("llm_judge needs model (or judge_model, or $JUDGE_MODEL)")
-    api_key = os.environ.get(api_key_env) or None
+    api_key = os.environ.get(api_key_env) or (
+        os.environ.get("OPENAI_API_KEY") if api_key_env == DEFAULT_API_KEY_ENV else None
+    )
     config = resolve_config(
         "JUDGE",
         url=chat_completions_url(base),
@@ -303,7 +359,7 @@ def llm_judge_reward(
             "max_tokens": max_tokens,
         }
         if extra_body:
-            payload.update(extra_body)
+            payload["extra_body"] = dict(extra_body)
         payloads.append(payload)
 
     def parse(answer: Any) -> float:
@@ -314,7 +370,7 @@ def llm_judge_reward(
             raise RemoteError(f"unparseable judge verdict: {client.scrub(snippet)!r}", retryable=False)
         return value
 
-    call: CallResult = _run(lambda: client.amap_each(payloads, lambda p: p, parse, max_concurrency))
+    call: CallResult = _run(lambda: _judge_all(client, payloads, parse, max_concurrency))
     rewards = [value if ok else fallback for value, ok in zip(call.values, call.ok, strict=True)]
     report(client, call, call.failed, fallback, log_metric)
     return rewards

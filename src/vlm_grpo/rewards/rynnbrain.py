@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from vlm_grpo.rewards.base import column, completion_text
-from vlm_grpo.rewards.format import RYNNBRAIN_TASK_TAGS, extract_answer, extract_tag
+from vlm_grpo.rewards.format import extract_answer, extract_tag
 from vlm_grpo.rewards.grounding import box_iou
+from vlm_grpo.tasks import RYNNBRAIN_TASK_TAGS
 
 Point = tuple[float, float]
 
@@ -38,32 +39,6 @@ COORD_MAX = 1000.0
 MAX_POINTS = 100
 # Characters of a completion (from its end, where the final answer sits) that are parsed.
 RYNN_MAX_CHARS = 100_000
-TASKS = ("trajectory", "affordance", "area", "counting", "segment", "general")
-
-# Per-task system prompts (RynnBrain's inference recipe).
-SYSTEM_PROMPTS: dict[str, str] = {
-    "trajectory": "You are an embodied agent. You are given a video to solve a trajectory prediction problem.",
-    "affordance": "You are an embodied agent. You are given a video to solve an affordance prediction problem.",
-    "area": "You are an embodied agent. You are given a video to solve an area prediction problem.",
-    "counting": "You are an embodied agent. You are given a video to solve a counting problem.",
-    "segment": "You are an embodied agent. You are given a video to solve an object detection problem.",
-    "general": "You are a helpful assistant. Think step by step and provide your final answer after `####`.",
-}
-
-# The output-format instruction to append to each task's question.
-OUTPUT_FORMATS: dict[str, str] = {
-    "trajectory": "Output format: `#### <answer><trajectory><frame i> (X_1, Y_1), (X_2, Y_2), ..., (X_N, Y_N) "
-    "</trajectory></answer>`. Coordinates normalized to 0-1000.",
-    "affordance": "Output format: `#### <answer><affordance><frame i> (X, Y)</affordance></answer>`. "
-    "Coordinates normalized to 0-1000.",
-    "area": "Output format: `#### <answer><area><frame i> (X_1, Y_1), (X_2, Y_2), ..., (X_N, Y_N)</area></answer>`. "
-    "Coordinates normalized to 0-1000.",
-    "counting": "Output format: `#### <answer><counting>N</counting></answer>`.",
-    "segment": "Output format: `#### <answer><object><frame i> (X_min, Y_min), (X_max, Y_max)</object></answer>`. "
-    "Coordinates normalized to 0-1000.",
-    "general": "Think step by step and provide your final answer after `####`.",
-}
-
 _NUM = r"[-+]?(?:\d{1,30}(?:\.\d{0,30})?|\.\d{1,30})(?:[eE][-+]?\d{1,4})?"
 _FRAME = re.compile(r"<frame\s*(\d{1,9})\s*>", re.IGNORECASE)
 _POINT = re.compile(rf"[(\[]\s*({_NUM})\s*,\s*({_NUM})\s*[)\]]")
@@ -617,9 +592,6 @@ for _fn in (
     _fn.value_range = (0.0, 1.0)  # type: ignore[attr-defined]
 
 __all__ = [
-    "OUTPUT_FORMATS",
-    "SYSTEM_PROMPTS",
-    "TASKS",
     "SpatialAnswer",
     "affordance_score",
     "area_score",

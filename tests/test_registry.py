@@ -279,3 +279,18 @@ def test_build_reward_funcs_builtins():
 )
 def test_completion_text(completion, expected):
     assert completion_text(completion) == expected
+
+
+def test_a_reward_whose_optional_package_is_missing_names_the_extra():
+    from vlm_grpo.rewards import build_reward_funcs
+
+    def needs_a_package(completions, **kwargs):
+        return [0.0 for _ in completions]
+
+    needs_a_package.requires = {"vlm_grpo_no_such_package": "someextra"}
+    with pytest.raises(
+        ImportError, match=r"needs the 'vlm_grpo_no_such_package' package: pip install 'vlm-grpo\[someextra\]'"
+    ):
+        build_reward_funcs([needs_a_package.__name__], overrides={needs_a_package.__name__: needs_a_package})
+    needs_a_package.requires = {"json": "none"}  # present: no error
+    assert len(build_reward_funcs(["needs_a_package"], overrides={"needs_a_package": needs_a_package})) == 1

@@ -20,7 +20,7 @@ from vlm_grpo.configs import apply_device_defaults, batch_vision_attention_field
 from vlm_grpo.data.jsonl import LazyImageTransform
 from vlm_grpo.fastpath.vision_attention import use_batched_vision_attention
 from vlm_grpo.modules import VLMModule
-from vlm_grpo.trainer_common import CheckpointReloadMixin, prepare_vlm
+from vlm_grpo.trainer_common import CheckpointReloadMixin, as_vlm_config, prepare_vlm
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +138,8 @@ class VLMSFTTrainer(CheckpointReloadMixin, SFTTrainer):
         vlm_module: adapter instance or registered name; default: from the checkpoint's ``model_type``.
         freeze_vision_modules: freeze the vision tower and its projector before training.
         lora_include_vision: put LoRA on vision layers too (default: language model only).
+        args: a ``VLMSFTConfig``; a plain ``trl.SFTConfig`` keeps its values and gets ``VLMSFTConfig``'s defaults
+            for the options it lacks (``llm_lr``, ``batch_vision_attention``, ...); None: all defaults.
     """
 
     def __init__(
@@ -152,6 +154,7 @@ class VLMSFTTrainer(CheckpointReloadMixin, SFTTrainer):
         peft_config: Any = None,
         **kwargs: Any,
     ) -> None:
+        args = as_vlm_config(args, VLMSFTConfig, model, "SFT")
         vlm_module, model, processing_class = prepare_vlm(
             model,
             args,
@@ -163,13 +166,13 @@ class VLMSFTTrainer(CheckpointReloadMixin, SFTTrainer):
         )
         self.vlm_module = vlm_module
         super().__init__(model=model, args=args, processing_class=processing_class, peft_config=peft_config, **kwargs)
-        use_batched_vision_attention(self.model, getattr(self.args, "batch_vision_attention", False), vlm_module)
+        use_batched_vision_attention(self.model, self.args.batch_vision_attention, vlm_module)
 
     # ------------------------------------------------------------------ two learning rates
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         """Parameter groups (vision / language model) x (decay / no decay), each with its own learning rate."""
-        llm_lr = getattr(self.args, "llm_lr", None)
-        vision_lr = getattr(self.args, "vision_encoder_lr", None)
+        llm_lr = self.args.llm_lr
+        vision_lr = self.args.vision_encoder_lr
         if self.optimizer is not None or (llm_lr is None and vision_lr is None):
             return super().create_optimizer(model) if model is not None else super().create_optimizer()
         opt_model = self.model if model is None else model

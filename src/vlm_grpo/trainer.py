@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from trl import GRPOTrainer
 
+from vlm_grpo.configs import VLMGRPOConfig
 from vlm_grpo.fastpath.block_attention import use_block_attention
 from vlm_grpo.fastpath.compiled_layers import check_compile_layers
 from vlm_grpo.fastpath.sharing import packed_logps, shared_prefill_generate
@@ -24,7 +25,7 @@ from vlm_grpo.fastpath.vision_attention import use_batched_vision_attention
 from vlm_grpo.fastpath.vision_sync import install_vision_sync, needs_vision_sync
 from vlm_grpo.modules import VLMModule
 from vlm_grpo.rewards import build_reward_funcs
-from vlm_grpo.trainer_common import CheckpointReloadMixin, prepare_vlm
+from vlm_grpo.trainer_common import CheckpointReloadMixin, as_vlm_config, prepare_vlm
 from vlm_grpo.utils import is_zero3
 
 logger = logging.getLogger(__name__)
@@ -37,8 +38,11 @@ class VLMGRPOTrainer(CheckpointReloadMixin, GRPOTrainer):
         vlm_module: adapter instance or registered name; default: from the checkpoint's ``model_type``.
         freeze_vision_modules: freeze the vision tower and its projector before training.
         lora_include_vision: put LoRA on vision layers too (default: language model only).
-        rewards_from_vlm_module: the adapter's own reward variants replace registered ones of the same name.
+        is_reward_customized_from_vlm_module: the adapter's own reward variants replace registered ones of the
+            same name (VLM-R1's flag name, used by the CLI and the trainer alike).
         reward_funcs: callables as in TRL, or registered reward names / ``file.py:fn`` plugins.
+        args: a ``VLMGRPOConfig``; a plain ``trl.GRPOConfig`` keeps its values and gets ``VLMGRPOConfig``'s
+            defaults for the speed options (``share_prompt``, ``fast_decode``, ...); None: all defaults.
     """
 
     def __init__(
@@ -50,11 +54,12 @@ class VLMGRPOTrainer(CheckpointReloadMixin, GRPOTrainer):
         vlm_module: VLMModule | str | None = None,
         freeze_vision_modules: bool = False,
         lora_include_vision: bool = False,
-        rewards_from_vlm_module: bool = False,
+        is_reward_customized_from_vlm_module: bool = False,
         processing_class: Any = None,
         peft_config: Any = None,
         **kwargs: Any,
     ) -> None:
+        args = as_vlm_config(args, VLMGRPOConfig, model, "GRPO")
         vlm_module, model, processing_class = prepare_vlm(
             model,
             args,
@@ -68,7 +73,7 @@ class VLMGRPOTrainer(CheckpointReloadMixin, GRPOTrainer):
 
         if isinstance(reward_funcs, (str, Callable)):
             reward_funcs = [reward_funcs]
-        overrides = vlm_module.reward_overrides if rewards_from_vlm_module else None
+        overrides = vlm_module.reward_overrides if is_reward_customized_from_vlm_module else None
         reward_funcs = [build_reward_funcs([f], overrides)[0] if isinstance(f, str) else f for f in reward_funcs]
 
         super().__init__(
@@ -81,15 +86,15 @@ class VLMGRPOTrainer(CheckpointReloadMixin, GRPOTrainer):
         )
         self._warn_if_groups_split()
         sharded = self.is_fsdp_enabled or is_zero3(self.accelerator)
-        check_compile_layers(getattr(self.args, "compile_layers", False), sharded)
-        if not getattr(self.args, "cudnn_attention", True) and torch.backends.cuda.cudnn_sdp_enabled():
+        check_compile_layers(self.args.compile_layers, sharded)
+        if not self.args.cudnn_attention and torch.backends.cuda.cudnn_sdp_enabled():
             logger.info("cudnn_attention=False: sdpa's cuDNN backend is off for this process (see its help)")
             torch.backends.cuda.enable_cudnn_sdp(False)
-        batched = getattr(self.args, "batch_vision_attention", False)
+        batched = self.args.batch_vision_attention
         for target in (self.model, self.ref_model):  # the reference model is built inside TRL's __init__
             if target is not None:
                 use_batched_vision_attention(target, batched, vlm_module)
-                if getattr(self.args, "share_prompt", False):
+                if self.args.share_prompt:
                     # Here rather than at the first packed pass: generation then sees the final attention
                     # name from the start, and a compiled decode step is not recompiled when it changes.
                     use_block_attention(target, self.args.packed_attention)
@@ -114,7 +119,7 @@ class VLMGRPOTrainer(CheckpointReloadMixin, GRPOTrainer):
         per-device batch that holds whole groups, every micro-batch is made of whole groups.
         """
         args = self.args
-        if not (getattr(args, "share_prompt", False) or getattr(args, "share_prefill", False)):
+        if not (args.share_prompt or args.share_prefill):
             return
         if args.per_device_train_batch_size % self.num_generations or args.steps_per_generation > 1:
             logger.warning(
@@ -143,7 +148,7 @@ class VLMGRPOTrainer(CheckpointReloadMixin, GRPOTrainer):
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Rows that share a prompt share one forward (``share_prompt``); see :mod:`vlm_grpo.fastpath.sharing`."""
         extra = {k for k, v in mm.items() if v is not None} - self._SHARED_MM_KEYS
-        if getattr(self.args, "share_prompt", False):  # every rank asks: ranks decide together
+        if self.args.share_prompt:  # every rank asks: ranks decide together
             usable = not compute_aux_loss and not extra
             result = packed_logps(
                 self, model, input_ids, attention_mask, logits_to_keep, compute_entropy, mm, batch_size, usable
@@ -161,7 +166,7 @@ class VLMGRPOTrainer(CheckpointReloadMixin, GRPOTrainer):
         plain_hf = not (self.use_vllm or self.use_transformers_continuous_batching or self.tools or has_tool_images)
         # A static cache is sized and compiled by generate itself: the shared dynamic cache would bypass it.
         dynamic_cache = getattr(self.generation_config, "cache_implementation", None) in (None, "dynamic")
-        if getattr(self.args, "share_prefill", False) and plain_hf and dynamic_cache and not self.is_fsdp_enabled:
+        if self.args.share_prefill and plain_hf and dynamic_cache and not self.is_fsdp_enabled:
             completion_ids = shared_prefill_generate(self, prompt_ids, images, multimodal_fields)
             if completion_ids is not None:
                 return completion_ids, None

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from transformers import PreTrainedModel
@@ -11,6 +12,38 @@ from transformers import PreTrainedModel
 from vlm_grpo.modules import VLMModule
 
 logger = logging.getLogger(__name__)
+
+ConfigT = TypeVar("ConfigT")
+
+
+def as_vlm_config(args: Any, config_cls: type[ConfigT], model: Any, suffix: str) -> ConfigT:
+    """The trainer's config as ``config_cls`` (``VLMGRPOConfig`` / ``VLMSFTConfig``), whose fields the trainer
+    reads directly: their defaults live in that class alone.
+
+    * an instance of ``config_cls``: used as it is;
+    * None: ``config_cls`` with its defaults and ``output_dir="<model name>-<suffix>"`` (what TRL does);
+    * a plain TRL config (``trl.GRPOConfig`` / ``trl.SFTConfig``): kept as the user built it -- every value it
+      holds, already validated -- with the fields only ``config_cls`` has set to their documented defaults;
+    * anything else: TypeError.
+    """
+    if isinstance(args, config_cls):
+        return args
+    if args is None:
+        name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "")
+        return config_cls(output_dir=f"{str(name).rstrip('/').split('/')[-1] or 'model'}-{suffix}")
+    base = next(c for c in config_cls.__mro__[1:] if dataclasses.is_dataclass(c))
+    if not isinstance(args, base):
+        raise TypeError(f"args must be a {config_cls.__name__} (or a trl.{base.__name__}), not {type(args).__name__}")
+    converted = config_cls.__new__(config_cls)
+    converted.__dict__.update(vars(args))
+    added = []
+    for f in dataclasses.fields(config_cls):
+        if f.name not in converted.__dict__:
+            has_factory = f.default_factory is not dataclasses.MISSING
+            setattr(converted, f.name, f.default_factory() if has_factory else f.default)
+            added.append(f.name)
+    logger.info("A plain %s was given: %s's defaults apply to %s", base.__name__, config_cls.__name__, ", ".join(added))
+    return converted
 
 
 def prepare_vlm(

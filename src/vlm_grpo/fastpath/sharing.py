@@ -187,7 +187,7 @@ def _packed_forward(
         "position_ids": torch.cat(positions, dim=-2),
         **module.group_vision_inputs(groups, mm),
     }
-    if use_block_attention(inner, getattr(trainer.args, "packed_attention", "blocks")):
+    if use_block_attention(inner, trainer.args.packed_attention):
         prefixes = tuple(g.prompt.numel() - 1 for g in groups)
         inputs[LAYOUT_KWARG] = PackedLayout(prefixes, tuple(len(g.rows) for g in groups), block)
         mask_scope = packing()
@@ -200,7 +200,7 @@ def _packed_forward(
     with (
         trainer.accelerator.autocast(),
         mask_scope,
-        compiled_layers(inner, getattr(trainer.args, "compile_layers", False)),
+        compiled_layers(inner, trainer.args.compile_layers),
     ):
         outputs = model(**inputs, shift_labels=labels, fused_lm_head=True)
     index = torch.tensor(gather, device=device)[:, None] + torch.arange(C, device=device)[None, :]
@@ -315,14 +315,14 @@ def shared_prefill_generate(
         decode_positions = _next_positions(positions, getattr(backbone, "rope_deltas", None))
         reason = _fast_decode_blocker(trainer, unwrapped, decode_positions)
         if reason is None:
-            compile_decode = getattr(trainer.args, "compile_decode", None)
+            compile_decode = trainer.args.compile_decode
             generated = decode.fast_decode(
                 unwrapped, cache, index, lead_ids[index], lead_mask[index], decode_positions,
                 trainer.generation_config, use_graph=device.type == "cuda",
                 compile=device.type == "cuda" if compile_decode is None else compile_decode,
             )  # fmt: skip
         else:
-            if getattr(trainer.args, "fast_decode", False):
+            if trainer.args.fast_decode:
                 warn_once(logger, f"fast_decode is off for this run: {reason}; decoding with generate")
             cache.batch_select_indices(index)
             if getattr(backbone, "rope_deltas", None) is not None:
@@ -365,7 +365,7 @@ def _next_positions(positions: torch.Tensor | None, rope_deltas: torch.Tensor | 
 
 
 def _fast_decode_blocker(trainer: Any, model: Any, positions: torch.Tensor | None) -> str | None:
-    if not getattr(trainer.args, "fast_decode", False):
+    if not trainer.args.fast_decode:
         return "turned off"
     if positions is None:
         return "this model's generation positions are not known"

@@ -85,8 +85,6 @@ class VLMModule(GroupSharingMixin):
     """Base adapter. Subclasses set the class attributes and override what differs."""
 
     name: ClassVar[str] = ""
-    #: ``model_type`` values of ``config.json`` this adapter serves.
-    model_types: ClassVar[tuple[str, ...]] = ()
     #: Module-name prefixes (as in ``model.named_parameters()``) of the vision tower and its projector.
     vision_prefixes: ClassVar[tuple[str, ...]] = ()
     #: The vision tower hands attention ``cu_seqlens`` in one call when its attention name says "flash",

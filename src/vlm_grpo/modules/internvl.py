@@ -20,7 +20,6 @@ class InternVLModule(VLMModule):
     """InternVL (-hf): vision tower plus the pixel-shuffle MLP projector."""
 
     name: ClassVar[str] = "internvl"
-    model_types: ClassVar[tuple[str, ...]] = ("internvl",)
     vision_prefixes: ClassVar[tuple[str, ...]] = ("model.vision_tower", "model.multi_modal_projector")
     templates: ClassVar[dict[str, str]] = {"rec": rec_template("coordinates normalised to 0-1000")}
 

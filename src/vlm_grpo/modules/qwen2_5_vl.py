@@ -17,7 +17,6 @@ class Qwen25VLModule(Qwen2VLModule):
     """Qwen2.5-VL: absolute-pixel boxes in the resized frame."""
 
     name: ClassVar[str] = "qwen2_5_vl"
-    model_types: ClassVar[tuple[str, ...]] = ("qwen2_5_vl",)
     templates: ClassVar[dict[str, str]] = {"rec": rec_template("absolute pixel coordinates of the image")}
 
     def coord_size(self, processor: Any, width: int, height: int) -> tuple[int, int]:

@@ -38,7 +38,6 @@ class Qwen2VLModule(VLMModule):
     """Qwen2-VL: vision tower and merger both live under ``model.visual``."""
 
     name: ClassVar[str] = "qwen2_vl"
-    model_types: ClassVar[tuple[str, ...]] = ("qwen2_vl",)
     vision_prefixes: ClassVar[tuple[str, ...]] = ("model.visual",)
     varlen_vision: ClassVar[bool] = True  # also Qwen2.5-VL (windows) and Qwen3-VL: same attention dispatch
     templates: ClassVar[dict[str, str]] = {"rec": rec_template("coordinates normalised to 0-1000")}

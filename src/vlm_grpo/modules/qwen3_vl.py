@@ -17,4 +17,3 @@ class Qwen3VLModule(Qwen2VLModule):
     """Qwen3-VL: 0-1000 normalised boxes, patch 16."""
 
     name: ClassVar[str] = "qwen3_vl"
-    model_types: ClassVar[tuple[str, ...]] = ("qwen3_vl",)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -52,6 +53,14 @@ REWARDS.register("http", "vlm_grpo.rewards.http_endpoint:http_reward")
 REWARDS.register("llm_judge", "vlm_grpo.rewards.judge:llm_judge_reward")
 
 
+def check_requirements(name: str, fn: Callable) -> None:
+    """A reward that needs an optional package declares ``fn.requires = {"module": "extra"}``; say which extra to
+    install before the run starts rather than failing on every sample."""
+    for module, extra in getattr(fn, "requires", {}).items():
+        if importlib.util.find_spec(module) is None:
+            raise ImportError(f"Reward '{name}' needs the '{module}' package: pip install 'vlm-grpo[{extra}]'")
+
+
 def parse_reward_kwargs(value: str | Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
     """``--reward_kwargs`` as JSON text (command line) or a mapping (YAML): reward name -> keyword arguments."""
     if value is None or value == "":
@@ -87,6 +96,7 @@ def build_reward_funcs(
             fn = load_object(fn)
         if not callable(fn):
             raise TypeError(f"Reward '{name}' resolved to {fn!r}, which is not callable")
+        check_requirements(name, fn)
         if name in bound:
             fn = functools.partial(fn, **bound[name])
         label = name.rpartition(":")[2] if ":" in name else name

@@ -317,6 +317,7 @@ def explanation_reward(
 
 
 explanation_reward.value_range = (0.0, 1.0)  # type: ignore[attr-defined]
+explanation_reward.requires = {"pycocoevalcap": "cider"}  # type: ignore[attr-defined]
 
 __all__ = [
     "CIDER_CORPUS",

@@ -29,10 +29,16 @@ from typing import Any
 
 from vlm_grpo.rewards.base import column, completion_text
 from vlm_grpo.rewards.format import extract_answer, extract_tag
-from vlm_grpo.rewards.grounding import box_iou
+from vlm_grpo.rewards.grounding import (
+    Point,
+    box_iou,
+    discrete_frechet,
+    dtw_mean_distance,
+    point_distance,
+    point_in_polygon,
+    polygon_iou,
+)
 from vlm_grpo.tasks import RYNNBRAIN_TASK_TAGS
-
-Point = tuple[float, float]
 
 COORD_MAX = 1000.0
 # Points read from one answer (trajectories are "up to 10 key points"; more is noise).
@@ -192,121 +198,6 @@ def parse_counting_solution(solution: Any) -> int:
     return value
 
 
-# --------------------------------------------------------------------------------------------- geometry
-
-
-def _dist(a: Point, b: Point) -> float:
-    return math.hypot(a[0] - b[0], a[1] - b[1])
-
-
-def discrete_frechet(p: Sequence[Point], q: Sequence[Point]) -> float:
-    """Discrete Fréchet distance between two polylines (Eiter & Mannila); ``inf`` if either is empty."""
-    if not p or not q:
-        return math.inf
-    prev = [0.0] * len(q)
-    for i, a in enumerate(p):
-        cur = [0.0] * len(q)
-        for j, b in enumerate(q):
-            d = _dist(a, b)
-            if i == 0 and j == 0:
-                cur[j] = d
-            elif i == 0:
-                cur[j] = max(cur[j - 1], d)
-            elif j == 0:
-                cur[j] = max(prev[0], d)
-            else:
-                cur[j] = max(min(prev[j], prev[j - 1], cur[j - 1]), d)
-        prev = cur
-    return prev[-1]
-
-
-def dtw_mean_distance(p: Sequence[Point], q: Sequence[Point]) -> float:
-    """Dynamic time warping: the cost (sum of matched-point distances) of the optimal warping path divided by the
-    number of its steps, i.e. the mean matched-point distance; ties prefer the shorter path. ``inf`` if empty."""
-    if not p or not q:
-        return math.inf
-    inf = (math.inf, 0)
-    prev: list[tuple[float, int]] = [inf] * len(q)
-    for i, a in enumerate(p):
-        cur: list[tuple[float, int]] = [inf] * len(q)
-        for j, b in enumerate(q):
-            d = _dist(a, b)
-            if i == 0 and j == 0:
-                best = (0.0, 0)
-            else:
-                options = []
-                if i > 0:
-                    options.append(prev[j])
-                if j > 0:
-                    options.append(cur[j - 1])
-                if i > 0 and j > 0:
-                    options.append(prev[j - 1])
-                best = min(options)
-            cur[j] = (best[0] + d, best[1] + 1)
-        prev = cur
-    cost, steps = prev[-1]
-    return cost / steps
-
-
-def point_in_polygon(point: Point, polygon: Sequence[Point]) -> bool:
-    """Even-odd rule; points on the boundary (within 1e-9) count as inside. ``False`` for fewer than 3 vertices."""
-    if len(polygon) < 3:
-        return False
-    x, y = point
-    inside = False
-    n = len(polygon)
-    for k in range(n):
-        (x1, y1), (x2, y2) = polygon[k], polygon[(k + 1) % n]
-        # on the segment?
-        cross = (x2 - x1) * (y - y1) - (y2 - y1) * (x - x1)
-        if abs(cross) <= 1e-9 * max(1.0, abs(x2 - x1) + abs(y2 - y1)) and (
-            min(x1, x2) - 1e-9 <= x <= max(x1, x2) + 1e-9 and min(y1, y2) - 1e-9 <= y <= max(y1, y2) + 1e-9
-        ):
-            return True
-        if (y1 > y) != (y2 > y):
-            x_cross = x1 + (y - y1) * (x2 - x1) / (y2 - y1)
-            if x < x_cross:
-                inside = not inside
-    return inside
-
-
-POLYGON_GRID = 256
-
-
-def polygon_iou(a: Sequence[Point], b: Sequence[Point], grid: int = POLYGON_GRID) -> float:
-    """IoU of two polygons (even-odd fill), rasterised on a ``grid`` × ``grid`` lattice of cell centres over the
-    bounding box of both (so exact up to about 1/grid of that box). 0.0 when either has fewer than 3 vertices or
-    the union is empty."""
-    if len(a) < 3 or len(b) < 3:
-        return 0.0
-    import numpy as np
-
-    xs = [p[0] for p in (*a, *b)]
-    ys = [p[1] for p in (*a, *b)]
-    x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
-    if x1 <= x0 or y1 <= y0:
-        return 0.0
-    gx = x0 + (np.arange(grid) + 0.5) * (x1 - x0) / grid
-    gy = y0 + (np.arange(grid) + 0.5) * (y1 - y0) / grid
-    px, py = np.meshgrid(gx, gy)
-
-    def fill(poly: Sequence[Point]) -> Any:
-        inside = np.zeros(px.shape, dtype=bool)
-        n = len(poly)
-        for k in range(n):
-            (ax, ay), (bx, by) = poly[k], poly[(k + 1) % n]
-            if ay == by:
-                continue
-            crosses = (ay > py) != (by > py)
-            x_cross = ax + (py - ay) * (bx - ax) / (by - ay)
-            inside ^= crosses & (px < x_cross)
-        return inside
-
-    fa, fb = fill(a), fill(b)
-    union = np.count_nonzero(fa | fb)
-    return float(np.count_nonzero(fa & fb) / union) if union else 0.0
-
-
 # --------------------------------------------------------------------------------------------- task scores
 
 
@@ -353,7 +244,7 @@ def affordance_score(
     inside = float(point_in_polygon(point, gt.region)) if gt.region else None
     if not gt.points:
         return inside or 0.0
-    d = min(_dist(point, g) for g in gt.points)
+    d = min(point_distance(point, g) for g in gt.points)
     closeness = max(0.0, 1.0 - d / max_distance)
     if inside is None:
         return closeness

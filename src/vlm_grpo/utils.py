@@ -1,12 +1,12 @@
-"""Small helpers every floor may use: unwrap a model, ask for ZeRO-3, warn once."""
+"""Small helpers every floor may use: unwrap a model, ask for ZeRO-3, warn once, tell a loopback host.
+
+Cheap to import (torch and transformers load on first use), so the CLIs' ``--help`` stays fast."""
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from typing import Any
-
-import torch
-from transformers import PreTrainedModel
 
 
 def peft_base(model: Any) -> Any:
@@ -16,6 +16,9 @@ def peft_base(model: Any) -> Any:
 
 def model_base(model: Any) -> Any:
     """The ``PreTrainedModel`` inside DeepSpeed / DDP / FSDP and PEFT wrappers (whose config is the model's)."""
+    import torch
+    from transformers import PreTrainedModel
+
     while not isinstance(model, PreTrainedModel) and isinstance(getattr(model, "module", None), torch.nn.Module):
         model = model.module  # a DeepSpeed engine's own ``config`` is DeepSpeed's, not the model's
     return peft_base(model)
@@ -35,3 +38,13 @@ def warn_once(log: logging.Logger, message: str) -> None:
     if message not in _warned:
         _warned.add(message)
         log.warning(message)
+
+
+def is_loopback_host(host: str) -> bool:
+    """``localhost`` or a loopback IP address (proxies are skipped, services may bind without a token)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

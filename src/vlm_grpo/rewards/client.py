@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import ipaddress
 import json
 import logging
 import os
@@ -50,6 +49,8 @@ from urllib.parse import urlsplit
 
 import cachetools
 import tenacity
+
+from vlm_grpo.utils import is_loopback_host
 
 logger = logging.getLogger(__name__)
 
@@ -95,13 +96,7 @@ class ClientConfig:
 
     @property
     def is_loopback(self) -> bool:
-        host = urlsplit(self.url).hostname or ""
-        if host == "localhost":
-            return True
-        try:
-            return ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            return False
+        return is_loopback_host(urlsplit(self.url).hostname or "")
 
     def replace(self, **changes: Any) -> ClientConfig:
         return ClientConfig(**{**asdict(self), **changes})

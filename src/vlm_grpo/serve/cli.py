@@ -12,22 +12,14 @@ unless ``--host`` says otherwise; prefer the environment variable to ``--token``
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 import os
 import sys
 from collections.abc import Sequence
 
+from vlm_grpo.utils import is_loopback_host
+
 logger = logging.getLogger("vlm_grpo.serve")
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,7 +77,7 @@ def _serve(args: argparse.Namespace) -> None:
         token=args.token,
         image_roots=tuple(args.image_root or ()),
     )
-    if not _is_loopback(args.host) and not settings.token:
+    if not is_loopback_host(args.host) and not settings.token:
         logger.warning("Serving on %s without a token: anyone who can reach it can use the model", args.host)
     vlm = load_vlm(
         args.model,

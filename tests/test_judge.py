@@ -57,6 +57,10 @@ class StubJudge:
             if said == "score"
             else "I cannot decide."
             if said == "garbage"
+            else "The answer matches the reference.\nJudgement: 1"
+            if said == "deepeyes-right"
+            else "Judgement: 0"
+            if said == "deepeyes-wrong"
             else "No"
         )
         return {
@@ -232,3 +236,45 @@ def test_configuration_errors():
         llm_judge_reward(["x"], base_url="http://127.0.0.1:1/v1", model="m", verdict="maybe")
     assert chat_completions_url("http://h:8000/v1/") == "http://h:8000/v1/chat/completions"
     assert chat_completions_url("http://h/v1/chat/completions") == "http://h/v1/chat/completions"
+
+
+# The reply formats llm_judge reads (the README's table): reply -> (auto, yes_no, score with max_score=10).
+VERDICTS = [
+    ("Judgement: 1", 1.0, 1.0, None),
+    ("Judgement: 0", 0.0, 0.0, None),
+    ("The answer looks correct.\nJudgement: 0", 0.0, 0.0, None),  # the label wins over a verdict word
+    ("[[A]]", 1.0, 1.0, None),
+    ("[[B]]", 0.0, 0.0, None),
+    ("Rating: [[7]]", 0.7, None, 0.7),
+    ("Score: 7/10", 0.7, None, 0.7),
+    ("1", 0.1, None, 0.1),  # a bare number is a score (here out of max_score=10)
+    ("YES", 1.0, 1.0, None),
+    ("no.", 0.0, 0.0, None),
+    ("Incorrect", 0.0, 0.0, None),
+    ("I cannot decide.", None, None, None),
+]
+
+
+@pytest.mark.parametrize(("reply", "auto", "yes_no", "score"), VERDICTS)
+def test_verdict_table(reply, auto, yes_no, score):
+    assert parse_verdict(reply, "auto", max_score=10) == auto
+    assert parse_verdict(reply, "yes_no") == yes_no
+    assert parse_verdict(reply, "score", max_score=10) == score
+
+
+def test_bare_zero_and_one_without_max_score():
+    assert parse_verdict("1") == 1.0 and parse_verdict("0") == 0.0
+
+
+def test_a_deepeyes_style_judge_is_read(stub, caplog):
+    """DeepEyes' judge answers "Judgement: 1/0"; an unparseable reply is counted and quoted (80 characters)."""
+    metrics: dict[str, float] = {}
+    with caplog.at_level(logging.WARNING):
+        rewards = llm_judge_reward(
+            ["<answer>deepeyes-right</answer>", "<answer>deepeyes-wrong</answer>", "<answer>garbage</answer>"],
+            question=[QUESTION] * 3, solution=[SOLUTION] * 3, base_url=stub.url, model="m", warn_every=1,
+            log_metric=metrics.__setitem__, **FAST,
+        )  # fmt: skip
+    assert rewards == [1.0, 0.0, None]
+    assert metrics["rewards/llm_judge/server_failures"] == 1.0
+    assert "unparseable judge verdict: 'I cannot decide.'" in caplog.text

@@ -75,6 +75,14 @@ _VERDICT_LABEL = re.compile(
     r"\b(?:verdict|judg(?:e)?ment|decision|final\s+answer|answer|correct)\s*[:=]\s*[*\"'`\[(]*\s*([A-Za-z]+)",
     re.IGNORECASE,
 )
+# "Judgement: 1" / "Verdict: 0" (DeepEyes' judge): a labelled binary verdict.
+_BINARY_LABEL = re.compile(
+    r"\b(?:verdict|judg(?:e)?ment|decision|correct(?:ness)?|result|label)\s*[:=]\s*[*\"'`\[(]*\s*([01])(?![\d.])",
+    re.IGNORECASE,
+)
+# "[[A]]" / "[[B]]" (pairwise-style judges: A = the answer is right), "[[yes]]", "Rating: [[7]]" (MT-bench).
+_BRACKETED = re.compile(r"\[\[\s*([A-Za-z]+|-?\d+(?:\.\d+)?)\s*\]\]")
+_BRACKET_LETTERS = {"a": 1.0, "b": 0.0}
 _YES = frozenset({"yes", "correct", "true", "right", "consistent", "match", "matches", "pass", "accept"})
 _NO = frozenset({"no", "incorrect", "false", "wrong", "inconsistent", "mismatch", "fail", "reject"})
 _NEGATED_YES = re.compile(r"\bnot\s+(?:correct|right|consistent|a\s+match)\b", re.IGNORECASE)
@@ -120,6 +128,23 @@ def _word_verdict(word: str) -> float | None:
     return None
 
 
+def _parse_marked(text: str, max_score: float | None, words: bool, numbers: bool) -> float | None:
+    """Verdicts a judge marks unambiguously: ``Judgement: 1/0``, then the last ``[[...]]``."""
+    if words:
+        binary = list(_BINARY_LABEL.finditer(text))
+        if binary:
+            return float(binary[-1].group(1))
+    bracketed = list(_BRACKETED.finditer(text))
+    if bracketed:
+        value = bracketed[-1].group(1)
+        if value[0].isalpha():
+            if words:
+                return _BRACKET_LETTERS.get(value.lower(), _word_verdict(value))
+        elif numbers:
+            return _normalise(float(value), None, max_score)
+    return None
+
+
 def _parse_yes_no(text: str) -> float | None:
     labelled = list(_VERDICT_LABEL.finditer(text))
     if labelled:
@@ -143,7 +168,10 @@ def _parse_yes_no(text: str) -> float | None:
 def parse_verdict(text: str | None, mode: str = "auto", max_score: float | None = None) -> float | None:
     """A judge's reply -> reward in [0, 1], or None when it gives no usable verdict.
 
-    ``<think>…</think>`` blocks are dropped first. Scores: ``<score>x</score>``, ``score: x`` (also rating/grade),
+    ``<think>…</think>`` blocks are dropped first. Marked verdicts come first: ``Judgement: 1`` / ``Verdict: 0``
+    (a labelled 0 or 1), then the last ``[[...]]``: ``[[A]]`` -> 1.0, ``[[B]]`` -> 0.0, ``[[yes]]`` / ``[[no]]``,
+    ``[[7]]`` a score (with ``max_score``, or in [0, 1]).
+    Scores: ``<score>x</score>``, ``score: x`` (also rating/grade),
     ``x/y`` or ``x out of y`` (the last one wins); ``x/y`` gives ``x / y``, otherwise ``x / max_score``, or ``x``
     itself when no ``max_score`` is given (it must then lie in [0, 1]). In ``"score"`` mode a reply that is just a
     number counts too. Yes/no: a labelled verdict (``Verdict: yes``, ``Judgement: incorrect``...), else the first
@@ -158,6 +186,9 @@ def parse_verdict(text: str | None, mode: str = "auto", max_score: float | None 
     text = _THINK.sub(" ", text).strip()
     if not text:
         return None
+    marked = _parse_marked(text, max_score, words=mode != "score", numbers=mode != "yes_no")
+    if marked is not None:
+        return marked
     if mode == "yes_no":
         return _parse_yes_no(text)
     if mode == "score":
@@ -366,7 +397,7 @@ def llm_judge_reward(
         reply = _reply_text(answer)
         value = parse_verdict(reply, verdict, max_score)
         if value is None:
-            snippet = " ".join((reply or "").split())[:120]
+            snippet = " ".join((reply or "").split())[:80]
             raise RemoteError(f"unparseable judge verdict: {client.scrub(snippet)!r}", retryable=False)
         return value
 

@@ -49,8 +49,10 @@ class GRPOScriptArguments(ScriptArguments):
     reward_funcs: list[str] = field(
         default_factory=lambda: ["accuracy", "format"],
         metadata={
-            "help": "Rewards by registered name, or plugins as 'path/to/file.py:fn' / 'package.module:fn'. "
-            "Weights come from --reward_weights."
+            "help": "Rewards by registered name, or plugins as 'path/to/file.py:fn' / 'package.module:fn', "
+            "optionally named 'label=path/to/file.py:fn'. The label names the reward's metrics and its "
+            "--reward_kwargs entry (default: the function name, or file.fn when two plugins share one). Weights "
+            "come from --reward_weights."
         },
     )
     reward_kwargs: str | None = field(
@@ -58,6 +60,14 @@ class GRPOScriptArguments(ScriptArguments):
         metadata={
             "help": "Keyword arguments bound to rewards, as JSON (or a mapping in the YAML config): "
             '\'{"vqa_graded": {"scale": 3.0}, "iou": {"threshold": 0.5}}\'.'
+        },
+    )
+    reward_max_failed_batches: int = field(
+        default=5,
+        metadata={
+            "help": "Stop the run (error naming the reward, its exception and the likely fix) when a reward raises on "
+            "every sample of its first batch, or of this many batches in a row. 0: never stop; those samples just "
+            "get no reward."
         },
     )
     reward_method: str | None = field(

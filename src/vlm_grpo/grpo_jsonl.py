@@ -65,7 +65,9 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
     model = load_model(module, model_args, training_args.trust_remote_code)
 
     overrides = module.reward_overrides if script_args.is_reward_customized_from_vlm_module else None
-    reward_funcs = build_reward_funcs(script_args.reward_funcs, overrides, script_args.reward_kwargs)
+    reward_funcs = build_reward_funcs(
+        script_args.reward_funcs, overrides, script_args.reward_kwargs, script_args.reward_max_failed_batches
+    )
 
     trainer = VLMGRPOTrainer(
         model=model,

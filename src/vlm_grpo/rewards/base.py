@@ -8,6 +8,12 @@ Three calling conventions are accepted for a reward function (detected by :func:
   :func:`batch_reward` or detected when its first parameter is named ``reward_inputs``.
 * ``sequential`` (EasyR1 style, one sample at a time): ``fn(reward_input: dict, **kw) -> float | dict | None``,
   marked with ``@batch_reward(sequential=True)`` or detected when its first parameter is named ``reward_input``.
+* ``verl`` (verl / DeepEyes / RynnBrain / PyVision RL code, one sample at a time): ``fn(data_source, solution_str,
+  ground_truth, extra_info=None)`` or DeepEyes' ``fn(predict_str, ground_truth, extra_info)``, detected from those
+  parameter names. ``solution_str`` / ``predict_str`` is the completion text, ``ground_truth`` the row's solution,
+  ``data_source`` the row's ``data_source`` column, ``extra_info`` the row's own ``extra_info`` dict merged over
+  every other column (``question``, ``image_path``, ...). It returns a float or a dict with ``score`` (or
+  ``overall``); other numeric keys are logged as for batch rewards.
 
 A batch/sequential reward gets one dict per sample holding ``response`` and ``completion`` (the completion text),
 ``ground_truth`` and ``solution`` (the row's solution), ``prompt``, ``response_length`` (completion tokens;
@@ -35,7 +41,7 @@ RewardFunc = Callable[..., list[float | None]]
 _NON_COLUMN_KWARGS = ("trainer_state", "log_extra", "log_metric", "environments")
 
 _KIND_ATTR = "__vlm_grpo_reward_kind__"
-REWARD_KINDS = ("trl", "batch", "sequential")
+REWARD_KINDS = ("trl", "batch", "sequential", "verl")
 _RESERVED_METRICS = ("mean", "std", "failures")
 
 
@@ -82,7 +88,7 @@ def _unwrap(fn: Callable) -> Callable:
 
 
 def reward_kind(fn: Callable) -> str:
-    """``"trl"``, ``"batch"`` or ``"sequential"``: the calling convention of a reward function (module docstring).
+    """``"trl"``, ``"batch"``, ``"sequential"`` or ``"verl"``: the calling convention of ``fn`` (module docstring).
 
     An explicit :func:`batch_reward` mark wins; otherwise a function whose first parameter is ``reward_inputs``
     (``reward_input``) and that has no ``completions`` parameter is a batch (sequential) reward.
@@ -96,6 +102,8 @@ def reward_kind(fn: Callable) -> str:
         return "trl"
     if "completions" in params:
         return "trl"
+    if "ground_truth" in params and ("solution_str" in params or "predict_str" in params):
+        return "verl"
     positional = [p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     first = positional[0].name if positional else None
     if first == "reward_inputs":
@@ -125,6 +133,25 @@ def reward_inputs_from_kwargs(completions: Sequence[Any], kwargs: Mapping[str, A
     return inputs
 
 
+_VERL_OWN = ("response", "completion", "response_length", "ground_truth", "solution", "completion_ids")
+
+
+def verl_arguments(fn: Callable, reward_input: dict[str, Any]) -> dict[str, Any]:
+    """A verl-style reward's arguments from one sample's reward input (see the module docstring)."""
+    extra = {k: v for k, v in reward_input.items() if k not in _VERL_OWN and k != "extra_info"}
+    own = reward_input.get("extra_info")
+    if isinstance(own, Mapping):
+        extra.update(own)
+    values = {
+        "data_source": reward_input.get("data_source"),
+        "solution_str": reward_input["response"],
+        "predict_str": reward_input["response"],
+        "ground_truth": reward_input["ground_truth"],
+        "extra_info": extra,
+    }
+    return {k: v for k, v in values.items() if _accepts(fn, k)}
+
+
 def _accepts(fn: Callable, name: str) -> bool:
     try:
         params = inspect.signature(fn).parameters
@@ -133,21 +160,49 @@ def _accepts(fn: Callable, name: str) -> bool:
     return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
+class RewardError(RuntimeError):
+    """A reward that cannot score anything (wrong signature, missing keyword, missing package): a user error."""
+
+
+def _likely_fix(label: str, exc: BaseException) -> str:
+    text = str(exc)
+    if isinstance(exc, ModuleNotFoundError):
+        return f"install the missing package ({exc.name})"
+    if isinstance(exc, TypeError) and ("positional argument" in text or "keyword argument" in text):
+        return (
+            "check its signature against the reward kinds in the README (TRL: fn(completions, **columns); EasyR1: "
+            "fn(reward_inputs) / fn(reward_input); verl: fn(data_source, solution_str, ground_truth, extra_info)), "
+            f"or pass the keywords it needs with --reward_kwargs '{{\"{label}\": {{...}}}}'"
+        )
+    if isinstance(exc, KeyError):
+        return f"the rows have no column {exc}; add it to the data or bind it with --reward_kwargs"
+    return "fix the reward or the rows it reads"
+
+
 class SafeReward:
     """Calls a reward on a batch; if it raises, retries sample by sample and gives failing samples ``None``.
 
     TRL treats ``None`` as "no reward" (NaN, ignored by nansum), so one odd completion or row costs
     that sample its reward, never the run. Failures are counted, logged (first one with its
     traceback, then every ``warn_every``-th) and reported as the metric ``rewards/<name>/failures``.
+
+    A reward that raises on EVERY sample of its first batch, or of ``max_failed_batches`` batches in a row, is
+    broken rather than unlucky: it raises :class:`RewardError` naming itself, the exception and the likely fix, and
+    the run stops (``max_failed_batches=0``, the default of this class: never; every sample then just gets no
+    reward; ``build_reward_funcs`` turns it on, ``--reward_max_failed_batches``).
     """
 
-    def __init__(self, fn: RewardFunc, name: str, warn_every: int = 100) -> None:
+    def __init__(self, fn: RewardFunc, name: str, warn_every: int = 100, max_failed_batches: int = 0) -> None:
         self.fn = fn
         self.__name__ = name
         self.warn_every = warn_every
+        self.max_failed_batches = max_failed_batches
         self.failures = 0
+        self.batches = 0
+        self.failed_batches_in_a_row = 0
         self.kind = reward_kind(fn)
         self._metrics: dict[str, list[float]] = {}
+        self._last_error: BaseException | None = None
 
     def _call(self, kwargs: dict[str, Any]) -> list[Any]:
         if self.kind == "trl":
@@ -157,6 +212,8 @@ class SafeReward:
         inputs = reward_inputs_from_kwargs(completions, kwargs)
         if self.kind == "batch":
             outputs = list(self.fn(inputs))
+        elif self.kind == "verl":
+            outputs = [self.fn(**verl_arguments(self.fn, reward_input)) for reward_input in inputs]
         else:
             outputs = [self.fn(reward_input) for reward_input in inputs]
         if len(outputs) != len(inputs):
@@ -167,19 +224,22 @@ class SafeReward:
         """A batch reward's per-sample output: the reward (``overall`` of a dict); other dict keys are metrics."""
         if not isinstance(out, Mapping):
             return out
-        if "overall" not in out:
-            raise ValueError(f"batch reward returned a dict without 'overall': keys {sorted(out)[:10]}")
+        main = "overall" if "overall" in out else "score" if self.kind == "verl" and "score" in out else None
+        if main is None:
+            wanted = "'score' or 'overall'" if self.kind == "verl" else "'overall'"
+            raise ValueError(f"{self.kind} reward returned a dict without {wanted}: keys {sorted(out)[:10]}")
         for key, value in out.items():
-            if key == "overall" or isinstance(value, bool) or not isinstance(value, (int, float)):
+            if key == main or isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
             if math.isfinite(value):
                 key = str(key)
                 # TRL itself logs rewards/<name>/mean and /std, and we log /failures: don't mix values into those.
                 key = f"batch_{key}" if key in _RESERVED_METRICS else key
                 self._metrics.setdefault(key, []).append(float(value))
-        return out["overall"]
+        return out[main]
 
     def _record_failure(self, exc: BaseException, index: int) -> None:
+        self._last_error = exc
         self.failures += 1
         if self.failures == 1 or self.failures % self.warn_every == 0:
             logger.warning(
@@ -189,6 +249,22 @@ class SafeReward:
                 exc,
                 exc_info=exc if self.failures == 1 else None,
             )
+
+    def _stop_if_broken(self, n: int, failed: int) -> None:
+        self.batches += 1
+        everything_failed = n > 0 and failed >= n
+        self.failed_batches_in_a_row = self.failed_batches_in_a_row + 1 if everything_failed else 0
+        if not everything_failed or self.max_failed_batches <= 0:
+            return
+        first = self.batches == 1
+        if first or self.failed_batches_in_a_row >= self.max_failed_batches:
+            exc = self._last_error
+            where = "its first batch" if first else f"{self.failed_batches_in_a_row} batches in a row"
+            raise RewardError(
+                f"reward '{self.__name__}' raised on every sample of {where} "
+                f"({type(exc).__name__}: {str(exc)[:200]}); {_likely_fix(self.__name__, exc)}. "
+                "(--reward_max_failed_batches 0 keeps training with no reward from it)"
+            ) from exc
 
     def __call__(self, completions: Sequence[Any], **kwargs: Any) -> list[float | None]:
         n = len(completions)
@@ -214,6 +290,7 @@ class SafeReward:
                 except Exception as exc:
                     self._record_failure(exc, i)
                     values.append(None)
+        self._stop_if_broken(n, self.failures - before)
         clean: list[float | None] = []
         for i, value in enumerate(values):
             if value is None:

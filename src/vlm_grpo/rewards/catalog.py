@@ -6,7 +6,9 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import re
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from vlm_grpo.registry import Registry, load_object
@@ -75,30 +77,74 @@ def parse_reward_kwargs(value: str | Mapping[str, Any] | None) -> dict[str, dict
     return {str(k): dict(v) for k, v in value.items()}
 
 
+_ALIAS = re.compile(r"([A-Za-z_][\w.\-]*)=(.+)")
+
+
+def reward_labels(entries: Sequence[str]) -> list[tuple[str, str]]:
+    """``(label, spec)`` for each ``--reward_funcs`` entry; the label names its metrics and its ``--reward_kwargs``.
+
+    A registered name is its own label; ``path/file.py:fn`` / ``package.module:fn`` is labelled ``fn`` when no other
+    entry has that name, else ``file.fn`` (the file's stem or the module's last part); ``name=spec`` sets the label.
+    Two entries with one label are refused.
+    """
+    parsed = []
+    for entry in entries:
+        alias = _ALIAS.fullmatch(entry)
+        parsed.append((alias.group(1), alias.group(2)) if alias else (None, entry))
+    short = [spec.rpartition(":")[2] if ":" in spec else spec for _, spec in parsed]
+    labels = []
+    for (alias, spec), name in zip(parsed, short, strict=True):
+        if alias is None and ":" in spec and short.count(name) > 1:
+            target = spec.rpartition(":")[0]
+            stem = Path(target).stem if target.endswith(".py") else target.rpartition(".")[2]
+            name = f"{stem}.{name}"
+        labels.append((alias or name, spec))
+    seen: dict[str, str] = {}
+    for (label, _), entry in zip(labels, entries, strict=True):
+        if label in seen:
+            raise ValueError(
+                f"--reward_funcs entries '{seen[label]}' and '{entry}' would both log as '{label}': give one a name, "
+                f"e.g. my_{label.replace('.', '_')}={entry}"
+            )
+        seen[label] = entry
+    return labels
+
+
 def build_reward_funcs(
     names: Sequence[str],
     overrides: Mapping[str, str | Callable] | None = None,
     reward_kwargs: str | Mapping[str, Any] | None = None,
+    max_failed_batches: int = 5,
 ) -> list[SafeReward]:
-    """Resolve reward names (or ``file.py:fn`` / ``module:fn`` specs) into safe callables for TRL.
+    """Resolve ``--reward_funcs`` entries (registered names, ``file.py:fn`` / ``module:fn`` specs, ``name=spec``)
+    into safe callables for TRL, labelled as :func:`reward_labels` says.
 
     ``overrides`` (a VLM module's own variants, name -> callable or ``module:attr``) win over the registry.
-    ``reward_kwargs`` (name -> keyword arguments) are bound to the reward, e.g. ``{"vqa_graded": {"scale": 3}}``.
+    ``reward_kwargs`` (label, or the entry as written -> keyword arguments) are bound to the reward, e.g.
+    ``{"vqa_graded": {"scale": 3}}``. ``max_failed_batches``: see :class:`SafeReward`.
     """
-    bound = parse_reward_kwargs(reward_kwargs)
-    unknown = set(bound) - set(names)
-    if unknown:
-        raise ValueError(f"--reward_kwargs names reward(s) not in --reward_funcs: {', '.join(sorted(unknown))}")
+    labels = reward_labels(names)
+    keys = {}
+    for i, (entry, (label, spec)) in enumerate(zip(names, labels, strict=True)):
+        for key in (label, spec, entry):
+            keys.setdefault(key, i)
+    bound: dict[int, dict[str, Any]] = {}
+    for key, kwargs in parse_reward_kwargs(reward_kwargs).items():
+        if key not in keys:
+            raise ValueError(
+                f"--reward_kwargs names reward '{key}', which is not in --reward_funcs (labels: "
+                f"{', '.join(label for label, _ in labels)})"
+            )
+        bound.setdefault(keys[key], {}).update(kwargs)
     funcs = []
-    for name in names:
-        fn = (overrides or {}).get(name) or REWARDS.get(name)
+    for i, (label, spec) in enumerate(labels):
+        fn = (overrides or {}).get(spec) or REWARDS.get(spec)
         if isinstance(fn, str):
             fn = load_object(fn)
         if not callable(fn):
-            raise TypeError(f"Reward '{name}' resolved to {fn!r}, which is not callable")
-        check_requirements(name, fn)
-        if name in bound:
-            fn = functools.partial(fn, **bound[name])
-        label = name.rpartition(":")[2] if ":" in name else name
-        funcs.append(SafeReward(fn, label))
+            raise TypeError(f"Reward '{spec}' resolved to {fn!r}, which is not callable")
+        check_requirements(label, fn)
+        if i in bound:
+            fn = functools.partial(fn, **bound[i])
+        funcs.append(SafeReward(fn, label, max_failed_batches=max_failed_batches))
     return funcs

@@ -1,0 +1,115 @@
+"""Peers' reward files run unchanged: verl-style signatures, two plugins with one function name, and a reward
+that cannot score anything stops the run with its name."""
+
+from __future__ import annotations
+
+import pytest
+
+from vlm_grpo.rewards import SafeReward, build_reward_funcs, reward_kind
+from vlm_grpo.rewards.base import RewardError
+from vlm_grpo.rewards.catalog import reward_labels
+
+DEEPEYES = '''
+def compute_score(predict_str, ground_truth, extra_info):
+    """DeepEyes' signature: the question comes in extra_info."""
+    answer = predict_str.split("<answer>")[-1].split("</answer>")[0].strip()
+    bonus = 0.5 if extra_info.get("question", "").startswith("What colour") else 0.0
+    return {"score": float(answer == ground_truth) + bonus, "acc": float(answer == ground_truth)}
+'''
+
+VERL = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """verl's default signature."""
+    return 2.0 if data_source == "geo" and ground_truth in solution_str else 0.0
+'''
+
+
+def _write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_verl_signatures_are_detected_and_called_per_sample(tmp_path):
+    deepeyes = _write(tmp_path, "deepeyes_reward.py", DEEPEYES)
+    verl = _write(tmp_path, "verl_reward.py", VERL)
+    funcs = build_reward_funcs([f"{deepeyes}:compute_score", f"{verl}:compute_score"])
+    assert [f.kind for f in funcs] == ["verl", "verl"]
+    assert [f.__name__ for f in funcs] == ["deepeyes_reward.compute_score", "verl_reward.compute_score"]
+    metrics = {}
+    columns = {
+        "solution": ["red", "blue"],
+        "question": ["What colour is it?", "Which side?"],
+        "data_source": ["geo", "chart"],
+        "extra_info": [{"index": 3}, {"index": 4}],
+        "log_metric": metrics.__setitem__,
+    }
+    completions = ["<answer>red</answer>", "<answer>blue</answer>"]
+    assert funcs[0](completions, **columns) == [1.5, 1.0]
+    assert metrics["rewards/deepeyes_reward.compute_score/acc"] == 1.0
+    assert funcs[1](completions, **columns) == [2.0, 0.0]  # data_source "chart" scores 0
+
+
+def test_the_extra_info_carries_the_rows_columns_and_its_own_dict():
+    seen = []
+
+    def compute_score(predict_str, ground_truth, extra_info):
+        seen.append(extra_info)
+        return 1.0
+
+    assert reward_kind(compute_score) == "verl"
+    SafeReward(compute_score, "x")(["a"], solution=["s"], question=["q?"], extra_info=[{"split": "train"}])
+    assert seen[0]["question"] == "q?" and seen[0]["split"] == "train" and "response" not in seen[0]
+
+
+def test_two_plugins_with_one_function_name_get_two_labels_and_their_own_kwargs(tmp_path):
+    a = _write(
+        tmp_path,
+        "math_reward.py",
+        "def compute_score(completions, scale=1.0, **kw):\n    return [scale] * len(completions)\n",
+    )
+    b = _write(
+        tmp_path,
+        "r1v_reward.py",
+        "def compute_score(completions, scale=1.0, **kw):\n    return [-scale] * len(completions)\n",
+    )
+    specs = [f"{a}:compute_score", f"{b}:compute_score"]
+    assert [label for label, _ in reward_labels(specs)] == ["math_reward.compute_score", "r1v_reward.compute_score"]
+    funcs = build_reward_funcs(
+        specs, reward_kwargs={"math_reward.compute_score": {"scale": 2.0}, specs[1]: {"scale": 3.0}}
+    )
+    assert [f(["x"]) for f in funcs] == [[2.0], [-3.0]]
+    # A unique function name is its own label; an explicit alias wins.
+    assert reward_labels([specs[0], "accuracy"]) == [("compute_score", specs[0]), ("accuracy", "accuracy")]
+    assert reward_labels([f"acc2={specs[0]}"]) == [("acc2", specs[0])]
+    with pytest.raises(ValueError, match="would both log as 'same'"):
+        reward_labels([f"same={specs[0]}", f"same={specs[1]}"])
+    with pytest.raises(ValueError, match=r"names reward 'compute_score', which is not in --reward_funcs \(labels: "):
+        build_reward_funcs(specs, reward_kwargs={"compute_score": {"scale": 2.0}})
+
+
+def test_a_reward_that_fails_on_every_sample_of_its_first_batch_stops_the_run(tmp_path):
+    wrong = _write(tmp_path, "wrong.py", "def score(completions, answer):\n    return [1.0] * len(completions)\n")
+    (safe,) = build_reward_funcs([f"{wrong}:score"])
+    with pytest.raises(
+        RewardError, match=r"reward 'score' raised on every sample of its first batch \(TypeError: .*answer"
+    ):
+        safe(["a", "b"], solution=["x", "y"])
+    # Negative control: with fail-fast off, the same reward just gives no reward.
+    (lenient,) = build_reward_funcs([f"{wrong}:score"], max_failed_batches=0)
+    assert lenient(["a", "b"], solution=["x", "y"]) == [None, None]
+
+
+def test_partial_failures_keep_training_and_n_broken_batches_in_a_row_stop_it():
+    def flaky(completions, **kw):
+        if any("boom" in c for c in completions):
+            raise ValueError("boom")
+        return [1.0] * len(completions)
+
+    safe = SafeReward(flaky, "flaky", max_failed_batches=2)
+    assert safe(["ok", "boom"]) == [1.0, None]  # partial: counted, not fatal
+    assert safe(["boom"]) == [None]  # one broken batch after a good start
+    assert safe(["ok"]) == [1.0]
+    assert safe(["boom"]) == [None]
+    with pytest.raises(RewardError, match="2 batches in a row"):
+        safe(["boom", "boom"])

@@ -113,3 +113,75 @@ def test_partial_failures_keep_training_and_n_broken_batches_in_a_row_stop_it():
     assert safe(["boom"]) == [None]
     with pytest.raises(RewardError, match="2 batches in a row"):
         safe(["boom", "boom"])
+
+
+def test_a_reward_that_names_the_tokenizer_gets_it_and_others_do_not():
+    class Processor:
+        tokenizer = "the-tokenizer"
+
+    def cosine_length(completions, tokenizer, **kwargs):
+        assert "processing_class" not in kwargs  # only what it names
+        return [float(tokenizer == "the-tokenizer")] * len(completions)
+
+    def plain(completions, **kwargs):
+        assert "tokenizer" not in kwargs and "processing_class" not in kwargs
+        return [1.0] * len(completions)
+
+    overrides = {"cosine_length": cosine_length, "plain": plain}
+    funcs = build_reward_funcs(["cosine_length", "plain"], overrides, processing_class=Processor())
+    assert [f(["a"]) for f in funcs] == [[1.0], [1.0]]
+
+
+def test_vlmr1_reward_kwargs_image_grid_thw_and_answer_tags(tiny_models, tmp_path):
+    """VLM-R1's iou_reward reads image_grid_thw[i] = [t, h, w] (patches of 14 px) and '<answer>'-wrapped solutions."""
+    import json
+
+    from PIL import Image
+
+    from vlm_grpo.data import prepare_rows, read_rows, to_datasets
+    from vlm_grpo.modules import get_vlm_module
+    from vlm_grpo.recipe import wrap_solutions
+
+    Image.new("RGB", (120, 64), (200, 30, 30)).save(tmp_path / "a.png")
+    rows = [
+        {
+            "image": "a.png",
+            "conversations": [{"from": "human", "value": "<image>Box?"}, {"from": "gpt", "value": "[1, 2, 3, 4]"}],
+        },
+        {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "<answer>x</answer>"}]},
+    ]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    model_dir = str(tiny_models["qwen2_5_vl"])
+    module = get_vlm_module(model_dir)
+    processor = module.load_processor(model_dir)
+    read, bad = read_rows([str(tmp_path / "rows.jsonl")], task_type="raw")
+    wrap_solutions(read)
+    dataset, _ = to_datasets(prepare_rows(read, bad, module, processor), module)
+    first, second = dataset[0], dataset[1]
+    expected = processor.image_processor(images=[Image.open(tmp_path / "a.png")], return_tensors="pt")["image_grid_thw"]
+    assert first["image_grid_thw"] == expected[0].tolist()
+    assert second["image_grid_thw"] is None  # no image
+    assert first["solution"] == "<answer> [1, 2, 3, 4] </answer>" and second["solution"] == "<answer>x</answer>"
+
+
+def test_vlmr1_rows_without_image_markers_put_the_images_first(tmp_path, caplog):
+    """VLM-R1's own gui_multi-image.jsonl: two images, no <image> marker."""
+    import json
+    import logging
+
+    from PIL import Image
+
+    from vlm_grpo.data import read_rows
+
+    for name in ("s1.png", "s2.png"):
+        Image.new("RGB", (32, 32), (10, 10, 10)).save(tmp_path / name)
+    row = {"image": ["s1.png", "s2.png"], "conversations": [{"from": "human", "value": "Which screen changed?"},
+                                                            {"from": "gpt", "value": "the second"}]}  # fmt: skip
+    path = tmp_path / "gui_multi-image.jsonl"
+    path.write_text(json.dumps(row) + "\n" + json.dumps(row) + "\n")
+    with caplog.at_level(logging.INFO):
+        rows, bad = read_rows([str(path)])
+    assert not bad and len(rows) == 2
+    assert rows[0]["question"] == "<image><image>Which screen changed?"
+    notes = [r.getMessage() for r in caplog.records if "no '<image>' marker" in r.getMessage()]
+    assert len(notes) == 1 and "2 row(s)" in notes[0]  # said once per file, not per row

@@ -70,6 +70,14 @@ class GRPOScriptArguments(ScriptArguments):
             "get no reward."
         },
     )
+    vlmr1_solution_tags: bool = field(
+        default=False,
+        metadata={
+            "help": "Wrap each solution in '<answer> ... </answer>' (unless it already has an <answer> tag) before "
+            "the rewards see it, as VLM-R1's data loader does: its own reward functions (iou_reward, ...) read the "
+            "solution's last <answer>."
+        },
+    )
     reward_method: str | None = field(
         default=None,
         metadata={

@@ -20,7 +20,7 @@ from trl import TrlParser, get_peft_config
 
 from vlm_grpo.configs import GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig
 from vlm_grpo.data import to_datasets
-from vlm_grpo.recipe import load_checked_rows, load_model, pick_module
+from vlm_grpo.recipe import load_checked_rows, load_model, pick_module, wrap_solutions
 from vlm_grpo.resume import resolve_resume
 from vlm_grpo.rewards import build_reward_funcs
 from vlm_grpo.trainer import VLMGRPOTrainer
@@ -59,6 +59,8 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
 
     module, processor = pick_module(model_args, training_args.trust_remote_code)
     rows = load_checked_rows(script_args, module, processor)
+    if script_args.vlmr1_solution_tags:
+        wrap_solutions(rows)
     train_dataset, eval_dataset = to_datasets(rows, module, script_args.val_split_ratio, training_args.seed)
     logger.info("Data: %d training rows, %d evaluation rows", len(train_dataset), len(eval_dataset or []))
 
@@ -66,7 +68,11 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
 
     overrides = module.reward_overrides if script_args.is_reward_customized_from_vlm_module else None
     reward_funcs = build_reward_funcs(
-        script_args.reward_funcs, overrides, script_args.reward_kwargs, script_args.reward_max_failed_batches
+        script_args.reward_funcs,
+        overrides,
+        script_args.reward_kwargs,
+        script_args.reward_max_failed_batches,
+        processing_class=processor,
     )
 
     trainer = VLMGRPOTrainer(

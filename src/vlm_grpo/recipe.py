@@ -48,6 +48,14 @@ def load_checked_rows(script_args: GRPOScriptArguments, module: VLMModule, proce
     )
 
 
+def wrap_solutions(rows: list[dict]) -> None:
+    """``--vlmr1_solution_tags``: solutions as VLM-R1's loader hands them to rewards, ``<answer> s </answer>``."""
+    for row in rows:
+        solution = row.get("solution")
+        if isinstance(solution, str) and "<answer>" not in solution:
+            row["solution"] = f"<answer> {solution} </answer>"
+
+
 def load_model(module: VLMModule, model_args: VLMModelConfig, trust_remote_code: bool = False) -> Any:
     """The model to train, loaded by its family's adapter with the user's dtype, attention and revision."""
     return module.load_model(

@@ -74,7 +74,10 @@ class VLMGRPOTrainer(CheckpointReloadMixin, GRPOTrainer):
         if isinstance(reward_funcs, (str, Callable)):
             reward_funcs = [reward_funcs]
         overrides = vlm_module.reward_overrides if is_reward_customized_from_vlm_module else None
-        reward_funcs = [build_reward_funcs([f], overrides)[0] if isinstance(f, str) else f for f in reward_funcs]
+        reward_funcs = [
+            build_reward_funcs([f], overrides, processing_class=processing_class)[0] if isinstance(f, str) else f
+            for f in reward_funcs
+        ]
 
         super().__init__(
             model=model,

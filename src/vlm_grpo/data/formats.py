@@ -67,7 +67,17 @@ def _vlm_r1(row: dict) -> dict:
     if solution is None:
         raise RowError("conversations", "no 'gpt' turn (the solution) in 'conversations'")
     images = _as_list(row.get("image", row.get("images")), "image")
-    return {"question": question, "system": system, "solution": solution, "image_path": images}
+    # VLM-R1 puts the images in front when the question has no <image> marker (its multi-image GUI data).
+    images_first = bool(images) and IMAGE_TOKEN not in question
+    if images_first:
+        question = IMAGE_TOKEN * len(images) + question
+    return {
+        "question": question,
+        "system": system,
+        "solution": solution,
+        "image_path": images,
+        "images_first": images_first,
+    }
 
 
 def _content_items(content: Any, field: str) -> list[dict]:
@@ -156,11 +166,16 @@ def detect_format(row: dict) -> str:
 _NORMALISERS = {"vlm_r1": _vlm_r1, "rynnbrain": _rynnbrain, "easyr1": _easyr1}
 
 
-def normalise_row(row: Any) -> dict:
-    """Canonical fields of one raw row; raises :class:`RowError` naming the bad field."""
+def normalise_row(row: Any, notes: dict[str, Any] | None = None) -> dict:
+    """Canonical fields of one raw row; raises :class:`RowError` naming the bad field.
+
+    ``notes`` (optional) receives ``images_first: True`` when images without markers were put before the question.
+    """
     if not isinstance(row, dict):
         raise RowError("<row>", f"a row must be a JSON object, got {type(row).__name__}")
     out = _NORMALISERS[detect_format(row)](row)
+    if out.pop("images_first", False) and notes is not None:
+        notes["images_first"] = True
     solution = out["solution"]
     out["solution"] = solution if isinstance(solution, str) else json.dumps(solution, ensure_ascii=False)
     out["system"] = out.get("system") if isinstance(out.get("system"), str) else None

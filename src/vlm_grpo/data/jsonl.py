@@ -122,6 +122,7 @@ def read_rows(
     for file, folder in pair_files_and_folders(data_file_paths, image_folders):
         if not os.path.isfile(file):
             raise FileNotFoundError(f"Data file not found: {file}")
+        images_first = 0
         with open(file, encoding="utf-8") as handle:
             for lineno, line in enumerate(handle, start=1):
                 if not line.strip():
@@ -132,8 +133,9 @@ def read_rows(
                 except json.JSONDecodeError as exc:
                     bad.append(BadRow(source, "<json>", f"bad JSON: {exc.msg} at column {exc.colno}"))
                     continue
+                notes: dict[str, Any] = {}
                 try:
-                    row = normalise_row(raw)
+                    row = normalise_row(raw, notes)
                 except RowError as exc:
                     bad.append(BadRow(source, exc.field, str(exc)))
                     continue
@@ -148,11 +150,20 @@ def read_rows(
                         )
                     )
                     continue
+                images_first += bool(notes)
                 row["image_path"] = [_resolve_image(p, folder) for p in row["image_path"]]
                 row["accu_reward_method"] = row["accu_reward_method"] or reward_method
                 row["task_type"] = row["task_type"] or task_type
                 row["source"] = source
                 rows.append(row)
+        if images_first:
+            logger.info(
+                "%s: %d row(s) have images but no '%s' marker: their images were put before the question, as "
+                "VLM-R1 does",
+                file,
+                images_first,
+                IMAGE_TOKEN,
+            )
     with ThreadPoolExecutor(max_workers=max(1, num_threads)) as pool:
         image_errors = list(pool.map(lambda r: _check_images(r, r["source"]), rows))
     bad.extend(e for e in image_errors if e is not None)
@@ -195,6 +206,8 @@ class LazyImageTransform:
         rows = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
         out["prompt"] = [build_messages(r, self.module.question_template(r.get("task_type"))) for r in rows]
         out["images"] = [[open_image(p).convert("RGB") for p in r["image_path"]] for r in rows]
+        if "image_grids" in batch:  # VLM-R1's reward kwarg: [t, h, w] for a one-image row, else one per image
+            out["image_grid_thw"] = [g[0] if len(g) == 1 else (g or None) for g in batch["image_grids"]]
         return out
 
 
@@ -228,8 +241,11 @@ def prepare_rows(
     skip_bad_rows: bool = False,
 ) -> list[dict]:
     """Add model-dependent columns, apply the prompt-length limit, then fail or skip on bad rows."""
+    image_grid = getattr(module, "image_grid", None)  # a VLMModule has it; duck-typed stand-ins may not
     for row in rows:
         row["coord_sizes"] = [list(module.coord_size(processor, w, h)) for w, h in row["image_sizes"]]
+        grids = [image_grid(processor, w, h) for w, h in row["image_sizes"]] if image_grid else []
+        row["image_grids"] = [list(g) for g in grids if g is not None]
     kept = rows
     if max_prompt_length is not None and rows:
         lengths = prompt_lengths(rows, module, processor)
@@ -274,6 +290,7 @@ def to_datasets(rows: list[dict], module: Any, val_split_ratio: float = 0.0, see
         "image_path",
         "image_sizes",
         "coord_sizes",
+        "image_grids",
         "accu_reward_method",
         "task_type",
         "source",

@@ -259,6 +259,12 @@ class VLMModule(GroupSharingMixin):
         """
         return (1000, 1000)
 
+    def image_grid(self, processor: Any, width: int, height: int) -> tuple[int, int, int] | None:
+        """``(t, h, w)`` patches of such an image, as the processor's ``image_grid_thw`` (None: no such grid).
+
+        Rewards receive it as ``image_grid_thw`` (VLM-R1's ``iou_reward`` maps boxes with it)."""
+        return None
+
 
 def resolve_attn_implementation(requested: str | None) -> str:
     """``sdpa`` unless the user asked for something else; flash-attn only when it is installed."""

@@ -64,6 +64,11 @@ class Qwen2VLModule(VLMModule):
         pads = (w // ip.patch_size) * (h // ip.patch_size) // ip.merge_size**2
         return pads + self.image_template_overhead(processor)
 
+    def image_grid(self, processor: Any, width: int, height: int) -> tuple[int, int, int]:
+        w, h = resized_size(processor, width, height)
+        patch = processor.image_processor.patch_size
+        return (1, h // patch, w // patch)
+
     def dummy_image_inputs(self, backbone: torch.nn.Module, device: Any) -> dict[str, Any]:
         """One ``merge x merge`` grid of blank patches (the smallest image the merger accepts)."""
         visual = backbone.visual

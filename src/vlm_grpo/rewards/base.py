@@ -152,6 +152,14 @@ def verl_arguments(fn: Callable, reward_input: dict[str, Any]) -> dict[str, Any]
     return {k: v for k, v in values.items() if _accepts(fn, k)}
 
 
+def _names(fn: Callable, name: str) -> bool:
+    """``fn`` has a parameter called ``name`` (not merely ``**kwargs``)."""
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _accepts(fn: Callable, name: str) -> bool:
     try:
         params = inspect.signature(fn).parameters
@@ -192,8 +200,17 @@ class SafeReward:
     reward; ``build_reward_funcs`` turns it on, ``--reward_max_failed_batches``).
     """
 
-    def __init__(self, fn: RewardFunc, name: str, warn_every: int = 100, max_failed_batches: int = 0) -> None:
+    def __init__(
+        self,
+        fn: RewardFunc,
+        name: str,
+        warn_every: int = 100,
+        max_failed_batches: int = 0,
+        context: Mapping[str, Any] | None = None,
+    ) -> None:
         self.fn = fn
+        # Run-wide objects (``processing_class``, ``tokenizer``) for a TRL-kind reward that names them explicitly.
+        self.context = {k: v for k, v in (context or {}).items() if _names(fn, k)}
         self.__name__ = name
         self.warn_every = warn_every
         self.max_failed_batches = max_failed_batches
@@ -207,7 +224,7 @@ class SafeReward:
     def _call(self, kwargs: dict[str, Any]) -> list[Any]:
         if self.kind == "trl":
             accepted = {k: v for k, v in kwargs.items() if _accepts(self.fn, k)}
-            return list(self.fn(**accepted))
+            return list(self.fn(**accepted, **self.context))
         completions = kwargs.pop("completions")
         inputs = reward_inputs_from_kwargs(completions, kwargs)
         if self.kind == "batch":

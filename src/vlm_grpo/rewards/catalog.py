@@ -115,13 +115,16 @@ def build_reward_funcs(
     overrides: Mapping[str, str | Callable] | None = None,
     reward_kwargs: str | Mapping[str, Any] | None = None,
     max_failed_batches: int = 5,
+    processing_class: Any = None,
 ) -> list[SafeReward]:
     """Resolve ``--reward_funcs`` entries (registered names, ``file.py:fn`` / ``module:fn`` specs, ``name=spec``)
     into safe callables for TRL, labelled as :func:`reward_labels` says.
 
     ``overrides`` (a VLM module's own variants, name -> callable or ``module:attr``) win over the registry.
     ``reward_kwargs`` (label, or the entry as written -> keyword arguments) are bound to the reward, e.g.
-    ``{"vqa_graded": {"scale": 3}}``. ``max_failed_batches``: see :class:`SafeReward`.
+    ``{"vqa_graded": {"scale": 3}}``. ``max_failed_batches``: see :class:`SafeReward`. A reward with a
+    ``processing_class`` or ``tokenizer`` parameter gets the run's processor / its tokenizer there (VLM-R1's
+    length rewards count tokens).
     """
     labels = reward_labels(names)
     keys = {}
@@ -136,6 +139,9 @@ def build_reward_funcs(
                 f"{', '.join(label for label, _ in labels)})"
             )
         bound.setdefault(keys[key], {}).update(kwargs)
+    context = {}
+    if processing_class is not None:
+        context = {"processing_class": processing_class, "tokenizer": getattr(processing_class, "tokenizer", None)}
     funcs = []
     for i, (label, spec) in enumerate(labels):
         fn = (overrides or {}).get(spec) or REWARDS.get(spec)
@@ -146,5 +152,5 @@ def build_reward_funcs(
         check_requirements(label, fn)
         if i in bound:
             fn = functools.partial(fn, **bound[i])
-        funcs.append(SafeReward(fn, label, max_failed_batches=max_failed_batches))
+        funcs.append(SafeReward(fn, label, max_failed_batches=max_failed_batches, context=context))
     return funcs

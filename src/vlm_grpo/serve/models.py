@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from vlm_grpo.data.jsonl import open_image
+from vlm_grpo.data.images import open_image
 from vlm_grpo.modules import ImageLimits, VLMModule, get_vlm_module
 
 logger = logging.getLogger(__name__)

@@ -19,8 +19,8 @@ from PIL import Image, UnidentifiedImageError
 #: The fewest pixels an image may have before it is refused unread, whatever ``--max_pixels`` says.
 #: 64 MP (8192 x 8192): a 48 MP photo passes; decoding one costs ~200 MB as RGB.
 MIN_PIXEL_LIMIT = 64 * 2**20
-#: Images above ``PIXEL_LIMIT_FACTOR x --max_pixels`` are refused too when that is larger than the floor:
-#: the model never sees more than ``--max_pixels``, so such a file only costs memory and time to shrink.
+#: The limit is ``PIXEL_LIMIT_FACTOR x --max_pixels`` when that is larger than the floor: the model never
+#: sees more than ``--max_pixels``, so a larger file only costs memory and time to shrink.
 PIXEL_LIMIT_FACTOR = 4
 
 _SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N")
@@ -83,20 +83,23 @@ def open_image(path: str) -> Image.Image:
         raise ImageError(f"unreadable image {describe(path)}: {exc}") from None
 
 
-def check_pixels(width: int, height: int, limit: int | None) -> None:
+#: how training and the data check name their limit in messages
+TRAINING_LIMIT = f"max({MIN_PIXEL_LIMIT / 1e6:.1f} MP, {PIXEL_LIMIT_FACTOR} x --max_pixels)"
+
+
+def check_pixels(width: int, height: int, limit: int | None, limit_name: str = TRAINING_LIMIT) -> None:
     """:class:`ImageTooLarge` when ``width x height`` exceeds ``limit`` (None: no limit)."""
     if limit is not None and width * height > limit:
         raise ImageTooLarge(
-            f"image is {width}x{height} = {width * height / 1e6:.1f} MP, more than the {limit / 1e6:.1f} MP limit "
-            f"(max({MIN_PIXEL_LIMIT / 1e6:.1f} MP, {PIXEL_LIMIT_FACTOR} x --max_pixels)); the model never sees more "
-            "than --max_pixels, so downscale the file"
+            f"image is {width}x{height} = {width * height / 1e6:.1f} MP, more than the limit of {limit / 1e6:.1f} MP "
+            f"({limit_name}); downscale the file"
         )
 
 
-def image_size(path: str, limit: int | None = None) -> tuple[int, int]:
+def image_size(path: str, limit: int | None = None, limit_name: str = TRAINING_LIMIT) -> tuple[int, int]:
     """(width, height) from the header only; :class:`ImageTooLarge` over ``limit``."""
     with open_image(path) as image:
-        check_pixels(*image.size, limit)
+        check_pixels(*image.size, limit, limit_name)
         return image.size
 
 
@@ -132,13 +135,13 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def decode_rgb(path: str, limit: int | None = None) -> Image.Image:
+def decode_rgb(path: str, limit: int | None = None, limit_name: str = TRAINING_LIMIT) -> Image.Image:
     """The whole image decoded to RGB (first frame of an animation); :class:`ImageError` when it cannot be.
 
     The pixel limit is checked from the header, before anything is decoded.
     """
     with open_image(path) as image:
-        check_pixels(*image.size, limit)
+        check_pixels(*image.size, limit, limit_name)
         try:
             image.load()
         except (OSError, SyntaxError, ValueError, EOFError) as exc:

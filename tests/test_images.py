@@ -109,6 +109,11 @@ def test_image_broken_after_the_check_is_a_counted_skip_naming_its_row(tmp_path,
     assert train[0]["id"] == "r0"  # the others are untouched
     batch = train[[0, 1, 3]]
     assert batch["id"] == ["r0", "r2", "r3"] and len(batch["images"]) == 3
+    # SFT puts its own transform on the dataset (no pool given): the replacement is found all the same
+    from vlm_grpo.sft_trainer import SFTTransform
+
+    sft = train.with_transform(SFTTransform(_Module()))[1]
+    assert sft["id"] == "r2" and sft["messages"][-1]["content"][0]["text"] == "<answer>2</answer>"
 
 
 def test_when_no_row_decodes_any_more_training_stops_naming_the_row(tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -262,7 +263,7 @@ class LazyImageTransform:
         pool = self.pool if self.pool is not None else _pool_of(source)
         if pool is None:
             raise DataError(f"image cannot be decoded: {self.skipped[source]}", source)
-        sources = pool["source"]
+        sources = pool["source"]  # read only when an image fails
         start = sources.index(source) if source in sources else -1
         for step in range(1, len(sources) + 1):
             candidate = pool[(start + step) % len(sources)]
@@ -282,8 +283,9 @@ class LazyImageTransform:
         )
 
 
-#: untransformed datasets made by ``to_datasets``: where a transform built elsewhere (SFT) finds replacements
-_POOLS: list[Any] = []
+#: the latest untransformed datasets made by ``to_datasets``: where a transform built elsewhere (SFT's, which
+#: replaces ours) finds replacement rows
+_POOLS: deque[Any] = deque(maxlen=8)
 
 
 def _pool_of(source: str | None) -> Any:

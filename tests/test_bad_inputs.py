@@ -191,16 +191,31 @@ def test_check_names_every_bad_row_and_accepts_the_rest(corpus, tiny_models, tmp
     assert f"{dup}:2 repeats {dup}:1" in out.out
 
 
-@pytest.mark.parametrize("kind", ["directory", "missing", "unsupported"])
+WHOLE_FILE = {
+    "directory": "is a directory",
+    "missing": "not found",
+    "unsupported": "unsupported file type",
+    "corrupt_parquet": "not a readable parquet file",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(WHOLE_FILE))
 def test_whole_file_problems_are_an_error_naming_the_file(kind, corpus, capsys):
     root, images, _ = corpus
-    path = {"directory": images, "missing": root / "absent.jsonl", "unsupported": root / "rows.txt"}[kind]
+    path = {
+        "directory": images,
+        "missing": root / "absent.jsonl",
+        "unsupported": root / "rows.txt",
+        "corrupt_parquet": root / "rows.parquet",
+    }[kind]
     if kind == "unsupported":
         path.write_text("{}\n")
+    if kind == "corrupt_parquet":
+        path.write_bytes(b"PAR1 but not really")
     assert data_main(["check", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("vlm-grpo-data check: error: ") and str(path) in err and "Traceback" not in err
-    words = {"directory": "is a directory", "missing": "not found", "unsupported": "unsupported file type"}[kind]
+    words = WHOLE_FILE[kind]
     assert words in err
     with pytest.raises(DataError, match=words):  # what training's loader raises (its CLI prints `error:`)
         read_any_rows([str(path)])

@@ -107,6 +107,29 @@ def test_data_uri_count_size_and_bad_images_are_4xx(limited):
     assert truncated.status_code == 422 and "truncated" in truncated.json()["detail"]
 
 
+def test_limits_come_from_flags_over_environment_over_defaults(monkeypatch):
+    from vlm_grpo.serve.cli import build_parser
+    from vlm_grpo.serve.settings import ServeSettings
+
+    defaults = ServeSettings()
+    assert (defaults.max_body_bytes, defaults.max_image_pixels, defaults.max_data_uris) == (2**24, 2**24, 16)
+    monkeypatch.setenv("VLM_GRPO_SERVE_MAX_BODY_BYTES", "1000")
+    monkeypatch.setenv("VLM_GRPO_SERVE_MAX_DATA_URIS", "0")
+    args = build_parser().parse_args(
+        ["listener", "--model", "m", "--max_body_bytes", "2000", "--max_image_pixels", "9"]
+    )
+    settings = ServeSettings.from_env(
+        "listener", max_body_bytes=args.max_body_bytes, max_image_pixels=args.max_image_pixels
+    )
+    assert (settings.max_body_bytes, settings.max_image_pixels, settings.max_data_uris) == (2000, 9, 0)
+    assert ServeSettings.from_env("listener").max_body_bytes == 1000
+    monkeypatch.setenv("VLM_GRPO_SERVE_MAX_IMAGE_PIXELS", "lots")
+    with pytest.raises(ValueError, match="VLM_GRPO_SERVE_MAX_IMAGE_PIXELS"):
+        ServeSettings.from_env("listener")
+    with pytest.raises(ValueError, match="max_body_bytes must be >= 1"):
+        ServeSettings(max_body_bytes=0)
+
+
 _RSS_SCRIPT = textwrap.dedent(
     """
     import base64, io, json, sys

@@ -154,10 +154,10 @@ def test_dataset_holds_paths_and_decodes_on_access(tmp_path, monkeypatch):
     rows = prepare_rows(rows, bad, _NoModule(), None)
 
     opened = []
-    import vlm_grpo.data.jsonl as jsonl
+    import vlm_grpo.data.images as images
 
-    real_open = jsonl.open_image
-    monkeypatch.setattr(jsonl, "open_image", lambda p: opened.append(p) or real_open(p))
+    real_open = images.open_image
+    monkeypatch.setattr(images, "open_image", lambda p: opened.append(p) or real_open(p))
     train, evaluation = to_datasets(rows, _NoModule(), val_split_ratio=0.25, seed=0)
     assert len(train) == 3 and len(evaluation) == 1
     assert opened == []  # nothing decoded while building the dataset
@@ -174,6 +174,9 @@ class _NoModule:
 
     def coord_size(self, processor, w, h):
         return (1000, 1000)
+
+    def num_image_tokens(self, processor, w, h):
+        return 4
 
     def question_template(self, task_type):
         return "{question}"

@@ -37,6 +37,7 @@ def load_checked_rows(script_args: GRPOScriptArguments, module: VLMModule, proce
         script_args.image_folders,
         reward_method=script_args.reward_method,
         task_type=script_args.task_type,
+        max_pixels=module.limits.max_pixels,  # images over the pixel limit are bad rows, as in the data check
     )
     return prepare_rows(
         rows,

@@ -1,6 +1,7 @@
 """Data: row formats, validation and lazy image-path datasets."""
 
-from vlm_grpo.data.formats import IMAGE_TOKEN, RowError, normalise_row
+from vlm_grpo.data.formats import IMAGE_TOKEN, DataError, RowError, normalise_row
+from vlm_grpo.data.images import ImageError
 from vlm_grpo.data.jsonl import (
     BadRow,
     DataValidationError,
@@ -10,12 +11,15 @@ from vlm_grpo.data.jsonl import (
     read_rows,
     split_paths,
     to_datasets,
+    validate_rows,
 )
 
 __all__ = [
     "IMAGE_TOKEN",
     "BadRow",
+    "DataError",
     "DataValidationError",
+    "ImageError",
     "LazyImageTransform",
     "RowError",
     "build_messages",
@@ -24,4 +28,5 @@ __all__ = [
     "read_rows",
     "split_paths",
     "to_datasets",
+    "validate_rows",
 ]

@@ -14,12 +14,12 @@ import os
 from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vlm_grpo.data.jsonl import BadRow, _source_order, prepare_rows, prompt_lengths
+from vlm_grpo.data.images import ImageError, decode_rgb, pixel_limit
+from vlm_grpo.data.jsonl import BadRow, _source_order, prompt_lengths, validate_rows
 from vlm_grpo.data.preprocess import TASK_TAGS, canonical_task, coordinate_problem
 from vlm_grpo.data.records import iter_records, read_any_rows, sft_messages, vlm_r1_row, write_rows
 
@@ -69,6 +69,7 @@ class CheckReport:
     text_length: dict[str, float] = field(default_factory=dict)
     text_length_unit: str = "characters"
     model: str | None = None
+    duplicates: list[tuple[str, str]] = field(default_factory=list)  # (row, the earlier row it repeats)
 
     @property
     def ok(self) -> bool:
@@ -85,6 +86,7 @@ class CheckReport:
             "per_task": self.per_task,
             "bad_per_task": self.bad_per_task,
             "images": self.images,
+            "duplicates": [{"source": a, "repeats": b} for a, b in self.duplicates],
             "image_tokens_per_row": self.image_tokens,
             f"text_length_{self.text_length_unit}": self.text_length,
         }
@@ -102,6 +104,11 @@ class CheckReport:
         for task in sorted(set(self.per_task) | set(self.bad_per_task)):
             lines.append(f"  {task:<16} {self.per_task.get(task, 0):>7} / {self.bad_per_task.get(task, 0)}")
         lines.append(f"Images: {self.images}")
+        if self.duplicates:
+            lines.append(
+                f"Duplicates (trained on as often as they appear): {len(self.duplicates)} row(s) repeat an earlier row"
+            )
+            lines += [f"  {a} repeats {b}" for a, b in self.duplicates[:max_report]]
         if self.image_tokens:
             lines.append("Image tokens per row: " + _fmt(self.image_tokens))
         lines.append(f"Text length ({self.text_length_unit}): " + _fmt(self.text_length))
@@ -111,17 +118,6 @@ class CheckReport:
 
 def _fmt(dist: dict[str, float]) -> str:
     return ", ".join(f"{k}={v}" for k, v in dist.items())
-
-
-@contextmanager
-def _quiet(name: str):
-    log = logging.getLogger(name)
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
 
 
 def load_module_and_processor(model: str, vlm_module: str | None = None, **limits: Any) -> tuple[Any, Any]:
@@ -159,6 +155,38 @@ def _task_of_source(paths: Sequence[str]) -> dict[str, str]:
     return tasks
 
 
+def decode_problems(rows: list[dict], limit: int, num_threads: int = 8) -> tuple[list[dict], list[BadRow]]:
+    """Decode every image in full (what training does at draw time): truncated or damaged files are bad rows.
+
+    Training reads only headers up front and skips such a row when it draws it; the check finds them all."""
+
+    def problem(row: dict) -> BadRow | None:
+        for i, path in enumerate(row["image_path"]):
+            try:
+                decode_rgb(path, limit).close()
+            except ImageError as exc:
+                where = "" if len(row["image_path"]) == 1 else f"image {i + 1} of {len(row['image_path'])}: "
+                return BadRow(row["source"], "image", where + str(exc))
+        return None
+
+    with ThreadPoolExecutor(max_workers=max(1, num_threads)) as pool:
+        problems = list(pool.map(problem, rows))
+    return [r for r, p in zip(rows, problems, strict=True) if p is None], [p for p in problems if p is not None]
+
+
+def find_duplicates(rows: Sequence[dict]) -> list[tuple[str, str]]:
+    """(row, first row) pairs of rows with the same system, question, images and solution."""
+    first: dict[tuple, str] = {}
+    pairs = []
+    for row in rows:
+        key = (row.get("system"), row["question"], tuple(row["image_path"]), row["solution"])
+        if key in first:
+            pairs.append((row["source"], first[key]))
+        else:
+            first[key] = row["source"]
+    return pairs
+
+
 def check(
     data_file_paths: Sequence[str],
     image_folders: Sequence[str] | None = None,
@@ -175,7 +203,11 @@ def check(
 ) -> CheckReport:
     files = [str(p) for p in data_file_paths]
     report = CheckReport(files=files, model=model)
-    rows, bad = read_any_rows(files, image_folders or None, task_type=task_type, num_threads=num_threads)
+    rows, bad = read_any_rows(
+        files, image_folders or None, task_type=task_type, num_threads=num_threads, max_pixels=max_pixels
+    )
+    rows, damaged = decode_problems(rows, pixel_limit(max_pixels), num_threads)
+    bad.extend(damaged)
     module = processor = None
     if model:
         module, processor = load_module_and_processor(
@@ -183,14 +215,9 @@ def check(
         )
     rows, wrong = semantic_problems(rows, known_task_types(module, extra_task_types))
     bad.extend(wrong)
-    if module is not None and rows:
-        with _quiet("vlm_grpo.data.jsonl"):
-            try:  # adds coord_sizes; rows over --max_prompt_length become bad rows
-                rows = prepare_rows(
-                    rows, bad, module, processor, max_prompt_length=max_prompt_length, skip_bad_rows=True
-                )
-            except ValueError:  # no usable rows left: every one is already in `bad`
-                rows = []
+    if module is not None and rows:  # coord_sizes, the processor's limits and --max_prompt_length, as in training
+        rows = validate_rows(rows, bad, module, processor, max_prompt_length=max_prompt_length)
+    report.duplicates = find_duplicates(rows)
     report.bad = sorted(bad, key=_source_order)
     report.rows = len(rows) + len(report.bad)
     report.per_task = dict(sorted(Counter(r.get("task_type") or "default" for r in rows).items()))

@@ -6,7 +6,9 @@
     format        normalise to the canonical row format with image sizes and text_sequence_length
     merge         per-task train/ and test/ files -> train.* and test.*
 
-Exit status: 0 on success, 1 when rows are bad or an output would be overwritten, 2 on usage errors.
+Exit status: 0 on success; 1 when rows are bad, files conflict or an output would be overwritten; 2 on user
+errors (a missing or unreadable file, a directory given as a file, a bad flag value), printed as
+``error: <what, where, how to fix>`` without a traceback (``--debug`` shows one).
 """
 
 from __future__ import annotations
@@ -341,6 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_preprocess(sub)
     _add_convert_vqa(sub)
@@ -357,9 +360,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except (FileExistsError, FileNotFoundError, SchemaConflict, ValueError) as exc:
+    except (FileExistsError, SchemaConflict) as exc:  # nothing written: the files conflict
+        if args.debug:
+            raise
         print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
         return 1
+    except (OSError, ValueError) as exc:  # DataError, ImageError, missing files, permissions, bad values
+        if args.debug:
+            raise
+        print(f"{PROG} {args.command}: error: {_user_message(exc)}", file=sys.stderr)
+        return 2
+
+
+def _user_message(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.filename and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}"
+    return str(exc)
 
 
 def cli() -> None:

@@ -18,6 +18,17 @@ from typing import Any
 from vlm_grpo.tasks import IMAGE_TOKEN
 
 
+class DataError(ValueError):
+    """A data problem the user must fix; the message names where (``file`` or ``file:line``) and how.
+
+    CLIs print it as ``error: <message>`` without a traceback.
+    """
+
+    def __init__(self, message: str, source: str | None = None) -> None:
+        super().__init__(f"{source}: {message}" if source else message)
+        self.source = source
+
+
 class RowError(ValueError):
     """A problem with one row: carries the field it concerns."""
 

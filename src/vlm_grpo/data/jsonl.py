@@ -7,20 +7,19 @@ only paths and sizes; pixels are decoded when the trainer asks for a sample.
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from PIL import Image
-
-from vlm_grpo.data.formats import IMAGE_TOKEN, RowError, count_placeholders, normalise_row
+from vlm_grpo.data.formats import IMAGE_TOKEN, DataError, RowError, count_placeholders, normalise_row
+from vlm_grpo.data.images import ImageError, decode_rgb, image_size, pixel_limit
+from vlm_grpo.data.images import open_image as open_image  # re-exported: serve and rewards open images here
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +36,7 @@ class BadRow:
         return f"{self.source}: field '{self.field}': {self.reason}"
 
 
-class DataValidationError(ValueError):
+class DataValidationError(DataError):
     """Raised with every bad row listed (first ``MAX_REPORTED``) and the total count."""
 
     def __init__(self, bad_rows: Sequence[BadRow], total_rows: int) -> None:
@@ -61,33 +60,50 @@ def split_paths(value: str | Sequence[str] | None) -> list[str]:
 
 
 def _resolve_image(path: str, folder: Path) -> str:
-    if path.startswith("data:image/") or os.path.isabs(path):
+    if path.startswith("data:") or os.path.isabs(path):
         return path
     return str(folder / path)
 
 
-def open_image(path: str) -> Image.Image:
-    """A file path or a ``data:image/...;base64,`` URI (EasyR1 rows carry those)."""
-    if path.startswith("data:image/"):
-        return Image.open(io.BytesIO(base64.b64decode(path.split(",", 1)[1])))
-    return Image.open(path)
-
-
-def _image_size(path: str) -> tuple[int, int]:
-    """Reads only the header: no pixels are decoded while validating."""
-    with open_image(path) as image:
-        return image.size
-
-
-def _check_images(row: dict, source: str) -> BadRow | None:
-    for path in row["image_path"]:
-        if not path.startswith("data:image/") and not os.path.isfile(path):
-            return BadRow(source, "image", f"image file not found: {path}")
-    try:
-        row["image_sizes"] = [list(_image_size(p)) for p in row["image_path"]]
-    except Exception as exc:
-        return BadRow(source, "image", f"unreadable image: {exc}")
+def _check_images(row: dict, source: str, limit: int | None) -> BadRow | None:
+    """Header of every image (size, and the pixel limit before anything is decoded)."""
+    sizes = []
+    for i, path in enumerate(row["image_path"]):
+        try:
+            sizes.append(list(image_size(path, limit)))
+        except ImageError as exc:
+            where = "" if len(row["image_path"]) == 1 else f"image {i + 1} of {len(row['image_path'])}: "
+            return BadRow(source, "image", where + str(exc))
+    row["image_sizes"] = sizes
     return None
+
+
+def check_data_file(file: str) -> None:
+    """A :class:`DataError` for a data file that is missing, a directory or unreadable."""
+    if os.path.isdir(file):
+        raise DataError("is a directory, not a data file; pass the .jsonl / .json / .parquet files in it", file)
+    if not os.path.exists(file):
+        raise DataError("data file not found; check the path (':' separates several files)", file)
+    if not os.access(file, os.R_OK):
+        raise DataError("data file is not readable (permissions)", file)
+
+
+def iter_lines(file: str) -> Iterator[tuple[int, str | None, str | None]]:
+    """(line number, text, None) for each non-blank line of a JSONL file, or (line number, None, why) for a
+    line that is not UTF-8. A UTF-8 byte-order mark on line 1 and CRLF line ends are accepted."""
+    check_data_file(file)
+    with open(file, "rb") as handle:
+        for lineno, raw in enumerate(handle, start=1):
+            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                byte = f"0x{raw[exc.start]:02x}"
+                yield lineno, None, f"not valid UTF-8 (byte {byte} at column {exc.start + 1}); save the file as UTF-8"
+                continue
+            if text.strip():
+                yield lineno, text, None
 
 
 def pair_files_and_folders(
@@ -97,9 +113,9 @@ def pair_files_and_folders(
     files = split_paths(data_file_paths)
     folders = split_paths(image_folders)
     if not files:
-        raise ValueError("No data files given: pass --data_file_paths a.jsonl[:b.jsonl]")
+        raise DataError("No data files given: pass --data_file_paths a.jsonl[:b.jsonl]")
     if folders and len(folders) not in (1, len(files)):
-        raise ValueError(
+        raise DataError(
             f"--image_folders has {len(folders)} entries for {len(files)} data files; give one per file or one for all"
         )
     return [
@@ -115,47 +131,56 @@ def read_rows(
     reward_method: str | None = None,
     task_type: str | None = None,
     num_threads: int = 8,
+    max_pixels: int | None = None,
 ) -> tuple[list[dict], list[BadRow]]:
-    """Parse and check every row of every file; returns (good rows, bad rows)."""
+    """Parse and check every row of every file; returns (good rows, bad rows).
+
+    Images are checked from their headers only; one with more than ``pixel_limit(max_pixels)`` pixels is a
+    bad row (the limit of ``--max_pixels``, so the check and training agree). A file without rows is a bad
+    row of its own (source: the file).
+    """
     rows: list[dict] = []
     bad: list[BadRow] = []
     for file, folder in pair_files_and_folders(data_file_paths, image_folders):
-        if not os.path.isfile(file):
-            raise FileNotFoundError(f"Data file not found: {file}")
+        seen = 0
         images_first = 0
-        with open(file, encoding="utf-8") as handle:
-            for lineno, line in enumerate(handle, start=1):
-                if not line.strip():
-                    continue
-                source = f"{file}:{lineno}"
-                try:
-                    raw = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    bad.append(BadRow(source, "<json>", f"bad JSON: {exc.msg} at column {exc.colno}"))
-                    continue
-                notes: dict[str, Any] = {}
-                try:
-                    row = normalise_row(raw, notes)
-                except RowError as exc:
-                    bad.append(BadRow(source, exc.field, str(exc)))
-                    continue
-                n_markers = count_placeholders(row["question"])
-                if n_markers != len(row["image_path"]):
-                    bad.append(
-                        BadRow(
-                            source,
-                            "image",
-                            f"the prompt has {n_markers} '{IMAGE_TOKEN}' placeholder(s) but the row has "
-                            f"{len(row['image_path'])} image(s)",
-                        )
+        for lineno, line, problem in iter_lines(file):
+            seen += 1
+            source = f"{file}:{lineno}"
+            if problem is not None:
+                bad.append(BadRow(source, "<encoding>", problem))
+                continue
+            try:
+                raw = json.loads(line)
+            except json.JSONDecodeError as exc:
+                bad.append(BadRow(source, "<json>", f"bad JSON: {exc.msg} at column {exc.colno}"))
+                continue
+            notes: dict[str, Any] = {}
+            try:
+                row = normalise_row(raw, notes)
+            except RowError as exc:
+                bad.append(BadRow(source, exc.field, str(exc)))
+                continue
+            if not row["solution"].strip():
+                bad.append(BadRow(source, "solution", "empty solution: rewards have nothing to compare with"))
+                continue
+            n_markers = count_placeholders(row["question"])
+            if n_markers != len(row["image_path"]):
+                bad.append(
+                    BadRow(
+                        source,
+                        "image",
+                        f"the prompt has {n_markers} '{IMAGE_TOKEN}' placeholder(s) but the row has "
+                        f"{len(row['image_path'])} image(s)",
                     )
-                    continue
-                images_first += bool(notes)
-                row["image_path"] = [_resolve_image(p, folder) for p in row["image_path"]]
-                row["accu_reward_method"] = row["accu_reward_method"] or reward_method
-                row["task_type"] = row["task_type"] or task_type
-                row["source"] = source
-                rows.append(row)
+                )
+                continue
+            images_first += bool(notes)
+            row["image_path"] = [_resolve_image(p, folder) for p in row["image_path"]]
+            row["accu_reward_method"] = row["accu_reward_method"] or reward_method
+            row["task_type"] = row["task_type"] or task_type
+            row["source"] = source
+            rows.append(row)
         if images_first:
             logger.info(
                 "%s: %d row(s) have images but no '%s' marker: their images were put before the question, as "
@@ -164,8 +189,11 @@ def read_rows(
                 images_first,
                 IMAGE_TOKEN,
             )
+        if seen == 0:
+            bad.append(BadRow(file, "<file>", "the file holds no rows (it is empty or blank)"))
+    limit = pixel_limit(max_pixels)
     with ThreadPoolExecutor(max_workers=max(1, num_threads)) as pool:
-        image_errors = list(pool.map(lambda r: _check_images(r, r["source"]), rows))
+        image_errors = list(pool.map(lambda r: _check_images(r, r["source"], limit), rows))
     bad.extend(e for e in image_errors if e is not None)
     good = [r for r, e in zip(rows, image_errors, strict=True) if e is None]
     return good, sorted(bad, key=_source_order)
@@ -173,7 +201,7 @@ def read_rows(
 
 def _source_order(b: BadRow) -> tuple[str, int]:
     file, _, line = b.source.rpartition(":")
-    return (file, int(line) if line.isdigit() else 0)
+    return (file, int(line)) if line.isdigit() else (b.source, 0)
 
 
 # --------------------------------------------------------------------------- prompts
@@ -196,19 +224,88 @@ def build_messages(row: dict, template: str, with_images: bool = True) -> list[d
 
 
 class LazyImageTransform:
-    """``datasets`` transform: adds ``prompt`` (chat messages) and ``images`` (decoded RGB) on access."""
+    """``datasets`` transform: adds ``prompt`` (chat messages) and ``images`` (decoded RGB) on access.
 
-    def __init__(self, module: Any) -> None:
+    An image that no longer decodes (the file changed on disk after the check) does not stop the run: the
+    row is skipped with a warning naming its ``file:line`` and the count so far, and the next row of the
+    same dataset whose images decode takes its place (always the same one, so a GRPO group stays whole).
+    """
+
+    def __init__(self, module: Any, pool: Any = None) -> None:
         self.module = module
+        self.pool = pool  # the untransformed dataset replacements come from (default: see _pool_of)
+        limits = getattr(module, "limits", None)
+        self.limit = pixel_limit(getattr(limits, "max_pixels", None))
+        self.skipped: dict[str, str] = {}  # source -> why
+        self._replacement: dict[str, tuple[dict, list]] = {}
 
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
-        out = dict(batch)
         rows = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
-        out["prompt"] = [build_messages(r, self.module.question_template(r.get("task_type"))) for r in rows]
-        out["images"] = [[open_image(p).convert("RGB") for p in r["image_path"]] for r in rows]
+        decoded = [self._decode(r) for r in rows]
+        out = {column: [row[column] for row, _ in decoded] for column in batch}
+        out["prompt"] = [build_messages(r, self.module.question_template(r.get("task_type"))) for r, _ in decoded]
+        out["images"] = [images for _, images in decoded]
         if "image_grids" in batch:  # VLM-R1's reward kwarg: [t, h, w] for a one-image row, else one per image
-            out["image_grid_thw"] = [g[0] if len(g) == 1 else (g or None) for g in batch["image_grids"]]
+            out["image_grid_thw"] = [g[0] if len(g) == 1 else (g or None) for g in out["image_grids"]]
         return out
+
+    def _images(self, row: dict) -> list:
+        return [decode_rgb(p, self.limit) for p in row["image_path"]]
+
+    def _decode(self, row: dict) -> tuple[dict, list]:
+        source = row.get("source")
+        if source in self._replacement:
+            return self._replacement[source]
+        try:
+            return row, self._images(row)
+        except ImageError as exc:
+            self.skipped[source] = str(exc)
+            replacement = self._replace(row)
+            logger.warning(
+                "Skipped %s: %s (the image changed after the data was checked). %s takes its place; "
+                "%d row(s) skipped so far. Run `vlm-grpo-data check` on the data to find every such row.",
+                source,
+                exc,
+                replacement[0].get("source"),
+                len(self.skipped),
+            )
+            return replacement
+
+    def _replace(self, row: dict) -> tuple[dict, list]:
+        source = row.get("source")
+        pool = self.pool if self.pool is not None else _pool_of(source)
+        if pool is None:
+            raise DataError(f"image cannot be decoded: {self.skipped[source]}", source)
+        sources = pool["source"]  # read only when an image fails
+        start = sources.index(source) if source in sources else -1
+        for step in range(1, len(sources) + 1):
+            candidate = pool[(start + step) % len(sources)]
+            if candidate["source"] in self.skipped:
+                continue
+            try:
+                result = candidate, self._images(candidate)
+            except ImageError as exc:
+                self.skipped[candidate["source"]] = str(exc)
+                continue
+            self._replacement[source] = result
+            return result
+        raise DataError(
+            f"no row of this dataset has images that still decode ({len(self.skipped)} skipped); "
+            "run `vlm-grpo-data check` on the data",
+            source,
+        )
+
+
+#: the latest untransformed datasets made by ``to_datasets``: where a transform built elsewhere (SFT's, which
+#: replaces ours) finds replacement rows
+_POOLS: deque[Any] = deque(maxlen=8)
+
+
+def _pool_of(source: str | None) -> Any:
+    for pool in reversed(_POOLS):
+        if source in pool["source"]:
+            return pool
+    return None
 
 
 def prompt_lengths(rows: Sequence[dict], module: Any, processor: Any, batch_size: int = 256) -> list[int]:
@@ -231,26 +328,29 @@ def prompt_lengths(rows: Sequence[dict], module: Any, processor: Any, batch_size
     return lengths
 
 
-def prepare_rows(
-    rows: list[dict],
-    bad: list[BadRow],
-    module: Any,
-    processor: Any,
-    *,
-    max_prompt_length: int | None = None,
-    skip_bad_rows: bool = False,
+def validate_rows(
+    rows: list[dict], bad: list[BadRow], module: Any, processor: Any, *, max_prompt_length: int | None = None
 ) -> list[dict]:
-    """Add model-dependent columns, apply the prompt-length limit, then fail or skip on bad rows."""
+    """Model-dependent checks and columns (coordinate frames, image tokens, prompt length); rows that fail
+    join ``bad`` (kept sorted) and the rest are returned. Shared by training and ``vlm-grpo-data check``."""
+    sized = []
     image_grid = getattr(module, "image_grid", None)  # a VLMModule has it; duck-typed stand-ins may not
     for row in rows:
-        row["coord_sizes"] = [list(module.coord_size(processor, w, h)) for w, h in row["image_sizes"]]
-        grids = [image_grid(processor, w, h) for w, h in row["image_sizes"]] if image_grid else []
-        row["image_grids"] = [list(g) for g in grids if g is not None]
-    kept = rows
-    if max_prompt_length is not None and rows:
-        lengths = prompt_lengths(rows, module, processor)
+        try:  # the processor refuses some shapes (e.g. aspect ratio over 200): a bad row, not a crash
+            row["coord_sizes"] = [list(module.coord_size(processor, w, h)) for w, h in row["image_sizes"]]
+            for w, h in row["image_sizes"]:
+                module.num_image_tokens(processor, w, h)
+            grids = [image_grid(processor, w, h) for w, h in row["image_sizes"]] if image_grid else []
+            row["image_grids"] = [list(g) for g in grids if g is not None]
+        except ValueError as exc:
+            bad.append(BadRow(row["source"], "image", f"the processor refuses this image: {exc}"))
+            continue
+        sized.append(row)
+    kept = sized
+    if max_prompt_length is not None and sized:
+        lengths = prompt_lengths(sized, module, processor)
         kept = []
-        for row, length in zip(rows, lengths, strict=True):
+        for row, length in zip(sized, lengths, strict=True):
             if length > max_prompt_length:
                 bad.append(
                     BadRow(
@@ -262,8 +362,22 @@ def prepare_rows(
                 )
             else:
                 kept.append(row)
-        bad.sort(key=_source_order)
-    total = len(rows) + len([b for b in bad if b.field != "prompt"])
+    bad.sort(key=_source_order)
+    return kept
+
+
+def prepare_rows(
+    rows: list[dict],
+    bad: list[BadRow],
+    module: Any,
+    processor: Any,
+    *,
+    max_prompt_length: int | None = None,
+    skip_bad_rows: bool = False,
+) -> list[dict]:
+    """Add model-dependent columns, apply the prompt-length limit, then fail or skip on bad rows."""
+    total = len(rows) + len(bad)  # an empty file counts as one bad row
+    kept = validate_rows(rows, bad, module, processor, max_prompt_length=max_prompt_length)
     if bad:
         if not skip_bad_rows:
             raise DataValidationError(bad, total)
@@ -274,7 +388,12 @@ def prepare_rows(
             "\n".join(f"  {b}" for b in bad[:MAX_REPORTED]),
         )
     if not kept:
-        raise ValueError("No usable rows left in the training data")
+        files = sorted({b.source.rpartition(":")[0] or b.source for b in bad if b.source})
+        raise DataError(
+            f"No usable rows left in the training data: all {total} row(s) are bad"
+            + (f" (files: {', '.join(files)})" if files else "")
+            + "; see the skipped rows above, or run `vlm-grpo-data check` on the files"
+        )
     return kept
 
 
@@ -296,10 +415,14 @@ def to_datasets(rows: list[dict], module: Any, val_split_ratio: float = 0.0, see
         "source",
     )
     dataset = Dataset.from_dict({c: [r.get(c) for r in rows] for c in columns})
-    transform = LazyImageTransform(module)
     if not val_split_ratio:
-        return dataset.with_transform(transform), None
+        return _drawable(dataset, module), None
     if not 0 < val_split_ratio < 1:
         raise ValueError(f"--val_split_ratio must be in [0, 1), got {val_split_ratio}")
     split = dataset.train_test_split(test_size=val_split_ratio, seed=seed)
-    return split["train"].with_transform(transform), split["test"].with_transform(transform)
+    return _drawable(split["train"], module), _drawable(split["test"], module)
+
+
+def _drawable(dataset: Any, module: Any) -> Any:
+    _POOLS.append(dataset)
+    return dataset.with_transform(LazyImageTransform(module, pool=dataset))

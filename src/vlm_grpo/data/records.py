@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vlm_grpo.data.jsonl import BadRow, build_messages, pair_files_and_folders, read_rows
+from vlm_grpo.data.formats import DataError
+from vlm_grpo.data.jsonl import BadRow, build_messages, check_data_file, iter_lines, pair_files_and_folders, read_rows
 
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -40,7 +41,8 @@ class Record:
 def file_kind(path: str | Path) -> str:
     suffix = Path(path).suffix.lower()
     if suffix not in SUPPORTED_SUFFIXES:
-        raise ValueError(f"{path}: unsupported file type '{suffix}' (expected one of {', '.join(SUPPORTED_SUFFIXES)})")
+        expected = ", ".join(SUPPORTED_SUFFIXES)
+        raise DataError(f"unsupported file type '{suffix}' (expected one of {expected})", str(path))
     return suffix[1:]
 
 
@@ -50,7 +52,15 @@ def _line_of(text: str, offset: int) -> int:
 
 def _json_records(path: Path) -> Iterator[Record]:
     """Records of a JSON list (or of a JSON object mapping ids to records), each with the line it starts on."""
-    text = path.read_text(encoding="utf-8")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        yield Record(f"{path}:{line}", error=f"not valid UTF-8 (byte 0x{raw[exc.start]:02x}); save the file as UTF-8")
+        return
+    if not text.strip():
+        return  # an empty file: read_rows names it
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -93,24 +103,27 @@ def _json_records(path: Path) -> Iterator[Record]:
 def iter_records(path: str | Path) -> Iterator[Record]:
     """Every record of a JSONL / JSON / parquet file, with its ``file:line`` (parquet: ``file:row``)."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"Data file not found: {path}")
+    check_data_file(str(path))
     kind = file_kind(path)
     if kind == "jsonl":
-        with open(path, encoding="utf-8") as handle:
-            for lineno, line in enumerate(handle, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    yield Record(f"{path}:{lineno}", value=json.loads(line))
-                except json.JSONDecodeError as exc:
-                    yield Record(f"{path}:{lineno}", error=f"bad JSON: {exc.msg} at column {exc.colno}")
+        for lineno, line, problem in iter_lines(str(path)):
+            if line is None:
+                yield Record(f"{path}:{lineno}", error=problem)
+                continue
+            try:
+                yield Record(f"{path}:{lineno}", value=json.loads(line))
+            except json.JSONDecodeError as exc:
+                yield Record(f"{path}:{lineno}", error=f"bad JSON: {exc.msg} at column {exc.colno}")
     elif kind == "json":
         yield from _json_records(path)
     else:
         import pyarrow.parquet as pq
 
-        for index, row in enumerate(pq.read_table(path).to_pylist(), start=1):
+        try:
+            table = pq.read_table(path)
+        except Exception as exc:  # pyarrow's errors (ArrowInvalid, OSError) for a damaged or non-parquet file
+            raise DataError(f"not a readable parquet file: {exc}", str(path)) from None
+        for index, row in enumerate(table.to_pylist(), start=1):
             yield Record(f"{path}:{index}", value=_drop_nulls(row))
 
 
@@ -133,6 +146,7 @@ def read_any_rows(
     rows: list[dict] = []
     bad: list[BadRow] = []
     for file, folder in pair_files_and_folders(data_file_paths, image_folders):
+        check_data_file(file)
         if file_kind(file) == "jsonl":
             good, wrong = read_rows([file], [str(folder)], **kwargs)
         else:
@@ -158,7 +172,9 @@ def _read_via_jsonl(file: str, folder: str, **kwargs: Any) -> tuple[list[dict], 
     for row in good:
         row["source"] = original(row["source"])
     wrong = [
-        BadRow(original(b.source), b.field, records[int(b.source.rpartition(":")[2]) - 1].error or b.reason)
+        BadRow(file, b.field, b.reason)
+        if b.field == "<file>"
+        else BadRow(original(b.source), b.field, records[int(b.source.rpartition(":")[2]) - 1].error or b.reason)
         for b in wrong
     ]
     return good, wrong

@@ -10,9 +10,11 @@
 * ``GET /health`` -> ``{status, roles, model, device, queue_depth, waiting, in_flight, concurrency, batch_size}``
 
 Status codes: 401 without the bearer token when one is configured (``/health`` stays open for liveness
-probes); 403 for an image outside the configured roots; 404 for a missing image; 422 for a malformed body (the
-``detail`` says which field and why); 503 when no inference slot frees up within ``acquire_timeout`` (with a
-``Retry-After`` header); 500 with a short message if the model fails.
+probes); 403 for an image outside the configured roots; 404 for a missing image; 413 for a body over
+``max_body_bytes``, an image over ``max_image_pixels`` (read from its header, before decoding) or more / larger
+``data:`` URIs than ``max_data_uris`` / ``max_data_uri_bytes``; 422 for a malformed body or an image that does
+not decode (the ``detail`` says which field and why); 503 when no inference slot frees up within
+``acquire_timeout`` (with a ``Retry-After`` header); 500 with a short message if the model fails.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from vlm_grpo.data.images import ImageError, ImageTooLarge, image_size
 from vlm_grpo.serve.models import DEFAULT_SPEAKER_PROMPT, ListenerScorer, SpeakerDescriber, parse_speaker_output
 from vlm_grpo.serve.settings import ServeSettings
 
@@ -163,16 +166,73 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, list[dict[str
     return "invalid request: " + "; ".join(parts), errors
 
 
+class BodyLimit:
+    """ASGI middleware: 413 for a request body over ``limit`` bytes, whether declared (Content-Length, refused
+    before anything is read) or streamed (counted as it arrives, refused once over)."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    def _detail(self, size: str) -> str:
+        return f"request body is {size}, over the limit of {self.limit} bytes (max_body_bytes); send less per request"
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or ()).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            response = JSONResponse(status_code=413, content={"detail": self._detail(f"{int(declared)} bytes")})
+            await response(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive() -> dict:
+            nonlocal received
+            message = await receive()
+            if message.get("type") == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise HTTPException(status_code=413, detail=self._detail(f"over {self.limit} bytes"))
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
 def _resolve_paths(settings: ServeSettings, paths: list[str], where: str) -> list[str]:
+    """Real paths under the roots (403/404), each image's size checked from its header (413/422)."""
     resolved = []
     for i, path in enumerate(paths):
+        if path.startswith("data:") and len(path) > settings.max_data_uri_bytes:
+            raise HTTPException(
+                status_code=413,
+                detail=f"{where}[{i}]: data: URI of {len(path)} characters, over max_data_uri_bytes "
+                f"{settings.max_data_uri_bytes}; send a path under the image roots instead",
+            )
         try:
-            resolved.append(settings.resolve_image(path))
+            real = settings.resolve_image(path)
+            image_size(real, settings.max_image_pixels, "max_image_pixels of the service")
         except PermissionError as exc:
             raise HTTPException(status_code=403, detail=f"{where}[{i}]: {exc}") from None
         except FileNotFoundError as exc:
             raise HTTPException(status_code=404, detail=f"{where}[{i}]: {exc}") from None
+        except ImageTooLarge as exc:
+            raise HTTPException(status_code=413, detail=f"{where}[{i}]: {exc}") from None
+        except ImageError as exc:
+            raise HTTPException(status_code=422, detail=f"{where}[{i}]: {exc}") from None
+        resolved.append(real)
     return resolved
+
+
+def _count_data_uris(settings: ServeSettings, paths: list[str]) -> None:
+    count = sum(p.startswith("data:") for p in paths)
+    if count > settings.max_data_uris:
+        raise HTTPException(
+            status_code=413,
+            detail=f"request holds {count} data: URIs, over max_data_uris {settings.max_data_uris}; "
+            "send paths under the image roots instead",
+        )
 
 
 def _score_result(probabilities: list[float], topk: int) -> ScoreResult:
@@ -184,6 +244,8 @@ async def _infer(gate: InferenceGate, fn: Any, *args: Any, **kwargs: Any) -> Any
     async with gate.slot():
         try:
             return await run_in_threadpool(fn, *args, **kwargs)
+        except ImageTooLarge as exc:
+            raise HTTPException(status_code=413, detail=f"cannot process the input: {exc}") from None
         except (OSError, ValueError) as exc:  # unreadable image, processor rejecting an input
             raise HTTPException(status_code=422, detail=f"cannot process the input: {exc}") from None
         except Exception as exc:
@@ -208,11 +270,13 @@ def create_app(
     for r in (listener, speaker):
         if r is not None:
             r.batch_size = settings.batch_size
+            r.max_image_pixels = settings.max_image_pixels
     roles = [name for name, r in (("listener", listener), ("speaker", speaker)) if r is not None]
 
     app = FastAPI(title=f"vlm-grpo {' + '.join(roles)}", version="1")
     app.state.settings = settings
     app.state.gate = gate
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def _on_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -265,6 +329,7 @@ def create_app(
 
         async def _score_many(requests: list[ScoreRequest], where: str) -> list[ScoreResult]:
             _check_sizes(requests)
+            _count_data_uris(settings, [p for req in requests for p in req.candidate_paths])
             pairs: list[tuple[str, str]] = []
             for i, req in enumerate(requests):
                 paths = _resolve_paths(settings, req.candidate_paths, where.format(i=i))
@@ -292,6 +357,7 @@ def create_app(
         async def _describe_many(requests: list[DescribeRequest], where: str) -> list[DescribeResult]:
             if len(requests) > settings.max_batch:
                 raise HTTPException(422, f"invalid request: batch has {len(requests)} items, max {settings.max_batch}")
+            _count_data_uris(settings, [req.image_path for req in requests])
             groups: dict[tuple[int, float], list[int]] = {}
             pairs: list[tuple[str, str]] = []
             for i, req in enumerate(requests):

@@ -5,7 +5,8 @@
     vlm-grpo-serve wait http://127.0.0.1:9000 [--timeout 300] [--pid PID]   # exits 0 once /health answers
 
 Flags win over the environment (``INFERENCE_CONCURRENCY``, ``INFERENCE_ACQUIRE_TIMEOUT``, ``LISTENER_BATCH_SIZE``
-/ ``SPEAKER_BATCH_SIZE``, ``VLM_GRPO_SERVE_TOKEN``, ``VLM_GRPO_SERVE_IMAGE_ROOTS``). The service binds 127.0.0.1
+/ ``SPEAKER_BATCH_SIZE``, ``VLM_GRPO_SERVE_TOKEN``, ``VLM_GRPO_SERVE_IMAGE_ROOTS``,
+``VLM_GRPO_SERVE_MAX_*``: see :mod:`vlm_grpo.serve.settings`). The service binds 127.0.0.1
 unless ``--host`` says otherwise; prefer the environment variable to ``--token`` (flags show up in ``ps``).
 """
 
@@ -46,6 +47,19 @@ def build_parser() -> argparse.ArgumentParser:
         )
         batch_env = "LISTENER_BATCH_SIZE" if role == "listener" else "SPEAKER_BATCH_SIZE"
         p.add_argument("--batch_size", type=int, default=None, help=f"images per model call (env {batch_env})")
+        p.add_argument(
+            "--max_body_bytes", type=int, default=None, help="request body limit, 413 above (default 16 MiB)"
+        )
+        p.add_argument(
+            "--max_image_pixels",
+            type=int,
+            default=None,
+            help="pixels of one image, read from its header before decoding; 413 above (default 16777216)",
+        )
+        p.add_argument("--max_data_uris", type=int, default=None, help="data: image URIs per request (default 16)")
+        p.add_argument(
+            "--max_data_uri_bytes", type=int, default=None, help="characters of one data: URI (default 4 MiB)"
+        )
         p.add_argument("--min_pixels", type=int, default=None)
         p.add_argument("--max_pixels", type=int, default=None)
         p.add_argument("--max_anyres_num", type=int, default=None)
@@ -76,6 +90,10 @@ def _serve(args: argparse.Namespace) -> None:
         batch_size=args.batch_size,
         token=args.token,
         image_roots=tuple(args.image_root or ()),
+        max_body_bytes=args.max_body_bytes,
+        max_image_pixels=args.max_image_pixels,
+        max_data_uris=args.max_data_uris,
+        max_data_uri_bytes=args.max_data_uri_bytes,
     )
     if not is_loopback_host(args.host) and not settings.token:
         logger.warning("Serving on %s without a token: anyone who can reach it can use the model", args.host)

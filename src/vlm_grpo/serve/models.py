@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from vlm_grpo.data.jsonl import open_image
+from vlm_grpo.data.images import decode_rgb
 from vlm_grpo.modules import ImageLimits, VLMModule, get_vlm_module
 
 logger = logging.getLogger(__name__)
@@ -81,6 +81,7 @@ class _Runner:
     def __init__(self, vlm: LoadedVLM, batch_size: int) -> None:
         self.vlm = vlm
         self.batch_size = batch_size
+        self.max_image_pixels: int | None = None  # set by the app from its settings
         self.tokenizer = getattr(vlm.processor, "tokenizer", vlm.processor)
 
     @property
@@ -97,8 +98,8 @@ class _Runner:
         for path, text in pairs:
             messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
             texts.append(self.vlm.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
-            with open_image(path) as image:
-                images.append(image.convert("RGB"))
+            # the pixel limit is checked from the header, before decoding
+            images.append(decode_rgb(path, self.max_image_pixels, "max_image_pixels"))
         inputs = self.vlm.processor(text=texts, images=images, return_tensors="pt", padding=True)
         return inputs.to(self.vlm.device)
 

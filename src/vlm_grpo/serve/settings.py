@@ -8,6 +8,14 @@
 | prompts per generate call (speaker) | ``--batch_size`` | ``SPEAKER_BATCH_SIZE`` | 4 |
 | bearer token (off when empty) | ``--token`` | ``VLM_GRPO_SERVE_TOKEN`` | none |
 | image folders (flag repeats; env uses ``os.pathsep``) | ``--image_root`` | ``VLM_GRPO_SERVE_IMAGE_ROOTS`` | cwd |
+| request body bytes (then 413) | ``--max_body_bytes`` | ``VLM_GRPO_SERVE_MAX_BODY_BYTES`` | 16 MiB |
+| pixels of an image (header; then 413) | ``--max_image_pixels`` | ``VLM_GRPO_SERVE_MAX_IMAGE_PIXELS`` | 16 MP |
+| ``data:`` URIs per request (then 413) | ``--max_data_uris`` | ``VLM_GRPO_SERVE_MAX_DATA_URIS`` | 16 |
+| characters of a ``data:`` URI (then 413) | ``--max_data_uri_bytes`` | ``VLM_GRPO_SERVE_MAX_DATA_URI_BYTES`` | 4 MiB |
+
+The four limits bound what one request can cost: the body is refused before it is parsed, and an image is
+measured from its header before it is decoded, so no request makes the service decode more than
+``batch_size`` images of at most ``max_image_pixels`` at a time.
 """
 
 from __future__ import annotations
@@ -22,6 +30,10 @@ ENV_LISTENER_BATCH_SIZE = "LISTENER_BATCH_SIZE"
 ENV_SPEAKER_BATCH_SIZE = "SPEAKER_BATCH_SIZE"
 ENV_TOKEN = "VLM_GRPO_SERVE_TOKEN"
 ENV_IMAGE_ROOTS = "VLM_GRPO_SERVE_IMAGE_ROOTS"
+ENV_MAX_BODY_BYTES = "VLM_GRPO_SERVE_MAX_BODY_BYTES"
+ENV_MAX_IMAGE_PIXELS = "VLM_GRPO_SERVE_MAX_IMAGE_PIXELS"
+ENV_MAX_DATA_URIS = "VLM_GRPO_SERVE_MAX_DATA_URIS"
+ENV_MAX_DATA_URI_BYTES = "VLM_GRPO_SERVE_MAX_DATA_URI_BYTES"
 
 
 def _env(name: str, cast: type, default: Any) -> Any:
@@ -47,8 +59,17 @@ class ServeSettings:
     max_batch: int = 256
     max_question_chars: int = 8192
     max_new_tokens: int = 256
+    max_body_bytes: int = 16 * 2**20
+    max_image_pixels: int = 16 * 2**20
+    max_data_uris: int = 16
+    max_data_uri_bytes: int = 4 * 2**20
 
     def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_image_pixels", "max_data_uri_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_data_uris < 0:
+            raise ValueError(f"max_data_uris must be >= 0 (0 refuses data: URIs), got {self.max_data_uris}")
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
         if self.acquire_timeout < 0:
@@ -70,6 +91,10 @@ class ServeSettings:
             "batch_size": _env(batch_env, int, 4 if role == "speaker" else 8),
             "token": os.environ.get(ENV_TOKEN) or None,
             "image_roots": tuple(r for r in roots.split(os.pathsep) if r),
+            "max_body_bytes": _env(ENV_MAX_BODY_BYTES, int, cls.max_body_bytes),
+            "max_image_pixels": _env(ENV_MAX_IMAGE_PIXELS, int, cls.max_image_pixels),
+            "max_data_uris": _env(ENV_MAX_DATA_URIS, int, cls.max_data_uris),
+            "max_data_uri_bytes": _env(ENV_MAX_DATA_URI_BYTES, int, cls.max_data_uri_bytes),
         }
         values.update({k: v for k, v in overrides.items() if v is not None and v != ()})
         return cls(**values)
@@ -81,7 +106,8 @@ class ServeSettings:
         """The real path of an image the service may read, or :class:`PermissionError` / :class:`FileNotFoundError`.
 
         Absolute paths are taken as they are, relative ones against the first root; symlinks are resolved before
-        the check, so a link inside a root pointing outside it is refused. ``data:image/...`` URIs pass through.
+        the check, so a link inside a root pointing outside it is refused. ``data:image/...`` URIs pass through
+        (their count and size are limited per request by the app).
         """
         if path.startswith("data:image/"):
             return path

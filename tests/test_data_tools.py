@@ -320,9 +320,10 @@ def test_convert_vqa_golden(tmp_path):
                 system,
                 {"from": "human", "value": "<image>Answer with <think>, <answer> and <explain> tags.\n"
                                            "Question: Where is the man?"},
-                {"from": "gpt", "value": "<answer>beach</answer><explain>there is sand and water</explain>"},
+                {"from": "gpt", "value": "<answer>beach</answer><explain>there is sand and water</explain>"
+                                         "<explain>he stands on sand</explain>"},
             ],
-            "task_type": "vqa",
+            "task_type": "raw",
         },
         {
             "id": "393225001",
@@ -333,7 +334,7 @@ def test_convert_vqa_golden(tmp_path):
                                            "Question: Is it raining?"},
                 {"from": "gpt", "value": "<answer>no</answer><explain>the sky is clear</explain>"},
             ],
-            "task_type": "vqa",
+            "task_type": "raw",
         },
     ]  # fmt: skip
 

@@ -62,6 +62,16 @@ class GRPOScriptArguments(ScriptArguments):
             '\'{"vqa_graded": {"scale": 3.0}, "iou": {"threshold": 0.5}}\'.'
         },
     )
+    reward_aliases: str | None = field(
+        default=None,
+        metadata={
+            "help": "Read --reward_funcs with a seed system's reward names: 'vivqa_x' (accuracy -> vqa_graded, "
+            "format -> format_explain) or 'lewis' (accuracy -> listener, format -> format_speaker, length -> "
+            "one_sentence). The seed's name stays the metric label; each mapping is logged. Off by default: a name "
+            "always means the registered reward.",
+            "choices": ["vivqa_x", "lewis"],
+        },
+    )
     reward_max_failed_batches: int = field(
         default=5,
         metadata={

@@ -73,6 +73,7 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
         script_args.reward_kwargs,
         script_args.reward_max_failed_batches,
         processing_class=processor,
+        seed_aliases=script_args.reward_aliases,
     )
 
     trainer = VLMGRPOTrainer(

@@ -157,14 +157,20 @@ def _add_convert_vqa(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--explanation",
         choices=EXPLANATION_MODES,
-        default="first",
-        help="several explanations: use the first (default), join them, or one row each",
+        default="all",
+        help="several explanations: all in one row, one <explain> per reference for CIDEr (default); the first; "
+        "joined into one; or one row each",
     )
     p.add_argument(
         "--image_template",
         help="image file name from image_id when items have no image_name, e.g. 'COCO_train2014_{image_id:012d}.jpg'",
     )
-    p.add_argument("--task_type", default="vqa", help="task_type of the rows (default vqa)")
+    p.add_argument(
+        "--task_type",
+        default="raw",
+        help="task_type of the rows (default raw: the prompt template is the whole prompt; 'vqa' would append a "
+        "think/answer instruction)",
+    )
     p.add_argument("--reward_method", help="accu_reward_method of the rows (default: none)")
     p.add_argument("--skip_bad_rows", action="store_true", help="skip bad items instead of failing")
     p.add_argument("-y", "--yes", action="store_true", help="overwrite the output file")

@@ -8,8 +8,11 @@ Input: a JSON list of items, or a JSON object mapping question ids to items (the
 
 Each item becomes one row whose human turn is the prompt template filled with the question (``<image>``
 where the template puts it, at the front when it has none) and whose solution is
-``<answer>{answer}</answer><explain>{explanation}</explain>``, written once and never re-wrapped: an
-item that already carries a ``solution`` keeps it verbatim.
+``<answer>{answer}</answer><explain>{e1}</explain><explain>{e2}</explain>...``: every gold explanation is kept,
+as one reference each for the ``explanation`` reward's CIDEr (``--explanation first|join|each`` for one per row).
+Solutions are written once and never re-wrapped: an item that already carries a ``solution`` keeps it verbatim.
+Rows get ``task_type: raw`` by default, so the prompt's own instructions are the whole prompt: the ``vqa``
+template would append a think/answer instruction that contradicts ``<explain>``.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ DEFAULT_PROMPT = (
     "3. In the <explain> tag, give one brief sentence that justifies your answer.\n"
     "Question: {question}"
 )
-EXPLANATION_MODES = ("first", "join", "each")
+EXPLANATION_MODES = ("all", "first", "join", "each")
 
 
 @dataclass
@@ -97,9 +100,9 @@ def convert_item(
     *,
     prompt_template: str = DEFAULT_PROMPT,
     system_prompt: str | None = None,
-    explanation_mode: str = "first",
+    explanation_mode: str = "all",
     image_template: str | None = None,
-    task_type: str | None = "vqa",
+    task_type: str | None = "raw",
     accu_reward_method: str | None = None,
 ) -> list[dict]:
     if not isinstance(item, dict):
@@ -115,6 +118,9 @@ def convert_item(
         return [vlm_r1_row(prompt, item["solution"], image, row_id=row_id, **common)]
     answer = _answer(item)
     explanations = _explanations(item)
+    if explanation_mode == "all":  # one row, every explanation a reference
+        explained = "".join(f"<explain>{e}</explain>" for e in explanations)
+        return [vlm_r1_row(prompt, f"<answer>{answer}</answer>{explained}", image, row_id=row_id, **common)]
     if explanation_mode == "first":
         explanations = explanations[:1]
     elif explanation_mode == "join":
@@ -135,9 +141,9 @@ def convert_vqa(
     *,
     prompt_template: str = DEFAULT_PROMPT,
     system_prompt: str | None = None,
-    explanation_mode: str = "first",
+    explanation_mode: str = "all",
     image_template: str | None = None,
-    task_type: str | None = "vqa",
+    task_type: str | None = "raw",
     accu_reward_method: str | None = None,
     skip_bad_rows: bool = False,
     overwrite: bool = False,

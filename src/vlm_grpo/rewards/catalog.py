@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import logging
 import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -13,6 +14,8 @@ from typing import Any
 
 from vlm_grpo.registry import Registry, load_object
 from vlm_grpo.rewards.base import RewardFunc, SafeReward
+
+logger = logging.getLogger(__name__)
 
 REWARDS: Registry[RewardFunc] = Registry("reward", entry_point_group="vlm_grpo.rewards")
 
@@ -77,6 +80,33 @@ def parse_reward_kwargs(value: str | Mapping[str, Any] | None) -> dict[str, dict
     return {str(k): dict(v) for k, v in value.items()}
 
 
+# The reward names of our users' own systems, where they mean something else here. Used only when asked for
+# (``--reward_aliases vivqa_x``): the seed's name is kept as the label and the mapping is logged.
+SEED_ALIASES: dict[str, dict[str, str]] = {
+    # ViVQA-X on InternVL: graded answer match, think/answer/explain layout, CIDEr(+CLIP) of the explanation.
+    "vivqa_x": {"accuracy": "vqa_graded", "format": "format_explain", "explanation": "explanation"},
+    # Lewis game speaker: the listener's pick, the speaker's tag layout, one-sentence descriptions.
+    "lewis": {"accuracy": "listener", "format": "format_speaker", "length": "one_sentence"},
+}
+
+
+def apply_seed_aliases(entries: Sequence[str], seed: str | None) -> list[str]:
+    """``--reward_funcs`` entries with a seed's names written as ``seed_name=our_name`` (see ``SEED_ALIASES``)."""
+    if not seed:
+        return list(entries)
+    if seed not in SEED_ALIASES:
+        raise ValueError(f"Unknown --reward_aliases '{seed}'. Available: {', '.join(sorted(SEED_ALIASES))}")
+    table = SEED_ALIASES[seed]
+    out = []
+    for entry in entries:
+        if entry in table and table[entry] != entry:
+            logger.info("--reward_aliases %s: reward '%s' is %s's name for '%s'", seed, entry, seed, table[entry])
+            out.append(f"{entry}={table[entry]}")
+        else:
+            out.append(entry)
+    return out
+
+
 _ALIAS = re.compile(r"([A-Za-z_][\w.\-]*)=(.+)")
 
 
@@ -116,6 +146,7 @@ def build_reward_funcs(
     reward_kwargs: str | Mapping[str, Any] | None = None,
     max_failed_batches: int = 5,
     processing_class: Any = None,
+    seed_aliases: str | None = None,
 ) -> list[SafeReward]:
     """Resolve ``--reward_funcs`` entries (registered names, ``file.py:fn`` / ``module:fn`` specs, ``name=spec``)
     into safe callables for TRL, labelled as :func:`reward_labels` says.
@@ -124,8 +155,10 @@ def build_reward_funcs(
     ``reward_kwargs`` (label, or the entry as written -> keyword arguments) are bound to the reward, e.g.
     ``{"vqa_graded": {"scale": 3}}``. ``max_failed_batches``: see :class:`SafeReward`. A reward with a
     ``processing_class`` or ``tokenizer`` parameter gets the run's processor / its tokenizer there (VLM-R1's
-    length rewards count tokens).
+    length rewards count tokens). ``seed_aliases``: read the entries with a seed's reward names
+    (:data:`SEED_ALIASES`).
     """
+    names = apply_seed_aliases(names, seed_aliases)
     labels = reward_labels(names)
     keys = {}
     for i, (entry, (label, spec)) in enumerate(zip(names, labels, strict=True)):

@@ -82,7 +82,7 @@ def _remove(name):
     return lambda path: (path / name).unlink()
 
 
-# (how a kill mid-save leaves the newest checkpoint, whether it had the marker yet, the file the reason names)
+# (how a kill mid-save or a later accident leaves the newest checkpoint, whether the run wrote markers, the reason)
 DAMAGE = {
     "empty folder": (_empty_folder, False, "is empty"),
     "0-byte config.json": (_truncate("config.json", 0), False, "config.json is not valid JSON"),
@@ -98,7 +98,7 @@ DAMAGE = {
 @pytest.mark.parametrize("kind", DAMAGE)
 def test_auto_resume_skips_a_broken_newest_checkpoint_and_names_it(kind, tmp_path, caplog):
     damage, marked, reason = DAMAGE[kind]
-    good = _checkpoint(tmp_path, 2)
+    good = _checkpoint(tmp_path, 2, complete=marked)  # unmarked: a folder of another tool, checked structurally
     broken = _checkpoint(tmp_path, 4, complete=marked)
     damage(broken)
     assert checkpoint_problem(good) is None
@@ -140,3 +140,11 @@ def test_overwrite_removes_old_checkpoints(tmp_path):
     _checkpoint(tmp_path, 2)
     assert resolve_resume(tmp_path, None, overwrite_output_dir=True) is None
     assert list_checkpoints(tmp_path) == []
+
+
+def test_beside_marked_checkpoints_an_unmarked_one_is_an_unfinished_save(tmp_path, caplog):
+    # Killed after every file but before the marker: its files look whole, but the save did not finish.
+    good = _checkpoint(tmp_path, 2)
+    unfinished = _checkpoint(tmp_path, 4, complete=False)
+    assert "its save did not finish" in checkpoint_problem(unfinished)
+    assert resolve_resume(tmp_path, "true") == str(good)

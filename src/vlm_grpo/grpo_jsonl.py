@@ -16,11 +16,12 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 import torch
-from trl import TrlParser, get_peft_config
+from trl import get_peft_config
 
-from vlm_grpo.configs import GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig
+from vlm_grpo.cli_errors import run_cli
+from vlm_grpo.configs import GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig, VLMParser
 from vlm_grpo.data import to_datasets
-from vlm_grpo.recipe import load_checked_rows, load_model, pick_module
+from vlm_grpo.recipe import load_checked_rows, load_model, pick_module, preflight
 from vlm_grpo.resume import resolve_resume
 from vlm_grpo.rewards import build_reward_funcs
 from vlm_grpo.trainer import VLMGRPOTrainer
@@ -29,7 +30,7 @@ logger = logging.getLogger("vlm_grpo")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig]:
-    parser = TrlParser((GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig))
+    parser = VLMParser((GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig))
     script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
     return script_args, training_args, model_args
 
@@ -50,6 +51,7 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
     logging.basicConfig(
         level=logging.INFO if is_main else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    preflight(script_args, training_args)
     resume = resolve_resume(
         training_args.output_dir,
         training_args.resume_from_checkpoint,
@@ -58,14 +60,14 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
     )
 
     module, processor = pick_module(model_args, training_args.trust_remote_code)
+    overrides = module.reward_overrides if script_args.is_reward_customized_from_vlm_module else None
+    reward_funcs = build_reward_funcs(script_args.reward_funcs, overrides, script_args.reward_kwargs)
+
     rows = load_checked_rows(script_args, module, processor)
     train_dataset, eval_dataset = to_datasets(rows, module, script_args.val_split_ratio, training_args.seed)
     logger.info("Data: %d training rows, %d evaluation rows", len(train_dataset), len(eval_dataset or []))
 
     model = load_model(module, model_args, training_args.trust_remote_code)
-
-    overrides = module.reward_overrides if script_args.is_reward_customized_from_vlm_module else None
-    reward_funcs = build_reward_funcs(script_args.reward_funcs, overrides, script_args.reward_kwargs)
 
     trainer = VLMGRPOTrainer(
         model=model,
@@ -93,7 +95,7 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
 
 
 def cli(argv: Sequence[str] | None = None) -> None:
-    main(*parse_args(argv))
+    run_cli(lambda args: main(*parse_args(args)), argv)
 
 
 if __name__ == "__main__":

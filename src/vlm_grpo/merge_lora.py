@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from vlm_grpo.cli_errors import run_cli
+
 logger = logging.getLogger("vlm_grpo")
 
 _PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "tokenizer_config.json")
@@ -139,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def cli() -> None:
-    sys.exit(main())
+    sys.exit(run_cli(main))
 
 
 if __name__ == "__main__":

@@ -73,11 +73,17 @@ def mark_complete(checkpoint: str | Path) -> None:
 
 
 def checkpoint_problem(checkpoint: str | Path) -> str | None:
-    """Why ``checkpoint`` cannot be resumed from (naming the file), or None when it is complete."""
+    """Why ``checkpoint`` cannot be resumed from (naming the file), or None when it is complete.
+
+    Once a run of ours has marked any checkpoint in the folder, an unmarked sibling is a save that did not
+    finish (even when its files look whole): only folders of other tools get the structural check.
+    """
     root = Path(checkpoint)
     if not root.is_dir():
         return f"'{root}' is not a folder"
     marker = root / COMPLETE_MARKER
+    if not marker.is_file() and any((p / COMPLETE_MARKER).is_file() for p in list_checkpoints(root.parent)):
+        return f"{root} has no {COMPLETE_MARKER}: its save did not finish"
     if marker.is_file():
         try:
             files = json.loads(marker.read_text())["files"]

@@ -16,11 +16,12 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from trl import TrlParser, get_peft_config
+from trl import get_peft_config
 
-from vlm_grpo.configs import GRPOScriptArguments, VLMModelConfig
+from vlm_grpo.cli_errors import run_cli
+from vlm_grpo.configs import GRPOScriptArguments, VLMModelConfig, VLMParser
 from vlm_grpo.data import to_datasets
-from vlm_grpo.recipe import load_checked_rows, load_model, pick_module
+from vlm_grpo.recipe import load_checked_rows, load_model, pick_module, preflight
 from vlm_grpo.resume import resolve_resume
 from vlm_grpo.sft_trainer import SFTTransform, VLMSFTConfig, VLMSFTTrainer, assistant_masks_supported
 from vlm_grpo.utils import is_zero3
@@ -29,7 +30,7 @@ logger = logging.getLogger("vlm_grpo")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[GRPOScriptArguments, VLMSFTConfig, VLMModelConfig]:
-    parser = TrlParser((GRPOScriptArguments, VLMSFTConfig, VLMModelConfig))
+    parser = VLMParser((GRPOScriptArguments, VLMSFTConfig, VLMModelConfig))
     script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
     return script_args, training_args, model_args
 
@@ -54,6 +55,7 @@ def build_trainer(
 ) -> tuple[VLMSFTTrainer, str | None]:
     """Everything before ``train()``: the trainer and the checkpoint to resume from (None: a fresh run)."""
     is_main = training_args.process_index == 0
+    preflight(script_args, training_args)
     resume = resolve_resume(
         training_args.output_dir,
         training_args.resume_from_checkpoint,
@@ -123,7 +125,7 @@ def save_final_model(trainer: VLMSFTTrainer, args: VLMSFTConfig, base: str) -> N
 
 
 def cli(argv: Sequence[str] | None = None) -> None:
-    main(*parse_args(argv))
+    run_cli(lambda args: main(*parse_args(args)), argv)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from vlm_grpo.cli_errors import run_cli
 from vlm_grpo.data.jsonl import split_paths
 
 PROG = "vlm-grpo-data"
@@ -365,7 +366,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def cli() -> None:
     """Console-script entry point."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    sys.exit(main())
+    sys.exit(run_cli(main))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from vlm_grpo.cli_errors import run_cli
+
 logger = logging.getLogger("vlm_grpo.serve")
 
 
@@ -135,5 +137,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     _serve(args)
 
 
+def cli() -> None:
+    run_cli(main)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -1,0 +1,67 @@
+"""Kill a real training process (SIGKILL) anywhere in a save or between steps, resume, and end with the
+weights of a run that was never interrupted (bit-identical on CPU)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from e2e_utils import base_args, make_dataset
+from vlm_grpo.grpo_jsonl import main, parse_args
+from vlm_grpo.resume import COMPLETE_MARKER
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+ENTRY = Path(__file__).parent / "crash_entry.py"
+REPO = Path(__file__).resolve().parents[1]
+
+# Where each run is killed (all at the checkpoint of step 2 of 3, or as step 3 begins), and the checkpoint
+# the next run must resume from: a kill inside the save leaves checkpoint-2 unfinished, so checkpoint-1.
+KILLS = [("folder", "checkpoint-1"), ("model", "checkpoint-1"), ("optimizer", "checkpoint-1"),
+         ("marker", "checkpoint-1"), ("step", "checkpoint-2")]  # fmt: skip
+
+
+def _args(tiny_models, tmp_path, out):
+    data, plugin = make_dataset(tmp_path / "data", kinds=("single", "multi"), n=2)  # 4 rows: 3 steps in one epoch
+    save = ["--save_strategy", "steps", "--save_steps", "1", "--resume_from_checkpoint", "true"]
+    return [*base_args(tiny_models["qwen2_5_vl"], data, plugin, out, steps=3), *save]
+
+
+def test_sigkill_anywhere_then_resume_gives_the_uninterrupted_weights(tiny_models, tmp_path):
+    reference = main(*parse_args(_args(tiny_models, tmp_path, tmp_path / "reference")))
+    assert reference.state.global_step == 3
+
+    out = tmp_path / "crashed"
+    argv = _args(tiny_models, tmp_path, out)
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
+    resumed_from = None
+    for phase, next_resume in KILLS:
+        result = subprocess.run(
+            [sys.executable, str(ENTRY), *argv],
+            env={**env, "CRASH_AT": f"{phase}:2"},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert result.returncode == -9, f"{phase}: not killed (rc {result.returncode})\n{result.stderr[-3000:]}"
+        if resumed_from is None:
+            assert "no checkpoint in" in result.stderr and "starting a fresh run" in result.stderr
+        else:
+            assert f"Resuming from {out / resumed_from}" in result.stderr, result.stderr[-3000:]
+        if phase != "step":  # the next run must see checkpoint-2 unfinished and say so
+            assert not (out / "checkpoint-2" / COMPLETE_MARKER).exists()
+        resumed_from = next_resume
+
+    final = main(*parse_args(argv))
+    assert final.state.global_step == 3
+    expected = load_file(tmp_path / "reference" / "model.safetensors")
+    got = load_file(out / "model.safetensors")
+    assert expected.keys() == got.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0, msg=f"{name} differs after the kills")
+    assert (out / "checkpoint-3" / COMPLETE_MARKER).is_file()

@@ -65,3 +65,36 @@ def test_sigkill_anywhere_then_resume_gives_the_uninterrupted_weights(tiny_model
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0, msg=f"{name} differs after the kills")
     assert (out / "checkpoint-3" / COMPLETE_MARKER).is_file()
+
+
+def test_disk_full_during_a_save_stops_clearly_and_keeps_the_previous_checkpoint(
+    tiny_models, tmp_path, monkeypatch, capsys
+):
+    import errno
+
+    import vlm_grpo.grpo_jsonl as recipe
+    from vlm_grpo.grpo_jsonl import cli
+    from vlm_grpo.resume import checkpoint_problem, list_checkpoints, resolve_resume
+
+    class DiskFillsAtStep3(recipe.VLMGRPOTrainer):
+        def _save_optimizer_and_scheduler(self, output_dir):
+            if self.state.global_step == 3:
+                (Path(output_dir) / "optimizer.pt").write_bytes(b"PK\x03\x04 half")
+                raise RuntimeError(
+                    "[enforce fail at inline_container.cc:626] . unexpected pos 256 vs 128: file write failed"
+                ) from OSError(errno.ENOSPC, "No space left on device")
+            super()._save_optimizer_and_scheduler(output_dir)
+
+    monkeypatch.setattr(recipe, "VLMGRPOTrainer", DiskFillsAtStep3)
+    out = tmp_path / "out"
+    argv = [*_args(tiny_models, tmp_path, out), "--save_total_limit", "1"]
+    with pytest.raises(SystemExit) as info:
+        cli(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert f"error: no space left on the device while saving {out / 'checkpoint-3'}" in err
+    assert f"the newest complete checkpoint, {out / 'checkpoint-2'}, is intact" in err
+    # save_total_limit=1 removed checkpoint-1 once checkpoint-2 was complete, and nothing removed checkpoint-2.
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-2"]
+    assert checkpoint_problem(out / "checkpoint-2") is None
+    assert resolve_resume(out, "true") == str(out / "checkpoint-2")

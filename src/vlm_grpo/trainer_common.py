@@ -155,6 +155,5 @@ class CompleteCheckpointMixin:
             else "there is no earlier complete checkpoint: free space and start again"
         )
         raise CheckpointSaveError(
-            errno.ENOSPC,
             f"no space left on the device while saving {folder} ({exc}). The partial checkpoint was removed; {resume}.",
         ) from exc

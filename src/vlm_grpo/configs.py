@@ -7,6 +7,7 @@ flags, ``VLMGRPOConfig`` the training flags. Flag names follow VLM-R1 where it h
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -217,6 +218,9 @@ def apply_device_defaults(args: Any) -> None:
     if not torch.accelerator.is_available():
         if args.deepspeed:
             _configure_cpu_deepspeed(args)
+            if args.bf16:  # VLM-R1 scripts pass --bf16; transformers refuses bf16 without a GPU unless use_cpu
+                logging.getLogger("vlm_grpo").warning("--bf16 with DeepSpeed needs a GPU: training in fp32 on CPU")
+                args.bf16 = False
         else:
             args.use_cpu = True
     if args.bf16 is None and not args.fp16:

@@ -3,6 +3,7 @@ weights of a run that was never interrupted (bit-identical on CPU)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -68,7 +69,7 @@ def test_sigkill_anywhere_then_resume_gives_the_uninterrupted_weights(tiny_model
 
 
 def test_disk_full_during_a_save_stops_clearly_and_keeps_the_previous_checkpoint(
-    tiny_models, tmp_path, monkeypatch, capsys
+    tiny_models, tmp_path, monkeypatch, capsys, caplog
 ):
     import errno
 
@@ -88,9 +89,12 @@ def test_disk_full_during_a_save_stops_clearly_and_keeps_the_previous_checkpoint
     monkeypatch.setattr(recipe, "VLMGRPOTrainer", DiskFillsAtStep3)
     out = tmp_path / "out"
     argv = [*_args(tiny_models, tmp_path, out), "--save_total_limit", "1"]
-    with pytest.raises(SystemExit) as info:
+    with caplog.at_level(logging.INFO, logger="vlm_grpo"), pytest.raises(SystemExit) as info:
         cli(argv)
     err = capsys.readouterr().err
+    # Each step's metrics are one log line (not a dict printed into the progress bar).
+    steps = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert [m.split(":")[0] for m in steps] == ["step 1", "step 2", "step 3"] and "loss=" in steps[0], steps
     assert info.value.code == 2 and "Traceback" not in err
     assert f"error: no space left on the device while saving {out / 'checkpoint-3'}" in err
     assert f"the newest complete checkpoint, {out / 'checkpoint-2'}, is intact" in err

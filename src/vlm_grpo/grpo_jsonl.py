@@ -16,6 +16,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 import torch
+from tqdm.contrib.logging import logging_redirect_tqdm
 from trl import get_peft_config
 
 from vlm_grpo.cli_errors import run_cli
@@ -25,11 +26,14 @@ from vlm_grpo.recipe import load_checked_rows, load_model, pick_module, prefligh
 from vlm_grpo.resume import resolve_resume
 from vlm_grpo.rewards import build_reward_funcs
 from vlm_grpo.trainer import VLMGRPOTrainer
+from vlm_grpo.trainer_common import log_metrics_to_logger
+from vlm_grpo.utils import quiet_warnings
 
 logger = logging.getLogger("vlm_grpo")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig]:
+    quiet_warnings()  # before parsing: TrainingArguments warns about its own flag names there
     parser = VLMParser((GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig))
     script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
     return script_args, training_args, model_args
@@ -51,6 +55,7 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
     logging.basicConfig(
         level=logging.INFO if is_main else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    quiet_warnings()
     preflight(script_args, training_args)
     resume = resolve_resume(
         training_args.output_dir,
@@ -81,7 +86,9 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
     )
-    trainer.train(resume_from_checkpoint=resume)
+    log_metrics_to_logger(trainer)
+    with logging_redirect_tqdm():  # log lines above the progress bar, not through it
+        trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(training_args.output_dir)
     if is_main:
         means = reward_means(trainer.state.log_history)

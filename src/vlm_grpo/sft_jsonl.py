@@ -16,6 +16,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from tqdm.contrib.logging import logging_redirect_tqdm
 from trl import get_peft_config
 
 from vlm_grpo.cli_errors import run_cli
@@ -24,12 +25,14 @@ from vlm_grpo.data import to_datasets
 from vlm_grpo.recipe import load_checked_rows, load_model, pick_module, preflight
 from vlm_grpo.resume import resolve_resume
 from vlm_grpo.sft_trainer import SFTTransform, VLMSFTConfig, VLMSFTTrainer, assistant_masks_supported
-from vlm_grpo.utils import is_zero3
+from vlm_grpo.trainer_common import log_metrics_to_logger
+from vlm_grpo.utils import is_zero3, quiet_warnings
 
 logger = logging.getLogger("vlm_grpo")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[GRPOScriptArguments, VLMSFTConfig, VLMModelConfig]:
+    quiet_warnings()  # before parsing: TrainingArguments warns about its own flag names there
     parser = VLMParser((GRPOScriptArguments, VLMSFTConfig, VLMModelConfig))
     script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
     return script_args, training_args, model_args
@@ -40,8 +43,11 @@ def main(script_args: GRPOScriptArguments, training_args: VLMSFTConfig, model_ar
     logging.basicConfig(
         level=logging.INFO if is_main else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    quiet_warnings()
     trainer, resume = build_trainer(script_args, training_args, model_args)
-    trainer.train(resume_from_checkpoint=resume)
+    log_metrics_to_logger(trainer)
+    with logging_redirect_tqdm():  # log lines above the progress bar, not through it
+        trainer.train(resume_from_checkpoint=resume)
     save_final_model(trainer, training_args, model_args.model_name_or_path)
     if is_main:
         losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from transformers import PreTrainedModel
+from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from vlm_grpo.cli_errors import UserError
@@ -157,3 +158,21 @@ class CompleteCheckpointMixin:
         raise CheckpointSaveError(
             f"no space left on the device while saving {folder} ({exc}). The partial checkpoint was removed; {resume}.",
         ) from exc
+
+
+class LoggedProgressCallback(ProgressCallback):
+    """The progress bar, with each step's metrics as one log line (``step N: loss=..., reward=...``) through
+    the logger instead of a dict printed into the bar's stream."""
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+        if not state.is_world_process_zero or not logs:
+            return
+        shown = {k: v for k, v in logs.items() if k != "total_flos"}
+        text = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items())
+        logging.getLogger("vlm_grpo").info("step %d: %s", state.global_step, text)
+
+
+def log_metrics_to_logger(trainer: Any) -> None:
+    """Swap transformers' progress callback for :class:`LoggedProgressCallback` (recipes call this)."""
+    if trainer.pop_callback(ProgressCallback) is not None:
+        trainer.add_callback(LoggedProgressCallback())

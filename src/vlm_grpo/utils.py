@@ -1,8 +1,9 @@
-"""Small helpers every floor may use: unwrap a model, ask for ZeRO-3, warn once."""
+"""Small helpers every floor may use: unwrap a model, ask for ZeRO-3, warn once, quiet library warnings."""
 
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any
 
 import torch
@@ -35,3 +36,35 @@ def warn_once(log: logging.Logger, message: str) -> None:
     if message not in _warned:
         _warned.add(message)
         log.warning(message)
+
+
+# Deprecations transformers raises about its own names, which TRL's configs and trainer (and VLM-R1's
+# --gradient_checkpointing flag) still use: nothing a user can act on.
+_OWN_DEPRECATIONS = r"`\w*gradient_checkpointing\w*` is deprecated"
+
+
+_shown_warnings: set[tuple[str, type]] = set()
+
+
+def quiet_warnings() -> None:
+    """Each warning at most once per process, whatever its source line; the known deprecations of our own
+    config use hidden.
+
+    Python's own "once" and "default" actions remember what they showed in per-module registries that are
+    cleared whenever any library touches the filters (``catch_warnings``): DeepSpeed's collectives then
+    repeated one torch deprecation on every call. ``warnings.showwarning`` is the documented hook for
+    how warnings are shown; ours drops repeats and hands the rest on.
+    """
+    warnings.filterwarnings("ignore", message=_OWN_DEPRECATIONS, category=FutureWarning)
+    if getattr(warnings.showwarning, "shows_once", False):
+        return
+    show = warnings.showwarning
+
+    def show_once(message, category, filename, lineno, file=None, line=None):
+        key = (str(message), category)
+        if key not in _shown_warnings:
+            _shown_warnings.add(key)
+            show(message, category, filename, lineno, file, line)
+
+    show_once.shows_once = True
+    warnings.showwarning = show_once

@@ -13,8 +13,9 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-import vlm_grpo.grpo_jsonl as recipe
+import vlm_grpo.trainer as trainer_module
 import vlm_grpo.trainer_common as common
+from vlm_grpo.grpo_jsonl import cli
 from vlm_grpo.trainer import VLMGRPOTrainer
 
 PHASE, _, STEP = os.environ.get("CRASH_AT", "").partition(":")
@@ -72,5 +73,5 @@ def mark_complete_or_die(folder):
 
 if __name__ == "__main__":
     common.mark_complete = mark_complete_or_die
-    recipe.VLMGRPOTrainer = CrashingTrainer
-    recipe.cli(sys.argv[1:])
+    trainer_module.VLMGRPOTrainer = CrashingTrainer  # the recipe imports it when it runs
+    cli(sys.argv[1:])

@@ -116,3 +116,23 @@ def test_bare_boolean_flags_mean_true(tmp_path):
     # negative control: an explicit false still means false
     _, training_args, model_args = parse_args([*argv[:4], "--bf16", "false", "--use_peft", "false"])
     assert training_args.bf16 is False and model_args.use_peft is False
+
+
+def test_help_is_served_without_importing_torch_the_second_time(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "src" / "vlm_grpo" / "grpo_jsonl.py"
+    env = {**__import__("os").environ, "XDG_CACHE_HOME": str(tmp_path)}
+    runs = [
+        subprocess.run([sys.executable, "-X", "importtime", str(script), "--help"], capture_output=True, text=True,
+                       timeout=120, env=env, cwd=tmp_path)
+        for _ in range(2)
+    ]  # fmt: skip
+    first, second = runs
+    assert first.returncode == second.returncode == 0, first.stderr[-2000:]
+    assert "--data_file_paths" in first.stdout and second.stdout == first.stdout
+    imported = lambda run: {line.split("|")[-1].strip() for line in run.stderr.splitlines() if "|" in line}  # noqa: E731
+    assert "torch" in imported(first)  # built the help: the configs need torch, TRL, transformers
+    assert "torch" not in imported(second) and "trl" not in imported(second)

@@ -73,11 +73,11 @@ def test_disk_full_during_a_save_stops_clearly_and_keeps_the_previous_checkpoint
 ):
     import errno
 
-    import vlm_grpo.grpo_jsonl as recipe
+    import vlm_grpo.trainer as trainer_module
     from vlm_grpo.grpo_jsonl import cli
     from vlm_grpo.resume import checkpoint_problem, list_checkpoints, resolve_resume
 
-    class DiskFillsAtStep3(recipe.VLMGRPOTrainer):
+    class DiskFillsAtStep3(trainer_module.VLMGRPOTrainer):
         def _save_optimizer_and_scheduler(self, output_dir):
             if self.state.global_step == 3:
                 (Path(output_dir) / "optimizer.pt").write_bytes(b"PK\x03\x04 half")
@@ -86,7 +86,7 @@ def test_disk_full_during_a_save_stops_clearly_and_keeps_the_previous_checkpoint
                 ) from OSError(errno.ENOSPC, "No space left on device")
             super()._save_optimizer_and_scheduler(output_dir)
 
-    monkeypatch.setattr(recipe, "VLMGRPOTrainer", DiskFillsAtStep3)
+    monkeypatch.setattr(trainer_module, "VLMGRPOTrainer", DiskFillsAtStep3)
     out = tmp_path / "out"
     argv = [*_args(tiny_models, tmp_path, out), "--save_total_limit", "1"]
     with caplog.at_level(logging.INFO, logger="vlm_grpo"), pytest.raises(SystemExit) as info:

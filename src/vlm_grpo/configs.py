@@ -271,6 +271,13 @@ class VLMParser(TrlParser):
         except ValueError as exc:  # raised by the configs' own checks: about the flags the user gave
             raise FlagError(f"{exc}") from exc
 
+    def print_help(self, file: Any = None) -> None:
+        from vlm_grpo.help_cache import store_help
+
+        text = self.format_help()
+        store_help(text)
+        (file or sys.stdout).write(text)
+
     def boolean_flags(self) -> set[str]:
         """``--name`` of every boolean field, ``bool`` or ``bool | None``."""
         flags = set()

@@ -14,25 +14,22 @@ import math
 import sys
 from collections import defaultdict
 from collections.abc import Sequence
-
-import torch
-from tqdm.contrib.logging import logging_redirect_tqdm
-from trl import get_peft_config
+from typing import TYPE_CHECKING
 
 from vlm_grpo.cli_errors import run_cli
-from vlm_grpo.configs import GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig, VLMParser
-from vlm_grpo.data import to_datasets
-from vlm_grpo.recipe import load_checked_rows, load_model, pick_module, preflight
-from vlm_grpo.resume import resolve_resume
-from vlm_grpo.rewards import build_reward_funcs
-from vlm_grpo.trainer import VLMGRPOTrainer
-from vlm_grpo.trainer_common import log_metrics_to_logger
-from vlm_grpo.utils import quiet_warnings
+from vlm_grpo.help_cache import print_cached_help
+
+if TYPE_CHECKING:
+    from vlm_grpo.configs import GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig
+    from vlm_grpo.trainer import VLMGRPOTrainer
 
 logger = logging.getLogger("vlm_grpo")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig]:
+    from vlm_grpo.configs import GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig, VLMParser
+    from vlm_grpo.utils import quiet_warnings
+
     quiet_warnings()  # before parsing: TrainingArguments warns about its own flag names there
     parser = VLMParser((GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig))
     script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
@@ -51,6 +48,19 @@ def reward_means(log_history: list[dict]) -> dict[str, float]:
 
 
 def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_args: VLMModelConfig) -> VLMGRPOTrainer:
+    # Imported here, not at the top: `--help` needs none of it (see vlm_grpo.help_cache).
+    import torch
+    from tqdm.contrib.logging import logging_redirect_tqdm
+    from trl import get_peft_config
+
+    from vlm_grpo.data import to_datasets
+    from vlm_grpo.recipe import load_checked_rows, load_model, pick_module, preflight
+    from vlm_grpo.resume import resolve_resume
+    from vlm_grpo.rewards import build_reward_funcs
+    from vlm_grpo.trainer import VLMGRPOTrainer
+    from vlm_grpo.trainer_common import log_metrics_to_logger
+    from vlm_grpo.utils import quiet_warnings
+
     is_main = training_args.process_index == 0
     logging.basicConfig(
         level=logging.INFO if is_main else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -102,7 +112,8 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
 
 
 def cli(argv: Sequence[str] | None = None) -> None:
-    run_cli(lambda args: main(*parse_args(args)), argv)
+    if not print_cached_help(argv):
+        run_cli(lambda args: main(*parse_args(args)), argv)
 
 
 if __name__ == "__main__":

@@ -136,3 +136,8 @@ def test_help_is_served_without_importing_torch_the_second_time(tmp_path):
     imported = lambda run: {line.split("|")[-1].strip() for line in run.stderr.splitlines() if "|" in line}  # noqa: E731
     assert "torch" in imported(first)  # built the help: the configs need torch, TRL, transformers
     assert "torch" not in imported(second) and "trl" not in imported(second)
+
+
+def test_missing_model_folder(dataset, tmp_path, capsys):
+    line = _fails(_args(dataset, tmp_path, model=str(tmp_path / "no_model")), capsys)
+    assert f"--model_name_or_path {tmp_path / 'no_model'}: no such folder" in line

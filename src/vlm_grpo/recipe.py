@@ -88,16 +88,22 @@ def check_output_dir(output_dir: str | None) -> None:
 def pick_module(model_args: VLMModelConfig, trust_remote_code: bool = False) -> tuple[VLMModule, Any]:
     """The adapter (from ``config.json``'s ``model_type`` or ``--vlm_module``) and its processor."""
     if not model_args.model_name_or_path:
-        raise ValueError("--model_name_or_path is required")
-    module = get_vlm_module(
-        model_args.model_name_or_path,
-        model_args.vlm_module,
-        ImageLimits(model_args.min_pixels, model_args.max_pixels, model_args.max_anyres_num),
-        revision=model_args.model_revision,
-    )
-    processor = module.load_processor(
-        model_args.model_name_or_path, trust_remote_code=trust_remote_code, revision=model_args.model_revision
-    )
+        raise UserError("--model_name_or_path is required")
+    path = model_args.model_name_or_path
+    if path.startswith(("/", "./", "../", "~")) and not Path(path).expanduser().is_dir():
+        raise UserError(f"--model_name_or_path {path}: no such folder (a local model folder or a Hub id)")
+    try:
+        module = get_vlm_module(
+            path,
+            model_args.vlm_module,
+            ImageLimits(model_args.min_pixels, model_args.max_pixels, model_args.max_anyres_num),
+            revision=model_args.model_revision,
+        )
+        processor = module.load_processor(path, trust_remote_code=trust_remote_code, revision=model_args.model_revision)
+    except OSError as exc:  # transformers / the Hub: not found, offline, no access
+        if isinstance(exc, UserError):
+            raise
+        raise UserError(f"--model_name_or_path {path}: cannot load its config or processor ({exc})") from exc
     logger.info("VLM module: %s (%s)", module.name, type(module).__name__)
     return module, processor
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vlm_grpo.cli_errors import run_cli
+from vlm_grpo.cli_errors import USER_ERROR_EXIT, run_cli
 
 logger = logging.getLogger("vlm_grpo")
 
@@ -134,8 +134,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             overwrite=args.yes,
         )
     except (FileExistsError, FileNotFoundError, ValueError) as exc:
-        print(f"vlm-grpo-merge-lora: error: {exc}", file=sys.stderr)
-        return 1
+        print(f"error: {exc}", file=sys.stderr)
+        return USER_ERROR_EXIT
     print(f"merged model written to {out}")
     return 0
 

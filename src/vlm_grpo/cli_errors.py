@@ -25,16 +25,11 @@ class UserError(Exception):
     """An error in what the user gave (flag, path, file): printed as ``error: ...``, no traceback."""
 
 
-# Path problems are the user's wherever they surface (a YAML config, a data file, an output dir).
-_PATH_ERRORS = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError, PermissionError)
-
-
 def is_user_error(exc: BaseException) -> bool:
-    """A ``UserError``, a path problem, a full disk, or a ``ValueError`` our own code raised about the input
-    (its innermost frame is in vlm_grpo). Anything else (TypeError, errors inside torch, ...) is a bug."""
-    if isinstance(exc, UserError) or isinstance(exc, _PATH_ERRORS):
-        return True
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+    """A ``UserError``; an ``OSError`` (a missing or unwritable path, a full disk, a model id the Hub cannot
+    resolve: the user's environment, wherever it surfaces); or a ``ValueError`` our own code raised about the
+    input (its innermost frame is in vlm_grpo). Anything else (TypeError, errors inside torch, ...) is a bug."""
+    if isinstance(exc, (UserError, OSError)):
         return True
     if isinstance(exc, ValueError):
         frames = traceback.extract_tb(exc.__traceback__)

@@ -27,8 +27,14 @@ def _shown(quiet: bool) -> list[str]:
     return [str(w.message) for w in caught]
 
 
-def test_a_repeated_warning_is_shown_once_and_own_deprecations_not_at_all():
+def test_a_repeated_warning_is_shown_once_and_own_deprecations_not_at_all(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
     assert _shown(quiet=True) == ["`reduce_scatter_tensor` is deprecated"]
+
+
+def test_other_ranks_leave_warnings_to_rank_0(monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    assert _shown(quiet=True) == []
 
 
 def test_without_it_the_same_warning_repeats():  # negative control: what users saw before

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from typing import Any
 
@@ -47,8 +48,8 @@ _shown_warnings: set[tuple[str, type]] = set()
 
 
 def quiet_warnings() -> None:
-    """Each warning at most once per process, whatever its source line; the known deprecations of our own
-    config use hidden.
+    """Each warning at most once per run: once per process whatever its source line, and only on rank 0;
+    the known deprecations of our own config use hidden.
 
     Python's own "once" and "default" actions remember what they showed in per-module registries that are
     cleared whenever any library touches the filters (``catch_warnings``): DeepSpeed's collectives then
@@ -56,6 +57,8 @@ def quiet_warnings() -> None:
     how warnings are shown; ours drops repeats and hands the rest on.
     """
     warnings.filterwarnings("ignore", message=_OWN_DEPRECATIONS, category=FutureWarning)
+    if int(os.environ.get("RANK", "0")) > 0:  # under torchrun the other ranks repeat rank 0's warnings
+        warnings.simplefilter("ignore")
     if getattr(warnings.showwarning, "shows_once", False):
         return
     show = warnings.showwarning

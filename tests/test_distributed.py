@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForImageTextToText
 
 from e2e_utils import base_args, make_dataset, original_params
+from vlm_grpo.resume import COMPLETE_MARKER, checkpoint_problem
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -95,6 +96,9 @@ def test_deepspeed_trains_saves_and_reloads(stage, tiny_models, dataset, tmp_pat
     torchrun(argv + (COMPILED if stage == "zero2" else []))  # ZeRO-3 refuses compiled layers
     assert json.loads((out / "rank1.json").read_text()) == {"world_size": 2, "step": 2}
     assert (out / "checkpoint-2").is_dir()
+    # marked complete after both ranks wrote their DeepSpeed shards: what --resume_from_checkpoint true picks
+    assert (out / "checkpoint-2" / COMPLETE_MARKER).is_file() and checkpoint_problem(out / "checkpoint-2") is None
+    assert any(p.name.startswith("global_step") for p in (out / "checkpoint-2").iterdir())
     model, info = AutoModelForImageTextToText.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     before = original_params(model_dir)

@@ -85,7 +85,7 @@ def test_merge_reads_the_base_from_the_adapter_and_refuses_to_overwrite(tiny_mod
     out = tmp_path / "merged"
     out.mkdir()
     (out / "keep.txt").write_text("x")
-    assert merge_main(["--adapter", str(adapter), "--output_dir", str(out)]) == 1
+    assert merge_main(["--adapter", str(adapter), "--output_dir", str(out)]) == 2
     assert "Refusing to write into non-empty" in capsys.readouterr().err
     assert merge_main(["--adapter", str(adapter), "--output_dir", str(out), "-y"]) == 0
     assert (out / "config.json").is_file() and (out / "processor_config.json").is_file()
@@ -93,7 +93,7 @@ def test_merge_reads_the_base_from_the_adapter_and_refuses_to_overwrite(tiny_mod
 
 
 def test_merge_refuses_a_folder_without_an_adapter(tiny_models, tmp_path, capsys):
-    assert merge_main(["--adapter", str(tiny_models["qwen2_5_vl"]), "--output_dir", str(tmp_path / "o")]) == 1
+    assert merge_main(["--adapter", str(tiny_models["qwen2_5_vl"]), "--output_dir", str(tmp_path / "o")]) == 2
     assert "not a LoRA adapter folder" in capsys.readouterr().err
 
 

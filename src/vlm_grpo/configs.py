@@ -6,12 +6,19 @@ flags, ``VLMGRPOConfig`` the training flags. Flag names follow VLM-R1 where it h
 
 from __future__ import annotations
 
+import json
+import logging
 import os
-from dataclasses import dataclass, field
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 import torch
-from trl import GRPOConfig, ModelConfig, ScriptArguments
+from trl import GRPOConfig, ModelConfig, ScriptArguments, TrlParser
+
+from vlm_grpo.cli_errors import UserError
 
 
 def batch_vision_attention_field() -> Any:
@@ -239,6 +246,9 @@ def apply_device_defaults(args: Any) -> None:
     if not torch.accelerator.is_available():
         if args.deepspeed:
             _configure_cpu_deepspeed(args)
+            if args.bf16:  # VLM-R1 scripts pass --bf16; transformers refuses bf16 without a GPU unless use_cpu
+                logging.getLogger("vlm_grpo").warning("--bf16 with DeepSpeed needs a GPU: training in fp32 on CPU")
+                args.bf16 = False
         else:
             args.use_cpu = True
     if args.bf16 is None and not args.fp16:
@@ -267,3 +277,67 @@ def _configure_cpu_deepspeed(args: Any) -> None:
         args.accelerator_config["use_configured_state"] = True
     else:
         raise ValueError("DeepSpeed on CPU needs accelerator_config as a dict (or unset), not a file path")
+
+
+class FlagError(UserError, ValueError):
+    pass
+
+
+class VLMParser(TrlParser):
+    """TrlParser that reads VLM-R1 command lines as VLM-R1 users mean them.
+
+    A boolean flag given bare (``--bf16``, ``--gradient_checkpointing``, ``--use_peft``) means ``true``:
+    HfArgumentParser accepts that only for fields typed plain ``bool``, not ``bool | None`` ones such as
+    TrainingArguments' ``bf16``. ``--deepspeed FILE`` is read here, so a missing or broken file is named
+    before anything else runs.
+    """
+
+    def parse_args_and_config(self, args: Sequence[str] | None = None, **kwargs: Any) -> tuple[Any, ...]:
+        argv = self.with_bare_booleans(list(sys.argv[1:] if args is None else args))
+        try:
+            return super().parse_args_and_config(args=argv, **kwargs)
+        except ValueError as exc:  # raised by the configs' own checks: about the flags the user gave
+            raise FlagError(f"{exc}") from exc
+
+    def print_help(self, file: Any = None) -> None:
+        from vlm_grpo.help_cache import store_help
+
+        text = self.format_help()
+        store_help(text)
+        (file or sys.stdout).write(text)
+
+    def boolean_flags(self) -> set[str]:
+        """``--name`` of every boolean field, ``bool`` or ``bool | None``."""
+        flags = set()
+        for dataclass_type in self.dataclass_types:
+            for f in fields(dataclass_type):
+                spelled = str(f.type).replace(" ", "").replace("typing.", "")
+                if f.type is bool or spelled in ("bool", "bool|None", "Optional[bool]", "Union[bool,None]"):
+                    flags.update({f"--{f.name}", f"--{f.name.replace('_', '-')}"})
+        return flags
+
+    def with_bare_booleans(self, argv: list[str]) -> list[str]:
+        flags = self.boolean_flags()
+        out = []
+        for i, arg in enumerate(argv):
+            out.append(arg)
+            if arg in flags and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
+                out.append("true")
+            if arg == "--deepspeed" and i + 1 < len(argv):
+                check_deepspeed_config(argv[i + 1])
+        return out
+
+
+def check_deepspeed_config(value: str) -> None:
+    """A ``--deepspeed`` path (not inline JSON / base64) must exist and hold JSON."""
+    if value.lstrip().startswith("{") or not value.endswith(".json"):
+        return
+    path = Path(value)
+    if not path.is_file():
+        raise UserError(
+            f"--deepspeed {value}: no such file (see local_scripts/zero2.json, zero3.json); or leave it out"
+        )
+    try:
+        json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise UserError(f"--deepspeed {value}: not valid JSON ({exc}); fix the file") from None

@@ -20,12 +20,13 @@ from __future__ import annotations
 import json
 import logging
 import math
-import sys
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from vlm_grpo.cli_errors import run_cli
 
 logger = logging.getLogger("vlm_grpo")
 
@@ -284,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 def cli() -> None:
-    main(sys.argv[1:])
+    run_cli(main)
 
 
 if __name__ == "__main__":

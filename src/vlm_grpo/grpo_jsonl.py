@@ -14,22 +14,24 @@ import math
 import sys
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import torch
-from trl import TrlParser, get_peft_config
+from vlm_grpo.cli_errors import run_cli
+from vlm_grpo.help_cache import print_cached_help
 
-from vlm_grpo.configs import GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig
-from vlm_grpo.data import to_datasets
-from vlm_grpo.recipe import load_checked_rows, load_model, pick_module, wrap_solutions
-from vlm_grpo.resume import resolve_resume
-from vlm_grpo.rewards import build_reward_funcs
-from vlm_grpo.trainer import VLMGRPOTrainer
+if TYPE_CHECKING:
+    from vlm_grpo.configs import GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig
+    from vlm_grpo.trainer import VLMGRPOTrainer
 
 logger = logging.getLogger("vlm_grpo")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig]:
-    parser = TrlParser((GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig))
+    from vlm_grpo.configs import GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig, VLMParser
+    from vlm_grpo.utils import quiet_warnings
+
+    quiet_warnings()  # before parsing: TrainingArguments warns about its own flag names there
+    parser = VLMParser((GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig))
     script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
     return script_args, training_args, model_args
 
@@ -46,10 +48,25 @@ def reward_means(log_history: list[dict]) -> dict[str, float]:
 
 
 def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_args: VLMModelConfig) -> VLMGRPOTrainer:
+    # Imported here, not at the top: `--help` needs none of it (see vlm_grpo.help_cache).
+    import torch
+    from tqdm.contrib.logging import logging_redirect_tqdm
+    from trl import get_peft_config
+
+    from vlm_grpo.data import to_datasets
+    from vlm_grpo.recipe import load_checked_rows, load_model, pick_module, preflight, wrap_solutions
+    from vlm_grpo.resume import resolve_resume
+    from vlm_grpo.rewards import build_reward_funcs
+    from vlm_grpo.trainer import VLMGRPOTrainer
+    from vlm_grpo.trainer_common import log_metrics_to_logger
+    from vlm_grpo.utils import quiet_warnings
+
     is_main = training_args.process_index == 0
     logging.basicConfig(
         level=logging.INFO if is_main else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    quiet_warnings()
+    preflight(script_args, training_args)
     resume = resolve_resume(
         training_args.output_dir,
         training_args.resume_from_checkpoint,
@@ -58,14 +75,6 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
     )
 
     module, processor = pick_module(model_args, training_args.trust_remote_code)
-    rows = load_checked_rows(script_args, module, processor)
-    if script_args.vlmr1_solution_tags:
-        wrap_solutions(rows)
-    train_dataset, eval_dataset = to_datasets(rows, module, script_args.val_split_ratio, training_args.seed)
-    logger.info("Data: %d training rows, %d evaluation rows", len(train_dataset), len(eval_dataset or []))
-
-    model = load_model(module, model_args, training_args.trust_remote_code)
-
     overrides = module.reward_overrides if script_args.is_reward_customized_from_vlm_module else None
     reward_funcs = build_reward_funcs(
         script_args.reward_funcs,
@@ -75,6 +84,14 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
         processing_class=processor,
         seed_aliases=script_args.reward_aliases,
     )
+
+    rows = load_checked_rows(script_args, module, processor)
+    if script_args.vlmr1_solution_tags:
+        wrap_solutions(rows)
+    train_dataset, eval_dataset = to_datasets(rows, module, script_args.val_split_ratio, training_args.seed)
+    logger.info("Data: %d training rows, %d evaluation rows", len(train_dataset), len(eval_dataset or []))
+
+    model = load_model(module, model_args, training_args.trust_remote_code)
 
     trainer = VLMGRPOTrainer(
         model=model,
@@ -88,7 +105,9 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
     )
-    trainer.train(resume_from_checkpoint=resume)
+    log_metrics_to_logger(trainer)
+    with logging_redirect_tqdm():  # log lines above the progress bar, not through it
+        trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(training_args.output_dir)
     if is_main:
         means = reward_means(trainer.state.log_history)
@@ -102,7 +121,8 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
 
 
 def cli(argv: Sequence[str] | None = None) -> None:
-    main(*parse_args(argv))
+    if not print_cached_help(argv):
+        run_cli(lambda args: main(*parse_args(args)), argv)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from vlm_grpo.cli_errors import USER_ERROR_EXIT, run_cli
+
 logger = logging.getLogger("vlm_grpo")
 
 _PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "tokenizer_config.json")
@@ -132,14 +134,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             overwrite=args.yes,
         )
     except (FileExistsError, FileNotFoundError, ValueError) as exc:
-        print(f"vlm-grpo-merge-lora: error: {exc}", file=sys.stderr)
-        return 1
+        print(f"error: {exc}", file=sys.stderr)
+        return USER_ERROR_EXIT
     print(f"merged model written to {out}")
     return 0
 
 
 def cli() -> None:
-    sys.exit(main())
+    sys.exit(run_cli(main))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,16 @@
-"""Steps the GRPO and SFT recipes share: pick the model family's module, load and check the rows, load the model."""
+"""Steps the GRPO and SFT recipes share: cheap checks first, pick the model family's module, load and check
+the rows, load the model."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import os
+import tempfile
+from pathlib import Path
 from typing import Any
 
+from vlm_grpo.cli_errors import UserError
 from vlm_grpo.configs import GRPOScriptArguments, VLMModelConfig
 from vlm_grpo.data import prepare_rows
 from vlm_grpo.data.records import read_any_rows
@@ -13,19 +19,91 @@ from vlm_grpo.modules import ImageLimits, VLMModule, get_vlm_module
 logger = logging.getLogger("vlm_grpo")
 
 
+# --report_to name -> the module it needs (transformers' integrations import these on the first log).
+_REPORT_MODULES = {
+    "wandb": "wandb",
+    "tensorboard": ("tensorboard", "tensorboardX"),
+    "mlflow": "mlflow",
+    "comet_ml": "comet_ml",
+    "clearml": "clearml",
+    "trackio": "trackio",
+    "swanlab": "swanlab",
+    "dvclive": "dvclive",
+    "neptune": "neptune",
+    "aim": "aim",
+    "codecarbon": "codecarbon",
+    "dagshub": "dagshub",
+    "flyte": "flytekit",
+    "azure_ml": "azureml",
+}
+
+
+def preflight(script_args: GRPOScriptArguments, training_args: Any) -> None:
+    """Checks that take milliseconds, run before the data check and the model load (minutes on a 7B model):
+    output_dir usable, --report_to integrations installed, data files and image folders present."""
+    check_output_dir(training_args.output_dir)
+    for name in training_args.report_to or []:
+        if name in ("none", "all"):
+            continue
+        modules = _REPORT_MODULES.get(name)
+        if modules is None:
+            raise UserError(
+                f"--report_to {name}: unknown integration; use one of {', '.join(sorted(_REPORT_MODULES))} or none"
+            )
+        modules = (modules,) if isinstance(modules, str) else modules
+        if not any(importlib.util.find_spec(m) for m in modules):
+            raise UserError(
+                f"--report_to {name}: the '{modules[0]}' package is not installed; "
+                f"pip install {modules[0]}, or pass --report_to none"
+            )
+    paths = [p for p in (script_args.data_file_paths or "").split(":") if p]
+    for path in paths:
+        if not Path(path).exists():
+            raise UserError(f"--data_file_paths: data file '{path}' does not exist")
+    for folder in [f for f in (script_args.image_folders or "").split(":") if f]:
+        if not Path(folder).is_dir():
+            raise UserError(f"--image_folders: '{folder}' is not a folder")
+
+
+def check_output_dir(output_dir: str | None) -> None:
+    """``output_dir`` must be a folder this process can create and write to."""
+    if not output_dir:
+        raise UserError("--output_dir is required")
+    path = Path(output_dir)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"--output_dir {output_dir} is a file, not a folder; pass a folder path")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write_test_"):
+            pass
+    except OSError as exc:
+        raise UserError(
+            f"--output_dir {output_dir} is not writable ({exc.strerror or exc}); "
+            "pick another folder or fix its permissions"
+        ) from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UserError(f"--output_dir {output_dir} is not writable; pick another folder or fix its permissions")
+
+
 def pick_module(model_args: VLMModelConfig, trust_remote_code: bool = False) -> tuple[VLMModule, Any]:
     """The adapter (from ``config.json``'s ``model_type`` or ``--vlm_module``) and its processor."""
     if not model_args.model_name_or_path:
-        raise ValueError("--model_name_or_path is required")
-    module = get_vlm_module(
-        model_args.model_name_or_path,
-        model_args.vlm_module,
-        ImageLimits(model_args.min_pixels, model_args.max_pixels, model_args.max_anyres_num),
-        revision=model_args.model_revision,
-    )
-    processor = module.load_processor(
-        model_args.model_name_or_path, trust_remote_code=trust_remote_code, revision=model_args.model_revision
-    )
+        raise UserError("--model_name_or_path is required")
+    path = model_args.model_name_or_path
+    if path.startswith(("/", "./", "../", "~")) and not Path(path).expanduser().is_dir():
+        raise UserError(f"--model_name_or_path {path}: no such folder (a local model folder or a Hub id)")
+    try:
+        module = get_vlm_module(
+            path,
+            model_args.vlm_module,
+            ImageLimits(model_args.min_pixels, model_args.max_pixels, model_args.max_anyres_num),
+            revision=model_args.model_revision,
+        )
+        processor = module.load_processor(path, trust_remote_code=trust_remote_code, revision=model_args.model_revision)
+    except OSError as exc:  # transformers / the Hub: not found, offline, no access
+        if isinstance(exc, UserError):
+            raise
+        raise UserError(f"--model_name_or_path {path}: cannot load its config or processor ({exc})") from exc
     logger.info("VLM module: %s (%s)", module.name, type(module).__name__)
     return module, processor
 

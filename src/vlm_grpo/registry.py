@@ -15,6 +15,8 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Generic, TypeVar
 
+from vlm_grpo.cli_errors import UserError
+
 T = TypeVar("T")
 
 
@@ -45,10 +47,14 @@ def load_object(spec: str) -> object:
     try:
         return getattr(module, attr)
     except AttributeError:
-        raise AttributeError(f"'{target}' has no attribute '{attr}' (from '{spec}')") from None
+        raise PluginError(f"'{target}' has no attribute '{attr}' (from '{spec}')") from None
 
 
-class UnknownEntryError(KeyError):
+class PluginError(UserError, AttributeError):
+    """A ``file.py:fn`` / ``module:fn`` spec whose module has no such attribute."""
+
+
+class UnknownEntryError(UserError, KeyError):
     """KeyError whose message prints without the quotes KeyError adds."""
 
     def __str__(self) -> str:

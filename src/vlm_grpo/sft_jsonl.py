@@ -15,32 +15,44 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from trl import TrlParser, get_peft_config
+from vlm_grpo.cli_errors import run_cli
+from vlm_grpo.help_cache import print_cached_help
 
-from vlm_grpo.configs import GRPOScriptArguments, VLMModelConfig
-from vlm_grpo.data import to_datasets
-from vlm_grpo.recipe import load_checked_rows, load_model, pick_module
-from vlm_grpo.resume import resolve_resume
-from vlm_grpo.sft_trainer import SFTTransform, VLMSFTConfig, VLMSFTTrainer, assistant_masks_supported
-from vlm_grpo.utils import is_zero3
+if TYPE_CHECKING:
+    from vlm_grpo.configs import GRPOScriptArguments, VLMModelConfig
+    from vlm_grpo.sft_trainer import VLMSFTConfig, VLMSFTTrainer
 
 logger = logging.getLogger("vlm_grpo")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[GRPOScriptArguments, VLMSFTConfig, VLMModelConfig]:
-    parser = TrlParser((GRPOScriptArguments, VLMSFTConfig, VLMModelConfig))
+    from vlm_grpo.configs import GRPOScriptArguments, VLMModelConfig, VLMParser
+    from vlm_grpo.sft_trainer import VLMSFTConfig
+    from vlm_grpo.utils import quiet_warnings
+
+    quiet_warnings()  # before parsing: TrainingArguments warns about its own flag names there
+    parser = VLMParser((GRPOScriptArguments, VLMSFTConfig, VLMModelConfig))
     script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
     return script_args, training_args, model_args
 
 
 def main(script_args: GRPOScriptArguments, training_args: VLMSFTConfig, model_args: VLMModelConfig) -> VLMSFTTrainer:
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    from vlm_grpo.trainer_common import log_metrics_to_logger
+    from vlm_grpo.utils import quiet_warnings
+
     is_main = training_args.process_index == 0
     logging.basicConfig(
         level=logging.INFO if is_main else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    quiet_warnings()
     trainer, resume = build_trainer(script_args, training_args, model_args)
-    trainer.train(resume_from_checkpoint=resume)
+    log_metrics_to_logger(trainer)
+    with logging_redirect_tqdm():  # log lines above the progress bar, not through it
+        trainer.train(resume_from_checkpoint=resume)
     save_final_model(trainer, training_args, model_args.model_name_or_path)
     if is_main:
         losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
@@ -53,7 +65,16 @@ def build_trainer(
     script_args: GRPOScriptArguments, training_args: VLMSFTConfig, model_args: VLMModelConfig
 ) -> tuple[VLMSFTTrainer, str | None]:
     """Everything before ``train()``: the trainer and the checkpoint to resume from (None: a fresh run)."""
+    # Imported here, not at the top: `--help` needs none of it (see vlm_grpo.help_cache).
+    from trl import get_peft_config
+
+    from vlm_grpo.data import to_datasets
+    from vlm_grpo.recipe import load_checked_rows, load_model, pick_module, preflight
+    from vlm_grpo.resume import resolve_resume
+    from vlm_grpo.sft_trainer import SFTTransform, VLMSFTTrainer, assistant_masks_supported
+
     is_main = training_args.process_index == 0
+    preflight(script_args, training_args)
     resume = resolve_resume(
         training_args.output_dir,
         training_args.resume_from_checkpoint,
@@ -99,6 +120,8 @@ def save_final_model(trainer: VLMSFTTrainer, args: VLMSFTConfig, base: str) -> N
     then the adapter goes to output_dir and ``vlm-grpo-merge-lora`` merges it)."""
     from peft import PeftModel
 
+    from vlm_grpo.utils import is_zero3
+
     model = trainer.model
     if not isinstance(model, PeftModel):
         trainer.save_model(args.output_dir)
@@ -123,7 +146,8 @@ def save_final_model(trainer: VLMSFTTrainer, args: VLMSFTConfig, base: str) -> N
 
 
 def cli(argv: Sequence[str] | None = None) -> None:
-    main(*parse_args(argv))
+    if not print_cached_help(argv):
+        run_cli(lambda args: main(*parse_args(args)), argv)
 
 
 if __name__ == "__main__":

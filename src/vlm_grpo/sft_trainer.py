@@ -20,7 +20,7 @@ from vlm_grpo.configs import apply_device_defaults, batch_vision_attention_field
 from vlm_grpo.data.jsonl import LazyImageTransform
 from vlm_grpo.fastpath.vision_attention import use_batched_vision_attention
 from vlm_grpo.modules import VLMModule
-from vlm_grpo.trainer_common import CheckpointReloadMixin, as_vlm_config, prepare_vlm
+from vlm_grpo.trainer_common import CheckpointReloadMixin, CompleteCheckpointMixin, as_vlm_config, prepare_vlm
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ def assistant_masks_supported(processor: Any) -> bool:
         return False
 
 
-class VLMSFTTrainer(CheckpointReloadMixin, SFTTrainer):
+class VLMSFTTrainer(CompleteCheckpointMixin, CheckpointReloadMixin, SFTTrainer):
     """SFT for vision-language models.
 
     Args beyond ``trl.SFTTrainer``:

@@ -25,13 +25,13 @@ from vlm_grpo.fastpath.vision_attention import use_batched_vision_attention
 from vlm_grpo.fastpath.vision_sync import install_vision_sync, needs_vision_sync
 from vlm_grpo.modules import VLMModule
 from vlm_grpo.rewards import build_reward_funcs
-from vlm_grpo.trainer_common import CheckpointReloadMixin, as_vlm_config, prepare_vlm
+from vlm_grpo.trainer_common import CheckpointReloadMixin, CompleteCheckpointMixin, as_vlm_config, prepare_vlm
 from vlm_grpo.utils import is_zero3
 
 logger = logging.getLogger(__name__)
 
 
-class VLMGRPOTrainer(CheckpointReloadMixin, GRPOTrainer):
+class VLMGRPOTrainer(CompleteCheckpointMixin, CheckpointReloadMixin, GRPOTrainer):
     """GRPO for vision-language models.
 
     Args beyond ``trl.GRPOTrainer``:
@@ -114,6 +114,10 @@ class VLMGRPOTrainer(CheckpointReloadMixin, GRPOTrainer):
                 if sync is not None:
                     self._vision_syncs.append(sync)
 
+    def _get_train_sampler(self, dataset: Any = None) -> Any:
+        """TRL's sampler, reseeded per epoch so that a run resumed in a later epoch sees the same order."""
+        return EpochSeededSampler(super()._get_train_sampler(dataset))
+
     def _warn_if_groups_split(self) -> None:
         """Sharing needs a group's rows in the same micro-batch; say so when the batch shape splits groups.
 
@@ -185,3 +189,26 @@ class VLMGRPOTrainer(CheckpointReloadMixin, GRPOTrainer):
         if images is not None:
             images = [image_list or [] for image_list in images]
         return prompt_ids, images, multimodal_fields
+
+
+class EpochSeededSampler(torch.utils.data.Sampler):
+    """TRL's ``RepeatSampler`` with its shuffle seeded by ``seed + epoch``.
+
+    ``RepeatSampler`` seeds its generator once and draws each epoch's order from the running stream, so a
+    run resumed after the first epoch (a fresh sampler, whatever epoch it starts in) shuffled differently
+    from the run it continues. The Trainer calls ``set_epoch`` (through accelerate's data loader) before
+    every epoch, resumed or not; epoch 0 keeps RepeatSampler's own order.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def set_epoch(self, epoch: int) -> None:
+        if getattr(self.inner, "shuffle", False) and getattr(self.inner, "seed", None) is not None:
+            self.inner.generator.manual_seed(self.inner.seed + epoch)
+
+    def __iter__(self):
+        return iter(self.inner)
+
+    def __len__(self) -> int:
+        return len(self.inner)

@@ -1,15 +1,22 @@
-"""What the GRPO and SFT trainers share: the adapter options and the checkpoint-reload fix."""
+"""What the GRPO and SFT trainers share: the adapter options, crash-safe checkpoints and the checkpoint-reload fix."""
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
+import shutil
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 from transformers import PreTrainedModel
+from transformers.trainer_callback import ProgressCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
+from vlm_grpo.cli_errors import UserError
 from vlm_grpo.modules import VLMModule
+from vlm_grpo.resume import mark_complete, newest_complete
 
 logger = logging.getLogger(__name__)
 
@@ -122,3 +129,83 @@ class CheckpointReloadMixin:
         model.load_state_dict(reloaded.state_dict(), strict=True)
         del reloaded
         return None
+
+
+class CheckpointSaveError(UserError, OSError):
+    pass
+
+
+def _is_disk_full(exc: BaseException | None) -> bool:
+    """ENOSPC as raised by Python, or as wrapped by torch.save / safetensors (their messages keep the cause)."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(exc)
+        if "No space left on device" in text or "StorageFull" in text or "file write failed" in text:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+class CompleteCheckpointMixin:
+    """A checkpoint counts only once all its files are written: the completion marker of
+    :mod:`vlm_grpo.resume` goes in last, after every rank has saved.
+
+    ``save_total_limit`` rotation runs only after the marker, so it can never leave the run without a
+    complete checkpoint; a folder left over by a killed run at the same step is replaced, not mixed
+    into; a full disk stops the run with a clear message and removes the partial folder, so the
+    previous checkpoint stays the one a resume picks.
+    """
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        run_dir = self._get_output_dir(trial=trial)
+        folder = Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        if self.args.should_save and folder.exists():
+            logger.info("Replacing %s, left over by an interrupted run", folder)
+            shutil.rmtree(folder)
+        self.accelerator.wait_for_everyone()
+        limit, self.args.save_total_limit = self.args.save_total_limit, None
+        try:
+            super()._save_checkpoint(model, trial)
+        except Exception as exc:
+            if not _is_disk_full(exc):
+                raise
+            self._fail_disk_full(folder, exc)
+        finally:
+            self.args.save_total_limit = limit
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            mark_complete(folder)
+            rotate_checkpoints(run_dir, limit, self.state.best_model_checkpoint, use_mtime=True)
+
+    def _fail_disk_full(self, folder: Path, exc: BaseException) -> None:
+        if self.args.should_save:
+            shutil.rmtree(folder, ignore_errors=True)
+        previous, _ = newest_complete(folder.parent)
+        resume = (
+            f"the newest complete checkpoint, {previous}, is intact: free space (or lower --save_total_limit) and "
+            "rerun with --resume_from_checkpoint true"
+            if previous is not None
+            else "there is no earlier complete checkpoint: free space and start again"
+        )
+        raise CheckpointSaveError(
+            f"no space left on the device while saving {folder} ({exc}). The partial checkpoint was removed; {resume}.",
+        ) from exc
+
+
+class LoggedProgressCallback(ProgressCallback):
+    """The progress bar, with each step's metrics as one log line (``step N: loss=..., reward=...``) through
+    the logger instead of a dict printed into the bar's stream."""
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+        if not state.is_world_process_zero or not logs:
+            return
+        shown = {k: v for k, v in logs.items() if k != "total_flos"}
+        text = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items())
+        logging.getLogger("vlm_grpo").info("step %d: %s", state.global_step, text)
+
+
+def log_metrics_to_logger(trainer: Any) -> None:
+    """Swap transformers' progress callback for :class:`LoggedProgressCallback` (recipes call this)."""
+    if trainer.pop_callback(ProgressCallback) is not None:
+        trainer.add_callback(LoggedProgressCallback())

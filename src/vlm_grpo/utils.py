@@ -1,4 +1,5 @@
-"""Small helpers every floor may use: unwrap a model, ask for ZeRO-3, warn once, tell a loopback host.
+"""Small helpers every floor may use: unwrap a model, ask for ZeRO-3, warn once, quiet library warnings, tell a
+loopback host.
 
 Cheap to import (torch and transformers load on first use), so the CLIs' ``--help`` stays fast."""
 
@@ -6,6 +7,8 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
+import warnings
 from typing import Any
 
 
@@ -48,3 +51,37 @@ def is_loopback_host(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+# Deprecations transformers raises about its own names, which TRL's configs and trainer (and VLM-R1's
+# --gradient_checkpointing flag) still use: nothing a user can act on.
+_OWN_DEPRECATIONS = r"`\w*gradient_checkpointing\w*` is deprecated"
+
+
+_shown_warnings: set[tuple[str, type]] = set()
+
+
+def quiet_warnings() -> None:
+    """Each warning at most once per run: once per process whatever its source line, and only on rank 0;
+    the known deprecations of our own config use hidden.
+
+    Python's own "once" and "default" actions remember what they showed in per-module registries that are
+    cleared whenever any library touches the filters (``catch_warnings``): DeepSpeed's collectives then
+    repeated one torch deprecation on every call. ``warnings.showwarning`` is the documented hook for
+    how warnings are shown; ours drops repeats and hands the rest on.
+    """
+    warnings.filterwarnings("ignore", message=_OWN_DEPRECATIONS, category=FutureWarning)
+    if int(os.environ.get("RANK", "0")) > 0:  # under torchrun the other ranks repeat rank 0's warnings
+        warnings.simplefilter("ignore")
+    if getattr(warnings.showwarning, "shows_once", False):
+        return
+    show = warnings.showwarning
+
+    def show_once(message, category, filename, lineno, file=None, line=None):
+        key = (str(message), category)
+        if key not in _shown_warnings:
+            _shown_warnings.add(key)
+            show(message, category, filename, lineno, file, line)
+
+    show_once.shows_once = True
+    warnings.showwarning = show_once

@@ -21,6 +21,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from vlm_grpo.cli_errors import run_cli
 from vlm_grpo.data.jsonl import split_paths
 
 PROG = "vlm-grpo-data"
@@ -387,7 +388,7 @@ def _user_message(exc: BaseException) -> str:
 def cli() -> None:
     """Console-script entry point."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    sys.exit(main())
+    sys.exit(run_cli(main))
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from vlm_grpo.cli_errors import UserError
+
 logger = logging.getLogger(__name__)
 
 RewardFunc = Callable[..., list[float | None]]
@@ -168,8 +170,9 @@ def _accepts(fn: Callable, name: str) -> bool:
     return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
-class RewardError(RuntimeError):
-    """A reward that cannot score anything (wrong signature, missing keyword, missing package): a user error."""
+class RewardError(UserError):
+    """A reward that cannot score anything (wrong signature, missing keyword, missing package): a user error,
+    printed by the command line as ``error: ...`` with a non-zero exit status."""
 
 
 def _likely_fix(label: str, exc: BaseException) -> str:

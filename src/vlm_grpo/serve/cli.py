@@ -18,6 +18,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from vlm_grpo.cli_errors import run_cli
 from vlm_grpo.utils import is_loopback_host
 
 logger = logging.getLogger("vlm_grpo.serve")
@@ -145,5 +146,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     _serve(args)
 
 
+def cli() -> None:
+    run_cli(main)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -141,3 +141,16 @@ def test_help_is_served_without_importing_torch_the_second_time(tmp_path):
 def test_missing_model_folder(dataset, tmp_path, capsys):
     line = _fails(_args(dataset, tmp_path, model=str(tmp_path / "no_model")), capsys)
     assert f"--model_name_or_path {tmp_path / 'no_model'}: no such folder" in line
+
+
+def test_a_reward_that_raises_on_every_sample_stops_the_run_naming_it(dataset, tiny_models, tmp_path, capsys):
+    """Hours of GPU time with all rewards None must not end in exit status 0."""
+    data, _ = dataset
+    broken = tmp_path / "broken_reward.py"
+    broken.write_text("def score(completions, answer_key, **kwargs):\n    return [1.0] * len(completions)\n")
+    argv = base_args(tiny_models["qwen2_vl"], data, broken, tmp_path / "out")
+    i = argv.index("--reward_funcs")
+    argv[i + 1 : i + 3] = [f"{broken}:score"]
+    line = _fails(argv, capsys)
+    assert "reward 'score' raised on every sample of its first batch" in line
+    assert "answer_key" in line and "--reward_kwargs" in line  # the exception and the likely fix

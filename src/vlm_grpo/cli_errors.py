@@ -64,7 +64,8 @@ def run_cli(entry: Callable[[list[str]], T], argv: Sequence[str] | None = None) 
     except Exception as exc:
         if debug or not is_user_error(exc):
             raise
-        print(f"error: {error_message(exc)}", file=sys.stderr, flush=True)
+        # On a line of its own: an error raised mid-training finds the progress bar's line unfinished.
+        print(f"\nerror: {error_message(exc)}", file=sys.stderr, flush=True)
         raise SystemExit(USER_ERROR_EXIT) from None
 
 

@@ -30,6 +30,7 @@ import functools
 import inspect
 import logging
 import math
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -262,13 +263,17 @@ class SafeReward:
         self._last_error = exc
         self.failures += 1
         if self.failures == 1 or self.failures % self.warn_every == 0:
+            frames = traceback.extract_tb(exc.__traceback__)
+            where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
             logger.warning(
-                "Reward '%s' failed on a sample (%d failure(s) so far); that sample gets no reward: %r",
+                "Reward '%s' failed on a sample (%d failure(s) so far); that sample gets no reward: %r%s",
                 self.__name__,
                 self.failures,
                 exc,
-                exc_info=exc if self.failures == 1 else None,
+                where,
             )
+            # The whole traceback only when asked for (log level DEBUG, or --debug): the line above says where.
+            logger.debug("Reward '%s' traceback", self.__name__, exc_info=exc)
 
     def _stop_if_broken(self, n: int, failed: int) -> None:
         self.batches += 1

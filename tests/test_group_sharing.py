@@ -49,7 +49,10 @@ def rows_file(tmp_path_factory):
     return path
 
 
-def make_trainer(model_dir, rows_file, tmp_path, attn="sdpa", lora=False, max_anyres_num=None, **overrides):
+def make_trainer(
+    model_dir, rows_file, tmp_path, attn="sdpa", lora=False, max_anyres_num=None, reward_funcs=(_reward,),
+    trainer_kwargs=None, **overrides,
+):  # fmt: skip
     module = get_vlm_module(str(model_dir), limits=ImageLimits(max_anyres_num=max_anyres_num))
     processor = module.load_processor(str(model_dir))
     model = module.load_model(str(model_dir), dtype=torch.float32, attn_implementation=attn)
@@ -62,21 +65,25 @@ def make_trainer(model_dir, rows_file, tmp_path, attn="sdpa", lora=False, max_an
         peft_config = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False)  # non-zero B: LoRA changes outputs
     args = VLMGRPOConfig(
         output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=2 * G,
-        num_generations=G,
-        max_completion_length=6,
-        report_to="none",
-        seed=3,
-        **{"gradient_checkpointing": False, **overrides},
+        **{
+            "per_device_train_batch_size": 2 * G,
+            "num_generations": G,
+            "max_completion_length": 6,
+            "report_to": "none",
+            "seed": 3,
+            "gradient_checkpointing": False,
+            **overrides,
+        },
     )
     return VLMGRPOTrainer(
         model=model,
-        reward_funcs=[_reward],
+        reward_funcs=list(reward_funcs),
         args=args,
         vlm_module=module,
         processing_class=processor,
         train_dataset=dataset,
         peft_config=peft_config,
+        **(trainer_kwargs or {}),
     )
 
 

@@ -29,8 +29,8 @@ _ATTENTION = ("sdpa", "eager")
 _CHECK_EVERY = 8  # decode steps between host checks for "every row has ended"
 
 
-def unsupported_reason(model: Any, generation_config: Any) -> str | None:
-    """Why this model / generation setup must go through ``generate`` instead; None if it need not."""
+def unsupported_reason(model: Any) -> str | None:
+    """Why this model must decode with ``generate`` (after the shared prefill) instead; None if it need not."""
     base = peft_base(model)
     text_config = base.config.get_text_config(decoder=True)
     attn = as_sdpa(getattr(text_config, "_attn_implementation", None))
@@ -38,11 +38,7 @@ def unsupported_reason(model: Any, generation_config: Any) -> str | None:
         return f"attention implementation {attn!r} (fast decode supports {', '.join(_ATTENTION)})"
     if any(t != "full_attention" for t in getattr(text_config, "layer_types", None) or ["full_attention"]):
         return "sliding-window or hybrid attention layers"
-    gc = generation_config
-    if (gc.num_beams or 1) > 1 or getattr(gc, "stop_strings", None) or getattr(gc, "max_time", None):
-        return "beam search, stop strings or max_time"
-    if getattr(gc, "return_dict_in_generate", False) or getattr(gc, "assistant_early_exit", None):
-        return "generate outputs beyond token ids"
+    # Generation options (beam search, stop strings, ...) never reach this point: see vlm_grpo.fastpath.route.
     return None
 
 

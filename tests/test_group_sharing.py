@@ -400,16 +400,19 @@ def _tokenized_batch(trainer):
 
 def _generate_both(trainer, monkeypatch, seed=0):
     """(ours, plain TRL, which decoder ours used): the same batch, the same RNG state for both."""
-    import vlm_grpo.fastpath.decode as decode
+    import vlm_grpo.fastpath.sharing as sharing  # where the shared prefill looks fast_decode up
 
     used = []
-    real = decode.fast_decode
-    monkeypatch.setattr(decode, "fast_decode", lambda *a, **k: used.append("fast") or real(*a, **k))
+    real = sharing.fast_decode
+    monkeypatch.setattr(sharing, "fast_decode", lambda *a, **k: used.append("fast") or real(*a, **k))
     prompt_ids, images, fields = _tokenized_batch(trainer)
     torch.manual_seed(seed)
     ours, _ = trainer._generate_single_turn(prompt_ids, images, fields, G)
+    after_ours = torch.get_rng_state()
     torch.manual_seed(seed)
     plain, _ = GRPOTrainer._generate_single_turn(trainer, prompt_ids, images, fields, G)
+    # The sampler is left as generate leaves it: the next generation (next step) draws the same numbers.
+    assert torch.equal(after_ours, torch.get_rng_state())
     return ours, plain, used
 
 
@@ -508,6 +511,7 @@ def test_fast_decode_stops_rows_at_eos_like_generate(attn, tiny_models, rows_fil
 def test_fast_decode_returns_generates_width_when_every_row_ends_early(tiny_models, rows_file, tmp_path, monkeypatch):
     """The host checks for "all rows ended" only every few tokens; the output must still stop where generate's does."""
     import vlm_grpo.fastpath.decode as decode
+    import vlm_grpo.fastpath.sharing as sharing
 
     trainer = make_trainer(tiny_models["qwen2_5_vl"], rows_file, tmp_path)
     trainer.generation_config.repetition_penalty = 2.0
@@ -516,14 +520,14 @@ def test_fast_decode_returns_generates_width_when_every_row_ends_early(tiny_mode
     trainer.generation_config.eos_token_id = eos
     trainer.eos_token_ids = eos
     widths = []
-    real = decode.fast_decode
+    real = sharing.fast_decode
 
     def spy(*args, **kwargs):
         out = real(*args, **kwargs)
         widths.append(out.size(1))
         return out
 
-    monkeypatch.setattr(decode, "fast_decode", spy)
+    monkeypatch.setattr(sharing, "fast_decode", spy)
     ours, plain, _ = _generate_both(trainer, monkeypatch)
     assert ours == plain and {len(c) for c in ours} <= {1, 2}
     assert widths == [max(len(c) for c in plain)], (widths, decode._CHECK_EVERY)

@@ -11,6 +11,7 @@ and the reason is logged once.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import os
 from typing import Any
@@ -22,6 +23,7 @@ logger = logging.getLogger(__name__)
 _logged: set[str] = set()
 
 
+@functools.cache
 def _stock_dirs() -> tuple[str, ...]:
     """Folders of the packages whose ``generate`` (and its decorators) we know: transformers, PEFT, torch."""
     import torch

@@ -438,3 +438,34 @@ def test_trl_option_trains_with_the_speed_path(option, tiny_models, rows_file, t
     if case.compare and not case.raises:
         plain = train(tiny_models, rows_file, tmp_path / "plain", setup=setup, **common, **PLAIN)
         assert_same_as_per_row_path(fast, plain, case.compare_steps)
+
+
+def test_every_way_of_replacing_generate_is_seen(tiny_models, monkeypatch):
+    """Instance patch, class patch (a functools.wraps wrapper keeps the name and module, not the code), a mock, a
+    subclass override: each makes TRL's generate call the only honest one. Stock models, PEFT-wrapped too, pass."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_models[FAMILY])
+    assert route.patched_generate(model) is None
+    assert route.patched_generate(get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))) is None
+    model = AutoModelForImageTextToText.from_pretrained(tiny_models[FAMILY])
+
+    with mock.patch.object(model, "generate", wraps=model.generate):
+        assert "patched on the model instance" in route.patched_generate(model)
+    stock = type(model).generate
+
+    @functools.wraps(stock)
+    def wrapper(self, *args, **kwargs):
+        return stock(self, *args, **kwargs)
+
+    for replacement, where in ((wrapper, __file__), (mock.MagicMock(), "MagicMock")):
+        with mock.patch.object(GenerationMixin, "generate", replacement):
+            assert where in route.patched_generate(model)
+
+    class Custom(type(model)):
+        def generate(self, *args, **kwargs):
+            return super().generate(*args, **kwargs)
+
+    model.__class__ = Custom
+    assert "Custom.generate is wrapped or replaced" in route.patched_generate(model)

@@ -90,7 +90,7 @@ def _full_length(trainer) -> None:
     config.min_new_tokens = config.max_new_tokens  # every row decodes every step: all steps compared
 
 
-# ----------------------------------------------------------------------------- issue 15 item 5: positions
+# ----------------------------------------------------------------------------- decode positions
 @pytest.mark.parametrize("fast", [True, False], ids=["fast_decode", "generate"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_generated_log_probs_match_generate(family, fast, sharp_models, rows_file, tmp_path):  # noqa: F811
@@ -111,7 +111,7 @@ def test_the_parity_test_catches_a_decode_position_off_by_one(family, sharp_mode
     assert gap > 1000 * TOL, gap  # the shift moves log-probs by far more than the tolerance
 
 
-# ----------------------------------------------------------------------------- issue 15 item 6: images
+# ----------------------------------------------------------------------------- images in grouping
 @pytest.fixture(scope="module")
 def look_alike_rows(tmp_path_factory):
     """Same question with different images, and the same image with another question (same-size images, so the

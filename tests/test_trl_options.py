@@ -2,7 +2,8 @@
 
 Each test trains 2 steps in-process on a tiny Qwen2.5-VL and asserts what TRL's own tests assert for that option
 (a loss was logged, parameters changed, the option's metrics are there) plus that the option visibly acted (the
-completions it allows, the path generation took). The loss variants also match TRL's per-row path step by step.
+completions it allows, the path generation took). Where the option reaches our code, the completions, losses and
+gradient norms also match TRL's per-row path (speed features off) step by step.
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ def step_logs(trainer) -> list[dict]:
     return [entry for entry in trainer.state.log_history if "grad_norm" in entry]
 
 
-# ----------------------------------------------------------------------------- loss variants (issue 15 item 7)
+# ----------------------------------------------------------------------------- loss variants
 LOSS_VARIANTS = {
     "grpo": {"loss_type": "grpo"},
     "dr_grpo": {"loss_type": "dr_grpo"},
@@ -169,7 +170,7 @@ def test_loss_variant_matches_the_per_row_path(variant, tiny_models, rows_file, 
         assert ours != pytest.approx(grpo_fast_losses, rel=1e-4), (variant, ours, grpo_fast_losses)
 
 
-# ----------------------------------------------------------------------------- TRL's options (issue 21 item 9)
+# ----------------------------------------------------------------------------- TRL's options
 class Case(NamedTuple):
     overrides: dict[str, Any]
     check: Callable | None = None  # the option's visible effect

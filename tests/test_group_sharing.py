@@ -49,7 +49,10 @@ def rows_file(tmp_path_factory):
     return path
 
 
-def make_trainer(model_dir, rows_file, tmp_path, attn="sdpa", lora=False, max_anyres_num=None, **overrides):
+def make_trainer(
+    model_dir, rows_file, tmp_path, attn="sdpa", lora=False, max_anyres_num=None, reward_funcs=(_reward,),
+    trainer_kwargs=None, **overrides,
+):  # fmt: skip
     module = get_vlm_module(str(model_dir), limits=ImageLimits(max_anyres_num=max_anyres_num))
     processor = module.load_processor(str(model_dir))
     model = module.load_model(str(model_dir), dtype=torch.float32, attn_implementation=attn)
@@ -62,21 +65,25 @@ def make_trainer(model_dir, rows_file, tmp_path, attn="sdpa", lora=False, max_an
         peft_config = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False)  # non-zero B: LoRA changes outputs
     args = VLMGRPOConfig(
         output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=2 * G,
-        num_generations=G,
-        max_completion_length=6,
-        report_to="none",
-        seed=3,
-        **{"gradient_checkpointing": False, **overrides},
+        **{
+            "per_device_train_batch_size": 2 * G,
+            "num_generations": G,
+            "max_completion_length": 6,
+            "report_to": "none",
+            "seed": 3,
+            "gradient_checkpointing": False,
+            **overrides,
+        },
     )
     return VLMGRPOTrainer(
         model=model,
-        reward_funcs=[_reward],
+        reward_funcs=list(reward_funcs),
         args=args,
         vlm_module=module,
         processing_class=processor,
         train_dataset=dataset,
         peft_config=peft_config,
+        **(trainer_kwargs or {}),
     )
 
 
@@ -396,13 +403,16 @@ def _generate_both(trainer, monkeypatch, seed=0):
     import vlm_grpo.fastpath.decode as decode
 
     used = []
-    real = decode.fast_decode
+    real = decode.fast_decode  # the shared prefill calls decode.fast_decode
     monkeypatch.setattr(decode, "fast_decode", lambda *a, **k: used.append("fast") or real(*a, **k))
     prompt_ids, images, fields = _tokenized_batch(trainer)
     torch.manual_seed(seed)
     ours, _ = trainer._generate_single_turn(prompt_ids, images, fields, G)
+    after_ours = torch.get_rng_state()
     torch.manual_seed(seed)
     plain, _ = GRPOTrainer._generate_single_turn(trainer, prompt_ids, images, fields, G)
+    # The sampler is left as generate leaves it: the next generation (next step) draws the same numbers.
+    assert torch.equal(after_ours, torch.get_rng_state())
     return ours, plain, used
 
 
@@ -509,7 +519,7 @@ def test_fast_decode_returns_generates_width_when_every_row_ends_early(tiny_mode
     trainer.generation_config.eos_token_id = eos
     trainer.eos_token_ids = eos
     widths = []
-    real = decode.fast_decode
+    real = decode.fast_decode  # the shared prefill calls decode.fast_decode
 
     def spy(*args, **kwargs):
         out = real(*args, **kwargs)

@@ -20,6 +20,7 @@ from trl import GRPOTrainer
 from vlm_grpo.configs import VLMGRPOConfig
 from vlm_grpo.fastpath.block_attention import use_block_attention
 from vlm_grpo.fastpath.compiled_layers import check_compile_layers
+from vlm_grpo.fastpath.route import trl_generation_reason
 from vlm_grpo.fastpath.sharing import packed_logps, shared_prefill_generate
 from vlm_grpo.fastpath.vision_attention import use_batched_vision_attention
 from vlm_grpo.fastpath.vision_sync import install_vision_sync, needs_vision_sync
@@ -169,11 +170,12 @@ class VLMGRPOTrainer(CompleteCheckpointMixin, CheckpointReloadMixin, GRPOTrainer
     def _generate_single_turn(
         self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False
     ) -> tuple[list[list[int]], Any]:
-        """Prefill each unique prompt once and decode its G samples from the shared cache (``share_prefill``)."""
-        plain_hf = not (self.use_vllm or self.use_transformers_continuous_batching or self.tools or has_tool_images)
-        # A static cache is sized and compiled by generate itself: the shared dynamic cache would bypass it.
-        dynamic_cache = getattr(self.generation_config, "cache_implementation", None) in (None, "dynamic")
-        if self.args.share_prefill and plain_hf and dynamic_cache and not self.is_fsdp_enabled:
+        """Prefill each unique prompt once and decode its G samples from the shared cache (``share_prefill``).
+
+        Generations the shared path cannot honour (beam search, stop strings, a wrapped ``generate``, ...) go
+        through TRL's path whole; see :mod:`vlm_grpo.fastpath.route`.
+        """
+        if trl_generation_reason(self, has_tool_images) is None:
             completion_ids = shared_prefill_generate(self, prompt_ids, images, multimodal_fields)
             if completion_ids is not None:
                 return completion_ids, None

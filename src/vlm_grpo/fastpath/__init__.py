@@ -6,6 +6,8 @@ What it does (every piece behind a ``VLMGRPOConfig`` flag, parity-tested against
   reference and policy log-probs) and ``share_prefill`` (prefill each unique prompt once, decode its G samples
   from the repeated cache);
 * ``decode``: ``fast_decode`` / ``compile_decode`` (static cache, CUDA-graph decode step);
+* ``route``: which generations may take the shared prefill; the rest (beam search, stop strings, a wrapped
+  ``generate``, ...) go through TRL's own path, whole;
 * ``block_attention``: the packed pass's attention kernel (``packed_attention=blocks``);
 * ``compiled_layers``: ``compile_layers``; ``fallback``: compiled-with-eager-fallback;
 * ``vision_attention``: ``batch_vision_attention``; ``vision_sync``: vision passes kept in step across ranks.

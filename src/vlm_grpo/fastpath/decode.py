@@ -29,8 +29,8 @@ _ATTENTION = ("sdpa", "eager")
 _CHECK_EVERY = 8  # decode steps between host checks for "every row has ended"
 
 
-def unsupported_reason(model: Any, generation_config: Any) -> str | None:
-    """Why this model / generation setup must go through ``generate`` instead; None if it need not."""
+def unsupported_reason(model: Any) -> str | None:
+    """Why this model must decode with ``generate`` (after the shared prefill) instead; None if it need not."""
     base = peft_base(model)
     text_config = base.config.get_text_config(decoder=True)
     attn = as_sdpa(getattr(text_config, "_attn_implementation", None))
@@ -38,11 +38,7 @@ def unsupported_reason(model: Any, generation_config: Any) -> str | None:
         return f"attention implementation {attn!r} (fast decode supports {', '.join(_ATTENTION)})"
     if any(t != "full_attention" for t in getattr(text_config, "layer_types", None) or ["full_attention"]):
         return "sliding-window or hybrid attention layers"
-    gc = generation_config
-    if (gc.num_beams or 1) > 1 or getattr(gc, "stop_strings", None) or getattr(gc, "max_time", None):
-        return "beam search, stop strings or max_time"
-    if getattr(gc, "return_dict_in_generate", False) or getattr(gc, "assistant_early_exit", None):
-        return "generate outputs beyond token ids"
+    # Generation options (beam search, stop strings, ...) never reach this point: see vlm_grpo.fastpath.route.
     return None
 
 
@@ -126,6 +122,13 @@ def _prepared_generation_config(base: Any, generation_config: Any, prompt_len: i
     return gc
 
 
+def _default_generator(device: torch.device) -> torch.Generator | None:
+    """The generator ``torch.multinomial`` draws from on ``device`` (the one generate samples with)."""
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return torch.default_generator if device.type == "cpu" else None
+
+
 def fast_decode(
     model: Any,
     prefill_cache: Any,
@@ -192,11 +195,18 @@ def fast_decode(
     # the device so the host checks for "all finished" only every _CHECK_EVERY tokens, not once per token.
     produced = torch.zeros((), dtype=torch.long, device=device)
     generated = torch.cat([input_ids, input_ids.new_zeros(rows, steps)], dim=-1)
+    # generate draws once per token it returns; this loop may run up to _CHECK_EVERY - 1 steps past the end.
+    # The sampler's state before each draw since the last check is kept, to hand back what generate leaves.
+    rng = _default_generator(device) if gc.do_sample else None
+    states: dict[int, torch.Tensor] = {}
+    t = -1
     for t in range(steps):
         mask[:, 0, 0, prefix + t] = attend  # the token fed now attends to itself
         logits = step().to(copy=True, dtype=torch.float32)
         scores = processors(generated[:, : prompt_len + t], logits)
         if gc.do_sample:
+            if rng is not None:
+                states[t] = rng.get_state()  # host-side (CPU state, or CUDA seed + offset): no device sync
             next_tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
         else:
             next_tokens = torch.argmax(scores, dim=-1)
@@ -205,10 +215,14 @@ def fast_decode(
             next_tokens = next_tokens * unfinished + pad * (1 - unfinished)
             unfinished = unfinished & ~torch.isin(next_tokens, eos)
         generated[:, prompt_len + t] = next_tokens
-        if eos is not None and (t + 1) % _CHECK_EVERY == 0 and not bool(unfinished.any()):
-            break
+        if eos is not None and (t + 1) % _CHECK_EVERY == 0:
+            if not bool(unfinished.any()):
+                break
+            states.clear()  # some row goes on: the output is longer than t + 1 tokens
         tokens.copy_(next_tokens[:, None])
         positions.add_(1)
     length = int(produced) if eos is not None else steps
+    if rng is not None and length < t + 1:
+        rng.set_state(states[length])  # the sampler as generate leaves it: later draws (next step, next batch) agree
     del step, cache
     return generated[:, prompt_len : prompt_len + length]

@@ -371,4 +371,4 @@ def _fast_decode_blocker(trainer: Any, model: Any, positions: torch.Tensor | Non
         return "this model's generation positions are not known"
     if is_zero3(trainer.accelerator) and not trainer.args.ds3_gather_for_generation:
         return "ZeRO-3 without ds3_gather_for_generation (parameters stay partitioned during generation)"
-    return decode.unsupported_reason(model, trainer.generation_config)
+    return decode.unsupported_reason(model)

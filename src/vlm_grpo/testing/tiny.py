@@ -505,7 +505,7 @@ def num_parameters(model: Any) -> int:
 
 
 def build_model(
-    preset: str,
+    preset: str | Preset,
     out_dir: str | Path | None = None,
     seed: int = 0,
     dtype: torch.dtype | None = None,
@@ -523,7 +523,7 @@ def build_model(
     import torch
     from transformers import AutoModelForImageTextToText
 
-    p = get_preset(preset)
+    p = get_preset(preset) if isinstance(preset, str) else preset
     config, processor = build_config(p)
     device = torch.device(device)
     rng_devices: list[int] = []
@@ -542,16 +542,22 @@ def build_model(
     return model, processor
 
 
-def build_tiny_model(family: str, out_dir: str | Path, seed: int = 0) -> Path:
+def build_tiny_model(family: str, out_dir: str | Path, seed: int = 0, init_std: float | None = None) -> Path:
     """Write a tiny random checkpoint of ``family`` (model, processor, tokenizer) into ``out_dir``.
 
-    The same ``family`` and ``seed`` always give the same weights and the same tokenizer.
-    Returns ``out_dir`` as a :class:`~pathlib.Path`.
+    The same ``family``, ``seed`` and ``init_std`` always give the same weights and the same tokenizer.
+    ``init_std``: the language model's init std (default 0.02: near-uniform attention, where a position off by one
+    barely moves the logits; 0.15 makes it show, as the generation parity tests need). Returns ``out_dir``.
     """
+    import dataclasses
+
     import torch
 
     _check_family(family)
-    build_model(f"tiny_{family}", out_dir, seed=seed, dtype=torch.float32, device="cpu")
+    preset = PRESETS[f"tiny_{family}"]
+    if init_std is not None:
+        preset = dataclasses.replace(preset, text={**preset.text, "initializer_range": init_std})
+    build_model(preset, out_dir, seed=seed, dtype=torch.float32, device="cpu")
     return Path(out_dir)
 
 

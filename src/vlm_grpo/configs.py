@@ -226,8 +226,10 @@ class VLMGRPOConfig(GRPOConfig):
         metadata={
             "help": "With share_prefill: decode from a static KV cache with the decode step captured in a CUDA "
             "graph (GPU; the same loop runs eagerly on CPU). Sampling uses generate's own logits processors, "
-            "so greedy outputs equal generate's (tested). Falls back to generate for flash/flex attention, "
-            "sliding-window layers, beam search, stop strings, and ZeRO-3 without ds3_gather_for_generation."
+            "so greedy outputs equal generate's (tested). Decodes with generate (after the shared prefill) for "
+            "flash/flex attention, sliding-window layers and ZeRO-3 without ds3_gather_for_generation; options "
+            "the shared path cannot honour (beam search, stop strings, max_time, a wrapped generate, ...) send the "
+            "whole generation through TRL's own path, with one info line."
         },
     )
 

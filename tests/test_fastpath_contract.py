@@ -15,13 +15,17 @@ def test_private_name_still_exists(entry: contract.PrivateName) -> None:
 
 
 def test_every_overridden_trl_hook_is_listed() -> None:
-    """A private GRPOTrainer method that VLMGRPOTrainer overrides must be in the contract."""
+    """A private GRPOTrainer / SFTTrainer method that our trainers or their mixins override must be listed."""
+    from vlm_grpo.sft_trainer import VLMSFTTrainer
     from vlm_grpo.trainer import VLMGRPOTrainer
 
     overridden = {
         name
-        for name in vars(VLMGRPOTrainer)
-        if name.startswith("_") and not name.startswith("__") and hasattr(trl.GRPOTrainer, name)
+        for ours, theirs in ((VLMGRPOTrainer, trl.GRPOTrainer), (VLMSFTTrainer, trl.SFTTrainer))
+        for cls in ours.__mro__
+        if cls.__module__.startswith("vlm_grpo")
+        for name in vars(cls)
+        if name.startswith("_") and not name.startswith("__") and hasattr(theirs, name)
     }
     listed = {e.name for e in contract.PRIVATE_NAMES if e.owner in ("trl:GRPOTrainer", "transformers:Trainer")}
     assert overridden <= listed, f"not in fastpath.contract.PRIVATE_NAMES: {sorted(overridden - listed)}"

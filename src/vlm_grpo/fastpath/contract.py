@@ -36,6 +36,15 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     ),
     PrivateName("trl:GRPOTrainer", "_tokenize_prompts", ("prompts",), why="mixed text/image batches"),
     PrivateName(
+        "trl:GRPOTrainer", "_get_train_sampler", ("dataset",), why="the epoch-seeded sampler (resume across epochs)"
+    ),
+    PrivateName(
+        "transformers:Trainer",
+        "_save_checkpoint",
+        ("model", "trial"),
+        why="crash-safe checkpoints: the completion marker written after every rank saved",
+    ),
+    PrivateName(
         "trl:GRPOTrainer",
         "_tokenizer",
         source="trl:GRPOTrainer.__init__",

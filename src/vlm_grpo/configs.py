@@ -32,8 +32,9 @@ class GRPOScriptArguments(ScriptArguments):
     data_file_paths: str | None = field(
         default=None,
         metadata={
-            "help": "Training files (JSONL, JSON or parquet), separated by ':' (VLM-R1 convention), "
-            "e.g. 'a.jsonl:b.jsonl'."
+            "help": "Training data, separated by ':' (VLM-R1 convention): JSONL, JSON, parquet or arrow files, "
+            "folders written by datasets' save_to_disk (DIR or DIR@split), and name@split of a dataset in the local "
+            "Hugging Face cache, e.g. 'a.jsonl:geo.parquet:hiyouga/geometry3k@train'."
         },
     )
     image_folders: str | None = field(
@@ -45,6 +46,31 @@ class GRPOScriptArguments(ScriptArguments):
     )
     val_split_ratio: float = field(
         default=0.0, metadata={"help": "Fraction of the rows held out as an evaluation split (0 = none)."}
+    )
+    eval_file_paths: str | None = field(
+        default=None,
+        metadata={
+            "help": "Evaluation data, in any form --data_file_paths takes (':'-separated), checked like the training "
+            "rows; instead of --val_split_ratio."
+        },
+    )
+    prompt_key: str | None = field(
+        default=None,
+        metadata={"help": "Column holding the question (EasyR1's data.prompt_key; default 'problem')."},
+    )
+    answer_key: str | None = field(
+        default=None,
+        metadata={"help": "Column holding the solution (EasyR1's data.answer_key; default 'answer')."},
+    )
+    image_key: str | None = field(
+        default=None,
+        metadata={
+            "help": "Column holding the images: paths, data URIs, or HF Image features {bytes, path} "
+            "(EasyR1's data.image_key; default 'images')."
+        },
+    )
+    video_key: str | None = field(
+        default=None, metadata={"help": "Column holding a video (EasyR1's data.video_key; default 'videos')."}
     )
     reward_funcs: list[str] = field(
         default_factory=lambda: ["accuracy", "format"],

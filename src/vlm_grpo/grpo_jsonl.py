@@ -19,8 +19,9 @@ import torch
 from trl import TrlParser, get_peft_config
 
 from vlm_grpo.configs import GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig
-from vlm_grpo.data import to_datasets
-from vlm_grpo.recipe import load_checked_rows, load_model, pick_module
+from vlm_grpo.data import DataValidationError
+from vlm_grpo.data.sources import SourceError
+from vlm_grpo.recipe import load_datasets, load_model, pick_module
 from vlm_grpo.resume import resolve_resume
 from vlm_grpo.rewards import build_reward_funcs
 from vlm_grpo.trainer import VLMGRPOTrainer
@@ -58,8 +59,7 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
     )
 
     module, processor = pick_module(model_args, training_args.trust_remote_code)
-    rows = load_checked_rows(script_args, module, processor)
-    train_dataset, eval_dataset = to_datasets(rows, module, script_args.val_split_ratio, training_args.seed)
+    train_dataset, eval_dataset = load_datasets(script_args, module, processor, training_args.seed)
     logger.info("Data: %d training rows, %d evaluation rows", len(train_dataset), len(eval_dataset or []))
 
     model = load_model(module, model_args, training_args.trust_remote_code)
@@ -93,7 +93,11 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
 
 
 def cli(argv: Sequence[str] | None = None) -> None:
-    main(*parse_args(argv))
+    try:
+        main(*parse_args(argv))
+    except (SourceError, DataValidationError) as exc:  # the user's data: say what and where, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@ import logging
 from typing import Any
 
 from vlm_grpo.configs import GRPOScriptArguments, VLMModelConfig
-from vlm_grpo.data import prepare_rows
-from vlm_grpo.data.records import read_any_rows
+from vlm_grpo.data import prepare_rows, split_paths, to_datasets
+from vlm_grpo.data.sources import ColumnKeys, read_sources
 from vlm_grpo.modules import ImageLimits, VLMModule, get_vlm_module
 
 logger = logging.getLogger("vlm_grpo")
@@ -30,11 +30,24 @@ def pick_module(model_args: VLMModelConfig, trust_remote_code: bool = False) -> 
     return module, processor
 
 
-def load_checked_rows(script_args: GRPOScriptArguments, module: VLMModule, processor: Any) -> list[dict]:
-    """Every row read and checked (file:line errors, or counted skips with ``--skip_bad_rows``)."""
-    rows, bad_rows = read_any_rows(
-        script_args.data_file_paths,
-        script_args.image_folders,
+def load_checked_rows(
+    script_args: GRPOScriptArguments, module: VLMModule, processor: Any, data_file_paths: str | None = None
+) -> list[dict]:
+    """Every row read and checked (file:line errors, or counted skips with ``--skip_bad_rows``);
+    ``data_file_paths`` (e.g. the evaluation files) replaces ``--data_file_paths``."""
+    keys = ColumnKeys(
+        getattr(script_args, "prompt_key", None),
+        getattr(script_args, "answer_key", None),
+        getattr(script_args, "image_key", None),
+        getattr(script_args, "video_key", None),
+    )
+    folders = script_args.image_folders
+    if data_file_paths and len(split_paths(folders)) > 1:
+        folders = None  # one folder per training file: the evaluation files use their own folders
+    rows, bad_rows = read_sources(
+        data_file_paths or script_args.data_file_paths,
+        folders,
+        keys=keys,
         reward_method=script_args.reward_method,
         task_type=script_args.task_type,
     )
@@ -57,3 +70,15 @@ def load_model(module: VLMModule, model_args: VLMModelConfig, trust_remote_code:
         trust_remote_code=trust_remote_code,
         revision=model_args.model_revision,
     )
+
+
+def load_datasets(script_args: GRPOScriptArguments, module: VLMModule, processor: Any, seed: int) -> tuple[Any, Any]:
+    """(train, eval or None) datasets: eval from ``--eval_file_paths`` or a ``--val_split_ratio`` hold-out."""
+    rows = load_checked_rows(script_args, module, processor)
+    eval_files = getattr(script_args, "eval_file_paths", None)
+    if not eval_files:
+        return to_datasets(rows, module, script_args.val_split_ratio, seed)
+    if script_args.val_split_ratio:
+        raise ValueError("--eval_file_paths and --val_split_ratio both set: pick one source of evaluation rows")
+    eval_rows = load_checked_rows(script_args, module, processor, data_file_paths=eval_files)
+    return to_datasets(rows, module)[0], to_datasets(eval_rows, module)[0]

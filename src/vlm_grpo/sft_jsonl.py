@@ -19,8 +19,7 @@ from collections.abc import Sequence
 from trl import TrlParser, get_peft_config
 
 from vlm_grpo.configs import GRPOScriptArguments, VLMModelConfig
-from vlm_grpo.data import to_datasets
-from vlm_grpo.recipe import load_checked_rows, load_model, pick_module
+from vlm_grpo.recipe import load_datasets, load_model, pick_module
 from vlm_grpo.resume import resolve_resume
 from vlm_grpo.sft_trainer import SFTTransform, VLMSFTConfig, VLMSFTTrainer, assistant_masks_supported
 from vlm_grpo.utils import is_zero3
@@ -62,8 +61,7 @@ def build_trainer(
     )
 
     module, processor = pick_module(model_args, training_args.trust_remote_code)
-    rows = load_checked_rows(script_args, module, processor)
-    train_dataset, eval_dataset = to_datasets(rows, module, script_args.val_split_ratio, training_args.seed)
+    train_dataset, eval_dataset = load_datasets(script_args, module, processor, training_args.seed)
 
     # Loss on the assistant's tokens: from the template's generation markers, or else prompt/completion rows.
     prompt_completion = training_args.assistant_only_loss and not assistant_masks_supported(processor)

@@ -279,6 +279,7 @@ def to_datasets(rows: list[dict], module: Any, val_split_ratio: float = 0.0, see
         "source",
     )
     dataset = Dataset.from_dict({c: [r.get(c) for r in rows] for c in columns})
+    dataset = _with_extra_columns(dataset, rows)
     transform = LazyImageTransform(module)
     if not val_split_ratio:
         return dataset.with_transform(transform), None
@@ -286,3 +287,15 @@ def to_datasets(rows: list[dict], module: Any, val_split_ratio: float = 0.0, see
         raise ValueError(f"--val_split_ratio must be in [0, 1), got {val_split_ratio}")
     split = dataset.train_test_split(test_size=val_split_ratio, seed=seed)
     return split["train"].with_transform(transform), split["test"].with_transform(transform)
+
+
+def _with_extra_columns(dataset: Any, rows: list[dict]) -> Any:
+    """A row's own columns beyond the canonical ones (verl's ``data_source``, ``extra_info``, ...; see
+    ``data/sources.py``) as ``Json`` columns, so rewards receive them exactly as written (None where absent)."""
+    from datasets import Json
+
+    feature = Json()
+    for name in sorted({k for r in rows for k in r.get("extra") or {}}):
+        values = [feature.encode_example((r.get("extra") or {}).get(name)) for r in rows]
+        dataset = dataset.add_column(name, values, feature=feature)
+    return dataset

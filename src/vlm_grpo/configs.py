@@ -222,6 +222,36 @@ class VLMGRPOConfig(GRPOConfig):
         },
     )
 
+    dynamic_sampling: bool = field(
+        default=False,
+        metadata={
+            "help": "DAPO dynamic sampling (EasyR1 online_filtering): drop groups whose rewards do not vary (all "
+            "right or all wrong; or, with --filter_key, whose mean is outside (filter_low, filter_high)) and "
+            "generate groups for further prompts until the batch is full again. Logs dynamic_sampling/kept_groups, "
+            "/dropped_groups, /rounds, /filled_groups."
+        },
+    )
+    max_sampling_rounds: int = field(
+        default=4,
+        metadata={
+            "help": "dynamic_sampling: most generation rounds per batch. When they run out, the missing groups are "
+            "filled with dropped ones (zero advantage, no policy-gradient signal) and a warning is logged."
+        },
+    )
+    filter_key: str | None = field(
+        default=None,
+        metadata={
+            "help": "dynamic_sampling: filter on the group mean of this reward (a reward name, or 'reward' / "
+            "'overall' for the weighted sum) instead of on zero spread (EasyR1 algorithm.filter_key)."
+        },
+    )
+    filter_low: float = field(
+        default=0.01, metadata={"help": "dynamic_sampling with filter_key: keep groups whose mean is above this."}
+    )
+    filter_high: float = field(
+        default=0.99, metadata={"help": "dynamic_sampling with filter_key: keep groups whose mean is below this."}
+    )
+
     def __post_init__(self) -> None:
         apply_device_defaults(self)
         super().__post_init__()

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from trl import GRPOTrainer
 
+from vlm_grpo.dynamic_sampling import DynamicSamplingMixin
 from vlm_grpo.fastpath.block_attention import use_block_attention
 from vlm_grpo.fastpath.compiled_layers import check_compile_layers
 from vlm_grpo.fastpath.sharing import packed_logps, shared_prefill_generate
@@ -30,7 +31,7 @@ from vlm_grpo.utils import is_zero3
 logger = logging.getLogger(__name__)
 
 
-class VLMGRPOTrainer(CheckpointReloadMixin, GRPOTrainer):
+class VLMGRPOTrainer(DynamicSamplingMixin, CheckpointReloadMixin, GRPOTrainer):
     """GRPO for vision-language models.
 
     Args beyond ``trl.GRPOTrainer``:
@@ -80,6 +81,7 @@ class VLMGRPOTrainer(CheckpointReloadMixin, GRPOTrainer):
             **kwargs,
         )
         self._warn_if_groups_split()
+        self._check_dynamic_sampling()
         sharded = self.is_fsdp_enabled or is_zero3(self.accelerator)
         check_compile_layers(getattr(self.args, "compile_layers", False), sharded)
         if not getattr(self.args, "cudnn_attention", True) and torch.backends.cuda.cudnn_sdp_enabled():

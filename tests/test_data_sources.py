@@ -212,7 +212,11 @@ def test_parquet_bytes_save_to_disk_and_hub_cache_train_two_steps(tiny_models, t
     argv[argv.index("--data_file_paths") + 1] = sources
     argv += ["--prompt_key", "question", "--answer_key", "gt", "--image_key", "pics"]
     argv += ["--eval_file_paths", str(tmp_path / "eval.parquet")]
+    argv += ["--format_prompt", str(REPO / "configs" / "templates" / "r1v.jinja")]
     trainer = main(*parse_args(argv))
     assert trainer.state.global_step == 2
+    prompt = trainer.train_dataset[0]["prompt"][-1]["content"]
+    assert prompt[0] == {"type": "image"}
+    assert prompt[1]["text"].startswith("Which colour is this? (0) A conversation between User and Assistant.")
     assert len(trainer.train_dataset) == 7 and len(trainer.eval_dataset) == 1
     assert trainer.train_dataset[0]["level"] == 0  # an unmapped column reaches the rewards

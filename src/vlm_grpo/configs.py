@@ -54,6 +54,14 @@ class GRPOScriptArguments(ScriptArguments):
             "rows; instead of --val_split_ratio."
         },
     )
+    format_prompt: str | None = field(
+        default=None,
+        metadata={
+            "help": "Jinja template file that renders the user prompt from the row (EasyR1's data.format_prompt): "
+            "sees content / prompt (the question), answer, images and every column; sandboxed. EasyR1's math, "
+            "r1v and dapo templates are in configs/templates/. Replaces the family's task template."
+        },
+    )
     prompt_key: str | None = field(
         default=None,
         metadata={"help": "Column holding the question (EasyR1's data.prompt_key; default 'problem')."},

@@ -21,6 +21,7 @@ from trl import TrlParser, get_peft_config
 from vlm_grpo.configs import GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig
 from vlm_grpo.data import DataValidationError
 from vlm_grpo.data.sources import SourceError
+from vlm_grpo.data.templates import TemplateError
 from vlm_grpo.recipe import load_datasets, load_model, pick_module
 from vlm_grpo.resume import resolve_resume
 from vlm_grpo.rewards import build_reward_funcs
@@ -95,7 +96,7 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
 def cli(argv: Sequence[str] | None = None) -> None:
     try:
         main(*parse_args(argv))
-    except (SourceError, DataValidationError) as exc:  # the user's data: say what and where, no traceback
+    except (SourceError, TemplateError, DataValidationError) as exc:  # the data: what and where, no traceback
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
 

@@ -50,6 +50,7 @@ def load_checked_rows(
         keys=keys,
         reward_method=script_args.reward_method,
         task_type=script_args.task_type,
+        format_prompt=getattr(script_args, "format_prompt", None),
     )
     return prepare_rows(
         rows,

@@ -184,6 +184,11 @@ def build_messages(row: dict, template: str, with_images: bool = True) -> list[d
     return messages
 
 
+def question_template(row: dict, module: Any) -> str:
+    """The family's task template, or the question as is when ``--format_prompt`` rendered it."""
+    return "{question}" if row.get("format_prompt") else module.question_template(row.get("task_type"))
+
+
 class LazyImageTransform:
     """``datasets`` transform: adds ``prompt`` (chat messages) and ``images`` (decoded RGB) on access."""
 
@@ -193,7 +198,7 @@ class LazyImageTransform:
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
         out = dict(batch)
         rows = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
-        out["prompt"] = [build_messages(r, self.module.question_template(r.get("task_type"))) for r in rows]
+        out["prompt"] = [build_messages(r, question_template(r, self.module)) for r in rows]
         out["images"] = [[open_image(p).convert("RGB") for p in r["image_path"]] for r in rows]
         return out
 
@@ -206,7 +211,7 @@ def prompt_lengths(rows: Sequence[dict], module: Any, processor: Any, batch_size
         chunk = rows[start : start + batch_size]
         texts = [
             processor.apply_chat_template(
-                build_messages(r, module.question_template(r.get("task_type")), with_images=False),
+                build_messages(r, question_template(r, module), with_images=False),
                 tokenize=False,
                 add_generation_prompt=True,
             )
@@ -277,6 +282,7 @@ def to_datasets(rows: list[dict], module: Any, val_split_ratio: float = 0.0, see
         "accu_reward_method",
         "task_type",
         "source",
+        "format_prompt",
     )
     dataset = Dataset.from_dict({c: [r.get(c) for r in rows] for c in columns})
     dataset = _with_extra_columns(dataset, rows)

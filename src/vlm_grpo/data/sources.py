@@ -31,6 +31,7 @@ from PIL import Image
 from vlm_grpo.data.formats import IMAGE_TOKEN, RowError, count_placeholders, normalise_row
 from vlm_grpo.data.jsonl import BadRow, _check_images, _resolve_image, _source_order, read_rows, split_paths
 from vlm_grpo.data.records import Record, iter_records, read_any_rows
+from vlm_grpo.data.templates import PromptTemplate
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ logger = logging.getLogger(__name__)
 RESERVED_COLUMNS = frozenset(
     {
         "id", "question", "system", "solution", "image_path", "image_sizes", "coord_sizes", "accu_reward_method",
-        "task_type", "source", "prompt", "images", "image", "completion", "completions", "extra",
+        "task_type", "source", "prompt", "images", "image", "completion", "completions", "extra", "format_prompt",
     }
 )  # fmt: skip
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
@@ -314,13 +315,22 @@ def _extra_json(extra: dict, source: str) -> dict:
 
 
 def _check_record(
-    record: Record, folder: Path, keys: ColumnKeys, reward_method: str | None, task_type: str | None
+    record: Record,
+    folder: Path,
+    keys: ColumnKeys,
+    reward_method: str | None,
+    task_type: str | None,
+    template: PromptTemplate | None = None,
 ) -> dict | BadRow:
     if record.error:
         return BadRow(record.source, "<json>", record.error)
     try:
         adapted, extra = adapt_row(record.value, keys)
         row = normalise_row(adapted)
+        if template is not None:
+            row["task_type"] = row["task_type"] or task_type
+            row["question"] = template.render(row, record.value)
+            row["format_prompt"] = template.path
     except RowError as exc:
         return BadRow(record.source, exc.field, str(exc))
     n_markers = count_placeholders(row["question"])
@@ -344,8 +354,7 @@ def _plain_file(spec: str, keys: ColumnKeys) -> bool:
     """JSONL / JSON files without column keys or verl rows keep the package's one JSONL reader."""
     if keys.given() or Path(spec).suffix.lower() not in (".jsonl", ".json") or not os.path.isfile(spec):
         return False
-    first = next(iter_records(spec), None)
-    return first is None or first.error is not None or not (isinstance(first.value, dict) and is_verl_row(first.value))
+    return not any(isinstance(r.value, dict) and is_verl_row(r.value) for r in iter_records(spec))
 
 
 def read_sources(
@@ -355,9 +364,12 @@ def read_sources(
     keys: ColumnKeys = ColumnKeys(),
     reward_method: str | None = None,
     task_type: str | None = None,
+    format_prompt: str | None = None,
     num_threads: int = 8,
 ) -> tuple[list[dict], list[BadRow]]:
-    """(good rows, bad rows) of every source; checked like ``read_rows``, errors as ``source:row``."""
+    """(good rows, bad rows) of every source; checked like ``read_rows``, errors as ``source:row``.
+    ``format_prompt``: a Jinja template file the user prompt is rendered with (``data/templates.py``)."""
+    template = PromptTemplate(format_prompt) if format_prompt else None
     sources = split_sources(data_file_paths)
     if not sources:
         raise ValueError("No data files given: pass --data_file_paths a.jsonl[:b.parquet]")
@@ -372,12 +384,12 @@ def read_sources(
     for index, spec in enumerate(sources):
         folder = Path(folders[index if len(folders) > 1 else 0]) if folders else _default_folder(spec)
         options = {"reward_method": reward_method, "task_type": task_type, "num_threads": num_threads}
-        if _plain_file(spec, keys):
+        if template is None and _plain_file(spec, keys):
             good, wrong = (read_rows if spec.endswith(".jsonl") else read_any_rows)([spec], [str(folder)], **options)
             rows.extend(good)
             bad.extend(wrong)
             continue
-        checked = [_check_record(r, folder, keys, reward_method, task_type) for r in iter_source(spec)]
+        checked = [_check_record(r, folder, keys, reward_method, task_type, template) for r in iter_source(spec)]
         source_rows = [c for c in checked if isinstance(c, dict)]
         bad.extend(c for c in checked if isinstance(c, BadRow))
         with ThreadPoolExecutor(max_workers=max(1, num_threads)) as pool:

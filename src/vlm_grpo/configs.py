@@ -260,6 +260,19 @@ class VLMGRPOConfig(GRPOConfig):
         default=0.99, metadata={"help": "dynamic_sampling with filter_key: keep groups whose mean is below this."}
     )
 
+    rollout_log: str | None = field(
+        default=None,
+        metadata={
+            "help": "Append every rollout (prompt, image paths, completion, each reward, advantage, step) to this "
+            "JSONL file; rank r > 0 writes NAME.rank<r>.jsonl. VLM-R1's DEBUG_MODE=true + LOG_PATH turn it on "
+            "when this is not given."
+        },
+    )
+    rollout_log_every: int = field(default=1, metadata={"help": "rollout_log: log every N-th step (1, 1+N, ...)."})
+    rollout_log_max_chars: int | None = field(
+        default=None, metadata={"help": "rollout_log: cut prompts, solutions and completions to this many chars."}
+    )
+
     def __post_init__(self) -> None:
         apply_device_defaults(self)
         super().__post_init__()

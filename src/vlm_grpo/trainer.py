@@ -25,13 +25,14 @@ from vlm_grpo.fastpath.vision_attention import use_batched_vision_attention
 from vlm_grpo.fastpath.vision_sync import install_vision_sync, needs_vision_sync
 from vlm_grpo.modules import VLMModule
 from vlm_grpo.rewards import build_reward_funcs
+from vlm_grpo.rollout_log import RolloutLogMixin
 from vlm_grpo.trainer_common import CheckpointReloadMixin, prepare_vlm
 from vlm_grpo.utils import is_zero3
 
 logger = logging.getLogger(__name__)
 
 
-class VLMGRPOTrainer(DynamicSamplingMixin, CheckpointReloadMixin, GRPOTrainer):
+class VLMGRPOTrainer(DynamicSamplingMixin, RolloutLogMixin, CheckpointReloadMixin, GRPOTrainer):
     """GRPO for vision-language models.
 
     Args beyond ``trl.GRPOTrainer``:

@@ -275,6 +275,8 @@ class VLMGRPOConfig(GRPOConfig):
 
     def __post_init__(self) -> None:
         apply_device_defaults(self)
+        if isinstance(self.report_to, str) and "," in self.report_to:  # the command line takes one string
+            self.report_to = [name.strip() for name in self.report_to.split(",") if name.strip()]
         super().__post_init__()
 
 

@@ -22,7 +22,14 @@ from vlm_grpo.configs import GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig
 from vlm_grpo.data import DataValidationError
 from vlm_grpo.data.sources import SourceError
 from vlm_grpo.data.templates import TemplateError
-from vlm_grpo.recipe import load_datasets, load_model, pick_module
+from vlm_grpo.recipe import (
+    LoggerUnavailableError,
+    check_report_to,
+    finish_loggers,
+    load_datasets,
+    load_model,
+    pick_module,
+)
 from vlm_grpo.resume import resolve_resume
 from vlm_grpo.rewards import build_reward_funcs
 from vlm_grpo.trainer import VLMGRPOTrainer
@@ -59,6 +66,7 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
         is_main_process=is_main,
     )
 
+    check_report_to(training_args.report_to)
     module, processor = pick_module(model_args, training_args.trust_remote_code)
     train_dataset, eval_dataset = load_datasets(script_args, module, processor, training_args.seed)
     logger.info("Data: %d training rows, %d evaluation rows", len(train_dataset), len(eval_dataset or []))
@@ -82,6 +90,7 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
     )
     trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(training_args.output_dir)
+    finish_loggers(training_args.report_to)
     if is_main:
         means = reward_means(trainer.state.log_history)
         summary = ", ".join(f"{name}={value:.3f}" for name, value in sorted(means.items()))
@@ -96,7 +105,8 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
 def cli(argv: Sequence[str] | None = None) -> None:
     try:
         main(*parse_args(argv))
-    except (SourceError, TemplateError, DataValidationError) as exc:  # the data: what and where, no traceback
+    except (SourceError, TemplateError, DataValidationError, LoggerUnavailableError) as exc:
+        # the user's input: what and where, no traceback
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
 

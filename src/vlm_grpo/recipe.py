@@ -83,3 +83,37 @@ def load_datasets(script_args: GRPOScriptArguments, module: VLMModule, processor
         raise ValueError("--eval_file_paths and --val_split_ratio both set: pick one source of evaluation rows")
     eval_rows = load_checked_rows(script_args, module, processor, data_file_paths=eval_files)
     return to_datasets(rows, module)[0], to_datasets(eval_rows, module)[0]
+
+
+class LoggerUnavailableError(ValueError):
+    """``--report_to`` names an integration whose package is not installed."""
+
+
+#: --report_to name -> what to install (the vlm-grpo extra where there is one)
+_LOGGER_PACKAGES = {"tensorboard": "vlm-grpo[tensorboard]", "wandb": "vlm-grpo[wandb]", "swanlab": "swanlab"}
+
+
+def check_report_to(report_to: Any) -> None:
+    """Refuse, before anything loads, a ``--report_to`` integration that is not installed (transformers would
+    only fail once the model is loaded and the trainer built)."""
+    from transformers.integrations import get_available_reporting_integrations
+
+    requested = [report_to] if isinstance(report_to, str) else list(report_to or [])
+    available = set(get_available_reporting_integrations())
+    missing = [name for name in requested if name not in ("none", "all") and name not in available]
+    if missing:
+        hints = ", ".join(f"{name}: pip install '{_LOGGER_PACKAGES.get(name, name)}'" for name in missing)
+        raise LoggerUnavailableError(
+            f"--report_to {' '.join(missing)}: not installed ({hints}); or drop it from --report_to"
+        )
+
+
+def finish_loggers(report_to: Any) -> None:
+    """Close the wandb run at the end of ``main`` so its files are complete when ``main`` returns (a script's
+    exit would do it; a notebook or a test calling ``main`` would otherwise read a half-written run)."""
+    if "wandb" in (report_to or []):
+        import wandb
+
+        if wandb.run is not None:
+            wandb.finish()
+        wandb.teardown()  # stops wandb's service process, which writes the run files out

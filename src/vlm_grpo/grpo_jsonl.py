@@ -19,6 +19,7 @@ import torch
 from trl import TrlParser, get_peft_config
 
 from vlm_grpo.configs import GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig
+from vlm_grpo.convert_config import ConfigError, easyr1_config_argv
 from vlm_grpo.data import DataValidationError
 from vlm_grpo.data.sources import SourceError
 from vlm_grpo.data.templates import TemplateError
@@ -39,6 +40,7 @@ logger = logging.getLogger("vlm_grpo")
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig]:
     parser = TrlParser((GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig))
+    argv = easyr1_config_argv(sys.argv[1:] if argv is None else argv)
     script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
     return script_args, training_args, model_args
 
@@ -105,7 +107,7 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
 def cli(argv: Sequence[str] | None = None) -> None:
     try:
         main(*parse_args(argv))
-    except (SourceError, TemplateError, DataValidationError, LoggerUnavailableError) as exc:
+    except (SourceError, TemplateError, DataValidationError, LoggerUnavailableError, ConfigError) as exc:
         # the user's input: what and where, no traceback
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)

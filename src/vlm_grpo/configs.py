@@ -78,7 +78,17 @@ class GRPOScriptArguments(ScriptArguments):
         },
     )
     video_key: str | None = field(
-        default=None, metadata={"help": "Column holding a video (EasyR1's data.video_key; default 'videos')."}
+        default=None,
+        metadata={"help": "Column holding a video: a file or a list of frame images (default 'video' / 'videos')."},
+    )
+    video_fps: float = field(
+        default=2.0, metadata={"help": "Video rows: frames sampled per second of video (EasyR1's data.video_fps)."}
+    )
+    video_max_frames: int = field(
+        default=16, metadata={"help": "Video rows: most frames taken; longer clips are sampled evenly across."}
+    )
+    video_max_pixels: int | None = field(
+        default=None, metadata={"help": "Video rows: frames larger than this many pixels are shrunk to it."}
     )
     reward_funcs: list[str] = field(
         default_factory=lambda: ["accuracy", "format"],

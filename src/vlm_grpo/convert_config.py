@@ -34,6 +34,7 @@ DIRECT = {
     "data.answer_key": "answer_key",
     "data.image_key": "image_key",
     "data.video_key": "video_key",
+    "data.video_fps": "video_fps",
     "data.image_dir": "image_folders",
     "data.max_prompt_length": "max_prompt_length",
     "data.max_response_length": "max_completion_length",

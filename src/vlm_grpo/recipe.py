@@ -8,6 +8,7 @@ from typing import Any
 from vlm_grpo.configs import GRPOScriptArguments, VLMModelConfig
 from vlm_grpo.data import prepare_rows, split_paths, to_datasets
 from vlm_grpo.data.sources import ColumnKeys, read_sources
+from vlm_grpo.data.video import VideoOptions
 from vlm_grpo.modules import ImageLimits, VLMModule, get_vlm_module
 
 logger = logging.getLogger("vlm_grpo")
@@ -51,6 +52,11 @@ def load_checked_rows(
         reward_method=script_args.reward_method,
         task_type=script_args.task_type,
         format_prompt=getattr(script_args, "format_prompt", None),
+        video=VideoOptions(
+            getattr(script_args, "video_fps", 2.0),
+            getattr(script_args, "video_max_frames", 16),
+            getattr(script_args, "video_max_pixels", None),
+        ),
     )
     return prepare_rows(
         rows,

@@ -32,6 +32,7 @@ from vlm_grpo.data.formats import IMAGE_TOKEN, RowError, count_placeholders, nor
 from vlm_grpo.data.jsonl import BadRow, _check_images, _resolve_image, _source_order, read_rows, split_paths
 from vlm_grpo.data.records import Record, iter_records, read_any_rows
 from vlm_grpo.data.templates import PromptTemplate
+from vlm_grpo.data.video import VideoOptions, add_video, video_value
 
 logger = logging.getLogger(__name__)
 
@@ -279,8 +280,6 @@ def adapt_row(row: Any, keys: ColumnKeys = ColumnKeys()) -> tuple[Any, dict]:
     """(a row ``normalise_row`` understands, the extra columns to keep) for every supported shape."""
     if not isinstance(row, dict):
         return row, {}
-    if keys.video is not None and row.get(keys.video) is not None:
-        raise RowError(keys.video, "video rows are not supported yet; extract frames and pass them as images")
     if is_verl_row(row):
         adapted, used = _verl(row)
     elif keys.given() or ("problem" in row and "conversations" not in row and "conversation" not in row):
@@ -321,12 +320,17 @@ def _check_record(
     reward_method: str | None,
     task_type: str | None,
     template: PromptTemplate | None = None,
+    video: VideoOptions | None = None,
 ) -> dict | BadRow:
     if record.error:
         return BadRow(record.source, "<json>", record.error)
     try:
         adapted, extra = adapt_row(record.value, keys)
         row = normalise_row(adapted)
+        column, value = video_value(record.value, keys.video) if isinstance(record.value, dict) else (None, None)
+        if column is not None:
+            add_video(row, value, folder, video or VideoOptions())
+            extra[column] = value  # rewards receive the video as the row gave it
         if template is not None:
             row["task_type"] = row["task_type"] or task_type
             row["question"] = template.render(row, record.value)
@@ -354,7 +358,10 @@ def _plain_file(spec: str, keys: ColumnKeys) -> bool:
     """JSONL / JSON files without column keys or verl rows keep the package's one JSONL reader."""
     if keys.given() or Path(spec).suffix.lower() not in (".jsonl", ".json") or not os.path.isfile(spec):
         return False
-    return not any(isinstance(r.value, dict) and is_verl_row(r.value) for r in iter_records(spec))
+    return not any(
+        isinstance(r.value, dict) and (is_verl_row(r.value) or video_value(r.value, None)[0] is not None)
+        for r in iter_records(spec)
+    )
 
 
 def read_sources(
@@ -365,10 +372,12 @@ def read_sources(
     reward_method: str | None = None,
     task_type: str | None = None,
     format_prompt: str | None = None,
+    video: VideoOptions | None = None,
     num_threads: int = 8,
 ) -> tuple[list[dict], list[BadRow]]:
     """(good rows, bad rows) of every source; checked like ``read_rows``, errors as ``source:row``.
-    ``format_prompt``: a Jinja template file the user prompt is rendered with (``data/templates.py``)."""
+    ``format_prompt``: a Jinja template file the user prompt is rendered with (``data/templates.py``);
+    ``video``: how video rows are sampled into frames (``data/video.py``)."""
     template = PromptTemplate(format_prompt) if format_prompt else None
     sources = split_sources(data_file_paths)
     if not sources:
@@ -389,7 +398,7 @@ def read_sources(
             rows.extend(good)
             bad.extend(wrong)
             continue
-        checked = [_check_record(r, folder, keys, reward_method, task_type, template) for r in iter_source(spec)]
+        checked = [_check_record(r, folder, keys, reward_method, task_type, template, video) for r in iter_source(spec)]
         source_rows = [c for c in checked if isinstance(c, dict)]
         bad.extend(c for c in checked if isinstance(c, BadRow))
         with ThreadPoolExecutor(max_workers=max(1, num_threads)) as pool:

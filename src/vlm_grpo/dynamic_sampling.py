@@ -169,6 +169,8 @@ class DynamicSamplingMixin:
                 f"filter_key '{key}' is not a reward of this run: use one of {self.reward_func_names} or "
                 f"{' / '.join(TOTAL_REWARD_KEYS)} (the weighted sum)"
             )
+        if key is not None and not args.filter_low < args.filter_high:
+            raise ValueError(f"filter_low ({args.filter_low}) must be below filter_high ({args.filter_high})")
         if args.max_sampling_rounds < 1:
             raise ValueError(f"max_sampling_rounds must be at least 1, got {args.max_sampling_rounds}")
 

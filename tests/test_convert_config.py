@@ -150,3 +150,13 @@ def test_easyr1_yaml_trains_through_config(tiny_models, tmp_path):
     assert trainer.state.global_step == 2
     assert trainer.args.per_device_train_batch_size == 4 and trainer.num_generations == 4
     assert "rewards/compute_score/accuracy" in trainer.state.log_history[0]
+
+
+def test_shipped_dapo_config_parses():
+    from vlm_grpo.grpo_jsonl import parse_args
+
+    script, training, _ = parse_args(["--config", str(REPO / "configs" / "grpo_geo3k_dapo.yaml")])
+    assert script.data_file_paths == "hiyouga/geometry3k@train" and script.prompt_key == "problem"
+    assert (REPO / script.format_prompt).is_file()
+    assert training.dynamic_sampling and training.filter_key == "accuracy" and training.report_to == ["tensorboard"]
+    assert training.rollout_log == "runs/geo3k_dapo/rollouts.jsonl"

@@ -31,6 +31,18 @@ def write_video(path: Path, n: int = 8, fps: int = 4, size: tuple[int, int] = (6
     return path
 
 
+def write_audio_only(path: Path) -> Path:
+    import av
+
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("aac", rate=8000)
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp", layout="mono")
+        frame.sample_rate = 8000
+        for packet in [*stream.encode(frame), *stream.encode()]:
+            container.mux(packet)
+    return path
+
+
 @pytest.fixture
 def clip(tmp_path) -> Path:
     return write_video(tmp_path / "clip.mp4")
@@ -56,12 +68,14 @@ def test_video_marker_becomes_frames_where_it_stands_and_bad_videos_are_bad_rows
 
     Image.new("RGB", (56, 56), (0, 0, 200)).save(tmp_path / "still.png")
     (tmp_path / "corrupt.mp4").write_bytes(b"\x00\x01not a video" * 50)
+    write_audio_only(tmp_path / "sound.mp4")  # a media file with zero video frames
     rows = [
         {"problem": "Compare <image> with <video> now.", "answer": "x", "images": ["still.png"], "video": "clip.mp4"},
         {"problem": "What happens?", "answer": "y", "videos": ["clip.mp4"]},
         {"problem": "<video>?", "answer": "z", "video": "missing.mp4"},
         {"problem": "<video>?", "answer": "z", "video": "corrupt.mp4"},
         {"problem": "<video> and <video>?", "answer": "z", "video": "clip.mp4"},
+        {"problem": "<video>?", "answer": "z", "video": "sound.mp4"},
     ]
     data = tmp_path / "v.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -73,9 +87,9 @@ def test_video_marker_becomes_frames_where_it_stands_and_bad_videos_are_bad_rows
     assert first["image_path"][0] == str(tmp_path / "still.png") and len(first["image_path"]) == 5
     assert second["question"].startswith("<image>" * 4 + "What happens?")
     assert first["extra"]["video"] == "clip.mp4" and second["extra"]["videos"] == ["clip.mp4"]
-    assert [(b.source, b.field) for b in bad] == [(f"{data}:{i}", "video") for i in (3, 4, 5)]
+    assert [(b.source, b.field) for b in bad] == [(f"{data}:{i}", "video") for i in (3, 4, 5, 6)]
     assert "video file not found" in bad[0].reason and "unreadable video" in bad[1].reason
-    assert "2 '<video>' markers" in bad[2].reason
+    assert "2 '<video>' markers" in bad[2].reason and "no video stream" in bad[3].reason
 
 
 def test_prompt_length_counts_the_frames_exactly(clip, tmp_path, tiny_models):

@@ -267,3 +267,16 @@ def test_gradient_accumulation_fills_every_micro_batch_from_kept_groups(tiny_mod
             tok.decode(ids[mask.bool()]) for ids, mask in zip(batch["prompt_ids"], batch["prompt_mask"], strict=True)
         ]
         assert not any("Zebra" in t for t in texts)
+
+
+def test_when_rounds_run_out_dropped_groups_fill_the_batch_and_it_is_logged(tiny_models, tmp_path, caplog):
+    data, plugin = make_data(tmp_path, flat=3, varied=0)  # every group constant: nothing can be kept
+    argv = ds_args(tiny_models["qwen2_5_vl"], data, plugin, tmp_path / "out", steps=1)
+    argv[argv.index("--max_sampling_rounds") + 1] = "2"
+    with caplog.at_level("WARNING", logger="vlm_grpo.dynamic_sampling"):
+        trainer = main(*parse_args(argv))
+    assert trainer.state.global_step == 1
+    (entry,) = [e for e in trainer.state.log_history if "dynamic_sampling/rounds" in e]
+    assert entry["dynamic_sampling/rounds"] == 2 and entry["dynamic_sampling/kept_groups"] == 0
+    assert entry["dynamic_sampling/dropped_groups"] == 4 and entry["dynamic_sampling/filled_groups"] == 2
+    assert "2 group(s) still missing after max_sampling_rounds=2" in caplog.text

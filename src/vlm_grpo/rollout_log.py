@@ -111,6 +111,7 @@ class RolloutLogMixin:
                     "system": _clip(system, limit) if system else system,
                     "prompt": _clip(user, limit),
                     "images": [_image_name(p) for p in row.get("image_path") or []],
+                    **({"video": row["video"]} if row.get("video") is not None else {}),
                     "solution": _clip(str(row.get("solution", "")), limit) if "solution" in row else None,
                     "completion": _clip(completion_text(completion), limit),
                     "rewards": dict(zip(self.reward_func_names, values, strict=True)),

@@ -31,6 +31,13 @@ def flat_or_varied(completions, question, **kwargs):
 """
 
 
+def test_the_private_trl_names_it_overrides_still_exist():
+    from vlm_grpo.dynamic_sampling import PRIVATE_NAMES
+    from vlm_grpo.fastpath.contract import check
+
+    assert [problem for entry in PRIVATE_NAMES if (problem := check(entry))] == []
+
+
 def test_keep_groups_by_spread_and_by_bounds():
     nan = float("nan")
     rewards = torch.tensor(

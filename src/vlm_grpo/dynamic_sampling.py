@@ -30,7 +30,24 @@ import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl.trainer.utils import split_pixel_values_by_grid, unsplit_pixel_values_by_grid
 
+from vlm_grpo.fastpath.contract import PrivateName
+
 logger = logging.getLogger(__name__)
+
+#: the private TRL / transformers names this module and ``rollout_log`` override or read (checked by a test)
+PRIVATE_NAMES = (
+    PrivateName("trl:GRPOTrainer", "_generate_and_score_completions", ("inputs",), why="dynamic sampling rounds"),
+    PrivateName(
+        "trl:GRPOTrainer",
+        "_calculate_rewards",
+        ("inputs", "prompts", "completions", "completion_ids_list"),
+        why="the gathered rewards the group filter and the rollout log read",
+    ),
+    PrivateName("trl:GRPOTrainer", "_metrics", source="trl:GRPOTrainer.__init__", why="dynamic_sampling/* metrics"),
+    PrivateName("trl:GRPOTrainer", "_save_checkpoint", ("model", "trial"), why="the further-prompt position"),
+    PrivateName("trl:GRPOTrainer", "_load_optimizer_and_scheduler", ("checkpoint",), why="restoring it"),
+    PrivateName("transformers:Trainer", "_get_output_dir", ("trial",), why="the checkpoint folder"),
+)
 
 STATE_FILE = "dynamic_sampling.json"
 #: names under which ``filter_key`` means the weighted sum of all rewards (EasyR1 calls it ``overall``)

@@ -23,3 +23,5 @@ if __name__ == "__main__":
     # Dummy vision passes this rank ran to stay in step with ranks that had images (vlm_grpo.fastpath.vision_sync).
     with open(f"{out}/vision{rank}.json", "w") as f:
         json.dump({"dummy_passes": sum(s.dummy_passes for s in getattr(trainer, "_vision_syncs", []))}, f)
+    with open(f"{out}/history{rank}.json", "w") as f:
+        json.dump(trainer.state.log_history, f)

@@ -39,8 +39,9 @@ class GRPOScriptArguments(ScriptArguments):
     data_file_paths: str | None = field(
         default=None,
         metadata={
-            "help": "Training files (JSONL, JSON or parquet), separated by ':' (VLM-R1 convention), "
-            "e.g. 'a.jsonl:b.jsonl'."
+            "help": "Training data, separated by ':' (VLM-R1 convention): JSONL, JSON, parquet or arrow files, "
+            "folders written by datasets' save_to_disk (DIR or DIR@split), and name@split of a dataset in the local "
+            "Hugging Face cache, e.g. 'a.jsonl:geo.parquet:hiyouga/geometry3k@train'."
         },
     )
     image_folders: str | None = field(
@@ -52,6 +53,49 @@ class GRPOScriptArguments(ScriptArguments):
     )
     val_split_ratio: float = field(
         default=0.0, metadata={"help": "Fraction of the rows held out as an evaluation split (0 = none)."}
+    )
+    eval_file_paths: str | None = field(
+        default=None,
+        metadata={
+            "help": "Evaluation data, in any form --data_file_paths takes (':'-separated), checked like the training "
+            "rows; instead of --val_split_ratio."
+        },
+    )
+    format_prompt: str | None = field(
+        default=None,
+        metadata={
+            "help": "Jinja template file that renders the user prompt from the row (EasyR1's data.format_prompt): "
+            "sees content / prompt (the question), answer, images and every column; sandboxed. EasyR1's math, "
+            "r1v and dapo templates are in configs/templates/. Replaces the family's task template."
+        },
+    )
+    prompt_key: str | None = field(
+        default=None,
+        metadata={"help": "Column holding the question (EasyR1's data.prompt_key; default 'problem')."},
+    )
+    answer_key: str | None = field(
+        default=None,
+        metadata={"help": "Column holding the solution (EasyR1's data.answer_key; default 'answer')."},
+    )
+    image_key: str | None = field(
+        default=None,
+        metadata={
+            "help": "Column holding the images: paths, data URIs, or HF Image features {bytes, path} "
+            "(EasyR1's data.image_key; default 'images')."
+        },
+    )
+    video_key: str | None = field(
+        default=None,
+        metadata={"help": "Column holding a video: a file or a list of frame images (default 'video' / 'videos')."},
+    )
+    video_fps: float = field(
+        default=2.0, metadata={"help": "Video rows: frames sampled per second of video (EasyR1's data.video_fps)."}
+    )
+    video_max_frames: int = field(
+        default=16, metadata={"help": "Video rows: most frames taken; longer clips are sampled evenly across."}
+    )
+    video_max_pixels: int | None = field(
+        default=None, metadata={"help": "Video rows: frames larger than this many pixels are shrunk to it."}
     )
     reward_funcs: list[str] = field(
         default_factory=lambda: ["accuracy", "format"],
@@ -233,8 +277,53 @@ class VLMGRPOConfig(GRPOConfig):
         },
     )
 
+    dynamic_sampling: bool = field(
+        default=False,
+        metadata={
+            "help": "DAPO dynamic sampling (EasyR1 online_filtering): drop groups whose rewards do not vary (all "
+            "right or all wrong; or, with --filter_key, whose mean is outside (filter_low, filter_high)) and "
+            "generate groups for further prompts until the batch is full again. Logs dynamic_sampling/kept_groups, "
+            "/dropped_groups, /rounds, /filled_groups."
+        },
+    )
+    max_sampling_rounds: int = field(
+        default=4,
+        metadata={
+            "help": "dynamic_sampling: most generation rounds per batch. When they run out, the missing groups are "
+            "filled with dropped ones (zero advantage, no policy-gradient signal) and a warning is logged."
+        },
+    )
+    filter_key: str | None = field(
+        default=None,
+        metadata={
+            "help": "dynamic_sampling: filter on the group mean of this reward (a reward name, or 'reward' / "
+            "'overall' for the weighted sum) instead of on zero spread (EasyR1 algorithm.filter_key)."
+        },
+    )
+    filter_low: float = field(
+        default=0.01, metadata={"help": "dynamic_sampling with filter_key: keep groups whose mean is above this."}
+    )
+    filter_high: float = field(
+        default=0.99, metadata={"help": "dynamic_sampling with filter_key: keep groups whose mean is below this."}
+    )
+
+    rollout_log: str | None = field(
+        default=None,
+        metadata={
+            "help": "Append every rollout (prompt, image paths, completion, each reward, advantage, step) to this "
+            "JSONL file; rank r > 0 writes NAME.rank<r>.jsonl. VLM-R1's DEBUG_MODE=true + LOG_PATH turn it on "
+            "when this is not given."
+        },
+    )
+    rollout_log_every: int = field(default=1, metadata={"help": "rollout_log: log every N-th step (1, 1+N, ...)."})
+    rollout_log_max_chars: int | None = field(
+        default=None, metadata={"help": "rollout_log: cut prompts, solutions and completions to this many chars."}
+    )
+
     def __post_init__(self) -> None:
         apply_device_defaults(self)
+        if isinstance(self.report_to, str) and "," in self.report_to:  # the command line takes one string
+            self.report_to = [name.strip() for name in self.report_to.split(",") if name.strip()]
         super().__post_init__()
 
 

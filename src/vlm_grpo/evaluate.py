@@ -175,7 +175,7 @@ def evaluate(args: EvalArguments) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
     from vlm_grpo.data import prepare_rows, to_datasets
-    from vlm_grpo.data.records import read_any_rows
+    from vlm_grpo.data.sources import read_sources
     from vlm_grpo.merge_lora import is_adapter, load_model_and_processor
     from vlm_grpo.modules import ImageLimits
     from vlm_grpo.rewards import build_reward_funcs
@@ -200,7 +200,7 @@ def evaluate(args: EvalArguments) -> dict[str, Any]:
     overrides = module.reward_overrides if args.is_reward_customized_from_vlm_module else None
     reward_funcs = build_reward_funcs(args.reward_funcs, overrides, args.reward_kwargs)
 
-    rows, bad = read_any_rows(
+    rows, bad = read_sources(  # every source training reads (parquet with image bytes, name@split, verl rows, ...)
         args.data_file_paths, args.image_folders, reward_method=args.reward_method, task_type=args.task_type
     )
     if args.max_samples is not None:

@@ -28,10 +28,12 @@ logger = logging.getLogger("vlm_grpo")
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig]:
     from vlm_grpo.configs import GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig, VLMParser
+    from vlm_grpo.convert_config import easyr1_config_argv
     from vlm_grpo.utils import quiet_warnings
 
     quiet_warnings()  # before parsing: TrainingArguments warns about its own flag names there
     parser = VLMParser((GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig))
+    argv = easyr1_config_argv(sys.argv[1:] if argv is None else argv)  # an EasyR1 YAML as --config
     script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
     return script_args, training_args, model_args
 
@@ -53,8 +55,7 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
     from tqdm.contrib.logging import logging_redirect_tqdm
     from trl import get_peft_config
 
-    from vlm_grpo.data import to_datasets
-    from vlm_grpo.recipe import load_checked_rows, load_model, pick_module, preflight, wrap_solutions
+    from vlm_grpo.recipe import finish_loggers, load_datasets, load_model, pick_module, preflight
     from vlm_grpo.resume import resolve_resume
     from vlm_grpo.rewards import build_reward_funcs
     from vlm_grpo.trainer import VLMGRPOTrainer
@@ -85,10 +86,7 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
         seed_aliases=script_args.reward_aliases,
     )
 
-    rows = load_checked_rows(script_args, module, processor)
-    if script_args.vlmr1_solution_tags:
-        wrap_solutions(rows)
-    train_dataset, eval_dataset = to_datasets(rows, module, script_args.val_split_ratio, training_args.seed)
+    train_dataset, eval_dataset = load_datasets(script_args, module, processor, training_args.seed)
     logger.info("Data: %d training rows, %d evaluation rows", len(train_dataset), len(eval_dataset or []))
 
     model = load_model(module, model_args, training_args.trust_remote_code)
@@ -109,6 +107,7 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
     with logging_redirect_tqdm():  # log lines above the progress bar, not through it
         trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(training_args.output_dir)
+    finish_loggers(training_args.report_to)
     if is_main:
         means = reward_means(trainer.state.log_history)
         summary = ", ".join(f"{name}={value:.3f}" for name, value in sorted(means.items()))

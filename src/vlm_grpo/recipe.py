@@ -12,14 +12,16 @@ from typing import Any
 
 from vlm_grpo.cli_errors import UserError
 from vlm_grpo.configs import GRPOScriptArguments, VLMModelConfig
-from vlm_grpo.data import prepare_rows
-from vlm_grpo.data.records import read_any_rows
+from vlm_grpo.data import prepare_rows, split_paths, to_datasets
+from vlm_grpo.data.sources import ColumnKeys, read_sources
+from vlm_grpo.data.video import VideoOptions
 from vlm_grpo.modules import ImageLimits, VLMModule, get_vlm_module
 
 logger = logging.getLogger("vlm_grpo")
 
 
 # --report_to name -> the module it needs (transformers' integrations import these on the first log).
+_EXTRAS = ("tensorboard", "wandb")  # integrations with a vlm-grpo extra
 _REPORT_MODULES = {
     "wandb": "wandb",
     "tensorboard": ("tensorboard", "tensorboardX"),
@@ -38,6 +40,10 @@ _REPORT_MODULES = {
 }
 
 
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
 def preflight(script_args: GRPOScriptArguments, training_args: Any) -> None:
     """Checks that take milliseconds, run before the data check and the model load (minutes on a 7B model):
     output_dir usable, --report_to integrations installed, data files and image folders present."""
@@ -51,10 +57,11 @@ def preflight(script_args: GRPOScriptArguments, training_args: Any) -> None:
                 f"--report_to {name}: unknown integration; use one of {', '.join(sorted(_REPORT_MODULES))} or none"
             )
         modules = (modules,) if isinstance(modules, str) else modules
-        if not any(importlib.util.find_spec(m) for m in modules):
+        if not any(_installed(m) for m in modules):
+            extra = f" (or 'vlm-grpo[{name}]')" if name in _EXTRAS else ""
             raise UserError(
                 f"--report_to {name}: the '{modules[0]}' package is not installed; "
-                f"pip install {modules[0]}, or pass --report_to none"
+                f"pip install {modules[0]}{extra}, or pass --report_to none"
             )
     paths = [p for p in (script_args.data_file_paths or "").split(":") if p]
     for path in paths:
@@ -108,15 +115,27 @@ def pick_module(model_args: VLMModelConfig, trust_remote_code: bool = False) -> 
     return module, processor
 
 
-def load_checked_rows(script_args: GRPOScriptArguments, module: VLMModule, processor: Any) -> list[dict]:
-    """Every row read and checked (file:line errors, or counted skips with ``--skip_bad_rows``)."""
-    rows, bad_rows = read_any_rows(
-        script_args.data_file_paths,
-        script_args.image_folders,
+def load_checked_rows(
+    script_args: GRPOScriptArguments, module: VLMModule, processor: Any, data_file_paths: str | None = None
+) -> list[dict]:
+    """Every row read and checked (file:line errors, or counted skips with ``--skip_bad_rows``);
+    ``data_file_paths`` (e.g. the evaluation files) replaces ``--data_file_paths``."""
+    keys = ColumnKeys(script_args.prompt_key, script_args.answer_key, script_args.image_key, script_args.video_key)
+    folders = script_args.image_folders
+    if data_file_paths and len(split_paths(folders)) > 1:
+        folders = None  # one folder per training file: the evaluation files use their own folders
+    rows, bad_rows = read_sources(
+        data_file_paths or script_args.data_file_paths,
+        folders,
+        keys=keys,
         reward_method=script_args.reward_method,
         task_type=script_args.task_type,
         max_pixels=module.limits.max_pixels,  # images over the pixel limit are bad rows, as in the data check
+        format_prompt=script_args.format_prompt,
+        video=VideoOptions(script_args.video_fps, script_args.video_max_frames, script_args.video_max_pixels),
     )
+    if script_args.vlmr1_solution_tags:
+        wrap_solutions(rows)
     return prepare_rows(
         rows,
         bad_rows,
@@ -144,3 +163,26 @@ def load_model(module: VLMModule, model_args: VLMModelConfig, trust_remote_code:
         trust_remote_code=trust_remote_code,
         revision=model_args.model_revision,
     )
+
+
+def load_datasets(script_args: GRPOScriptArguments, module: VLMModule, processor: Any, seed: int) -> tuple[Any, Any]:
+    """(train, eval or None) datasets: eval from ``--eval_file_paths`` or a ``--val_split_ratio`` hold-out."""
+    rows = load_checked_rows(script_args, module, processor)
+    eval_files = script_args.eval_file_paths
+    if not eval_files:
+        return to_datasets(rows, module, script_args.val_split_ratio, seed)
+    if script_args.val_split_ratio:
+        raise ValueError("--eval_file_paths and --val_split_ratio both set: pick one source of evaluation rows")
+    eval_rows = load_checked_rows(script_args, module, processor, data_file_paths=eval_files)
+    return to_datasets(rows, module)[0], to_datasets(eval_rows, module)[0]
+
+
+def finish_loggers(report_to: Any) -> None:
+    """Close the wandb run at the end of ``main`` so its files are complete when ``main`` returns (a script's
+    exit would do it; a notebook or a test calling ``main`` would otherwise read a half-written run)."""
+    if "wandb" in (report_to or []):
+        import wandb
+
+        if wandb.run is not None:
+            wandb.finish()
+        wandb.teardown()  # stops wandb's service process, which writes the run files out

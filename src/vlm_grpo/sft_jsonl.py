@@ -68,8 +68,7 @@ def build_trainer(
     # Imported here, not at the top: `--help` needs none of it (see vlm_grpo.help_cache).
     from trl import get_peft_config
 
-    from vlm_grpo.data import to_datasets
-    from vlm_grpo.recipe import load_checked_rows, load_model, pick_module, preflight
+    from vlm_grpo.recipe import load_datasets, load_model, pick_module, preflight
     from vlm_grpo.resume import resolve_resume
     from vlm_grpo.sft_trainer import SFTTransform, VLMSFTTrainer, assistant_masks_supported
 
@@ -83,8 +82,7 @@ def build_trainer(
     )
 
     module, processor = pick_module(model_args, training_args.trust_remote_code)
-    rows = load_checked_rows(script_args, module, processor)
-    train_dataset, eval_dataset = to_datasets(rows, module, script_args.val_split_ratio, training_args.seed)
+    train_dataset, eval_dataset = load_datasets(script_args, module, processor, training_args.seed)
 
     # Loss on the assistant's tokens: from the template's generation markers, or else prompt/completion rows.
     prompt_completion = training_args.assistant_only_loss and not assistant_masks_supported(processor)

@@ -18,6 +18,7 @@ import torch
 from trl import GRPOTrainer
 
 from vlm_grpo.configs import VLMGRPOConfig
+from vlm_grpo.dynamic_sampling import DynamicSamplingMixin
 from vlm_grpo.fastpath.block_attention import use_block_attention
 from vlm_grpo.fastpath.compiled_layers import check_compile_layers
 from vlm_grpo.fastpath.route import trl_generation_reason
@@ -26,13 +27,16 @@ from vlm_grpo.fastpath.vision_attention import use_batched_vision_attention
 from vlm_grpo.fastpath.vision_sync import install_vision_sync, needs_vision_sync
 from vlm_grpo.modules import VLMModule
 from vlm_grpo.rewards import build_reward_funcs
+from vlm_grpo.rollout_log import RolloutLogMixin
 from vlm_grpo.trainer_common import CheckpointReloadMixin, CompleteCheckpointMixin, as_vlm_config, prepare_vlm
 from vlm_grpo.utils import is_zero3
 
 logger = logging.getLogger(__name__)
 
 
-class VLMGRPOTrainer(CompleteCheckpointMixin, CheckpointReloadMixin, GRPOTrainer):
+class VLMGRPOTrainer(
+    DynamicSamplingMixin, RolloutLogMixin, CompleteCheckpointMixin, CheckpointReloadMixin, GRPOTrainer
+):
     """GRPO for vision-language models.
 
     Args beyond ``trl.GRPOTrainer``:
@@ -89,6 +93,7 @@ class VLMGRPOTrainer(CompleteCheckpointMixin, CheckpointReloadMixin, GRPOTrainer
             **kwargs,
         )
         self._warn_if_groups_split()
+        self._check_dynamic_sampling()
         sharded = self.is_fsdp_enabled or is_zero3(self.accelerator)
         check_compile_layers(self.args.compile_layers, sharded)
         if not self.args.cudnn_attention and torch.backends.cuda.cudnn_sdp_enabled():

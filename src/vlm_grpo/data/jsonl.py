@@ -223,6 +223,11 @@ def build_messages(row: dict, template: str, with_images: bool = True) -> list[d
     return messages
 
 
+def question_template(row: dict, module: Any) -> str:
+    """The family's task template, or the question as is when ``--format_prompt`` rendered it."""
+    return "{question}" if row.get("format_prompt") else module.question_template(row.get("task_type"))
+
+
 class LazyImageTransform:
     """``datasets`` transform: adds ``prompt`` (chat messages) and ``images`` (decoded RGB) on access.
 
@@ -243,7 +248,7 @@ class LazyImageTransform:
         rows = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
         decoded = [self._decode(r) for r in rows]
         out = {column: [row[column] for row, _ in decoded] for column in batch}
-        out["prompt"] = [build_messages(r, self.module.question_template(r.get("task_type"))) for r, _ in decoded]
+        out["prompt"] = [build_messages(r, question_template(r, self.module)) for r, _ in decoded]
         out["images"] = [images for _, images in decoded]
         if "image_grids" in batch:  # VLM-R1's reward kwarg: [t, h, w] for a one-image row, else one per image
             out["image_grid_thw"] = [g[0] if len(g) == 1 else (g or None) for g in out["image_grids"]]
@@ -316,7 +321,7 @@ def prompt_lengths(rows: Sequence[dict], module: Any, processor: Any, batch_size
         chunk = rows[start : start + batch_size]
         texts = [
             processor.apply_chat_template(
-                build_messages(r, module.question_template(r.get("task_type")), with_images=False),
+                build_messages(r, question_template(r, module), with_images=False),
                 tokenize=False,
                 add_generation_prompt=True,
             )
@@ -413,8 +418,10 @@ def to_datasets(rows: list[dict], module: Any, val_split_ratio: float = 0.0, see
         "accu_reward_method",
         "task_type",
         "source",
+        "format_prompt",
     )
     dataset = Dataset.from_dict({c: [r.get(c) for r in rows] for c in columns})
+    dataset = _with_extra_columns(dataset, rows)
     if not val_split_ratio:
         return _drawable(dataset, module), None
     if not 0 < val_split_ratio < 1:
@@ -426,3 +433,15 @@ def to_datasets(rows: list[dict], module: Any, val_split_ratio: float = 0.0, see
 def _drawable(dataset: Any, module: Any) -> Any:
     _POOLS.append(dataset)
     return dataset.with_transform(LazyImageTransform(module, pool=dataset))
+
+
+def _with_extra_columns(dataset: Any, rows: list[dict]) -> Any:
+    """A row's own columns beyond the canonical ones (verl's ``data_source``, ``extra_info``, ...; see
+    ``data/sources.py``) as ``Json`` columns, so rewards receive them exactly as written (None where absent)."""
+    from datasets import Json
+
+    feature = Json()
+    for name in sorted({k for r in rows for k in r.get("extra") or {}}):
+        values = [feature.encode_example((r.get("extra") or {}).get(name)) for r in rows]
+        dataset = dataset.add_column(name, values, feature=feature)
+    return dataset

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 from trl import TrlParser, get_peft_config
 
+from vlm_grpo.cli_aliases import expand_flag_aliases
 from vlm_grpo.configs import GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig
 from vlm_grpo.data import to_datasets
 from vlm_grpo.recipe import load_checked_rows, load_model, pick_module, wrap_solutions
@@ -30,7 +31,9 @@ logger = logging.getLogger("vlm_grpo")
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig]:
     parser = TrlParser((GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig))
-    script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
+    script_args, training_args, model_args = parser.parse_args_and_config(
+        args=expand_flag_aliases(sys.argv[1:] if argv is None else argv)
+    )
     return script_args, training_args, model_args
 
 

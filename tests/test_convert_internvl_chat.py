@@ -8,6 +8,9 @@ tokenizer without the -hf processor's extra attributes.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -115,3 +118,14 @@ def test_bad_sources_are_clear_errors(chat_checkpoint, tmp_path, capsys):
     original["llm_config"]["architectures"] = ["InternLM2ForCausalLM"]
     with pytest.raises(ConversionError, match="InternLM2ForCausalLM' is not supported"):
         internvl_config(original, image_token_id=0)
+
+
+def test_grpo_recipe_on_an_internvl_chat_checkpoint_prints_the_command(chat_checkpoint, tmp_path):
+    _, chat = chat_checkpoint
+    argv = ["--model_name_or_path", str(chat), "--data_file_paths", "x.jsonl", "--output_dir", str(tmp_path / "o")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run(
+        [sys.executable, "-m", "vlm_grpo.grpo_jsonl", *argv], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert result.returncode != 0
+    assert f"vlm-grpo-convert internvl-chat {chat} {chat}-hf" in result.stderr, result.stderr[-2000:]

@@ -54,6 +54,19 @@ def test_concept_games_draw_distractors_from_the_targets_concept(concepts):
         make_concept_games(items, rows=2, k=4)
 
 
+def test_listener_reward_resolves_concept_candidates_under_the_image_root():
+    from vlm_grpo.rewards.listener import parse_lewis_target
+
+    solution = json.dumps({"candidates": ["dog/0.png", "dog/1.png"], "target": 1})
+    assert parse_lewis_target(solution, ["/data/perva/dog/1.png"]) == (
+        ["/data/perva/dog/0.png", "/data/perva/dog/1.png"],
+        1,
+    )
+    # flat names (one image folder) still resolve next to the target image
+    flat = json.dumps({"candidates": ["a.png", "b.png"], "target": 0})
+    assert parse_lewis_target(flat, ["/data/imgs/a.png"]) == (["/data/imgs/a.png", "/data/imgs/b.png"], 0)
+
+
 def test_concept_dataset_file_and_its_bad_rows(concepts, tmp_path):
     good = tmp_path / "concepts.jsonl"
     good.write_text('{"image": "dog_bo/0.png", "concept": "dog"}\n{"image": "dog_bo/1.png", "concept": "dog"}\n')

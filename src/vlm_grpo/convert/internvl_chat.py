@@ -254,7 +254,12 @@ def convert_internvl_chat(src: str | Path, dst: str | Path, *, overwrite: bool =
     config = internvl_config(original, tokenizer.convert_tokens_to_ids("<IMG_CONTEXT>"))
     processor = _processor(tokenizer, original, config.image_seq_length)
     state_dict = convert_state_dict(_read_weights(src))
-    dtype = state_dict["model.language_model.embed_tokens.weight"].dtype
+    embed = state_dict["model.language_model.embed_tokens.weight"]
+    head = state_dict.get("lm_head.weight")
+    if config.tie_word_embeddings and head is not None and not torch.equal(head, embed):
+        # a separate output head was saved: keep it, do not tie it away
+        config.tie_word_embeddings = config.text_config.tie_word_embeddings = False
+    dtype = embed.dtype
     with torch.device("meta"):
         model = InternVLForConditionalGeneration(config)
     result = model.load_state_dict(state_dict, strict=False, assign=True)

@@ -48,6 +48,19 @@ def describe_text(text: str, tags: Sequence[str] = ("coarse", "detailed")) -> st
     return " ".join(description.split())[:MAX_DESCRIPTION_CHARS]
 
 
+def _candidate_root(image: str, candidates: list[str], target: Any) -> str:
+    """The folder candidate names are relative to: the target image's path minus the target's name (so that
+    ``concept/3.png`` under ``ROOT`` resolves to ``ROOT/concept/3.png``), else the image's own folder."""
+    name = target if isinstance(target, str) else None
+    if isinstance(target, int) and not isinstance(target, bool) and 0 <= target < len(candidates):
+        name = candidates[target]
+    if name and not os.path.isabs(name):
+        name = os.path.normpath(name)
+        if image.endswith(os.sep + name):
+            return image[: -len(name) - 1]
+    return os.path.dirname(image)
+
+
 def parse_lewis_target(
     solution: Any, image_paths: Sequence[str] | None, candidate_root: str | None = None
 ) -> tuple[list[str], int]:
@@ -72,7 +85,9 @@ def parse_lewis_target(
             raise ValueError("solution.candidates must be a non-empty list of image paths")
     else:
         raise ValueError(f"solution must be an index or {{candidates, target}}, got {type(data).__name__}")
-    base = candidate_root or (os.path.dirname(images[0]) if images and not images[0].startswith("data:") else "")
+    base = candidate_root or (
+        _candidate_root(images[0], candidates, target) if images and not images[0].startswith("data:") else ""
+    )
     resolved = [
         c if c.startswith("data:image/") or os.path.isabs(c) else os.path.abspath(os.path.join(base, c))
         for c in candidates

@@ -102,6 +102,7 @@ def test_seed_lora_flags_are_trls(tmp_path):
         parse_args([*base, "--lora_r", "4", "--lo_rank", "8"])
 
 
+@pytest.mark.slow  # 4 model services and 4 trainer runs: ~2 min on 2 idle cores
 def test_lewis_game_alternates_speaker_and_listener_for_two_rounds(tiny_models, concepts, tmp_path):
     out = tmp_path / "game"
     env = {

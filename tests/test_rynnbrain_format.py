@@ -136,3 +136,11 @@ def test_mm_max_length_makes_rows_over_the_image_token_budget_bad_rows(media, ti
     assert f"{rows_file}:2" in str(err.value) and f"--mm_max_length {tokens[1] - 1}" in str(err.value)
     kept = prepare_rows([dict(r) for r in rows], [], module, processor, mm_max_length=tokens[0], skip_bad_rows=True)
     assert [r["image_path"] for r in kept] == [rows[0]["image_path"]]
+
+
+def test_sft_takes_mm_max_length(tmp_path):
+    from vlm_grpo.sft_jsonl import parse_args
+
+    argv = ["--model_name_or_path", "m", "--output_dir", str(tmp_path), "--mm_max_length", "64"]
+    script_args, _, _ = parse_args(argv)
+    assert script_args.mm_max_length == 64

@@ -167,6 +167,13 @@ class GRPOScriptArguments(ScriptArguments):
             "(reported, or skipped with --skip_bad_rows). TRL 1.x does not truncate prompts."
         },
     )
+    mm_max_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "Rows whose images take more image (multimodal) tokens in all are bad rows (reported, or skipped "
+            "with --skip_bad_rows); RynnScale's --mm_max_length. Images are never resized to fit."
+        },
+    )
     overwrite_output_dir: bool = field(
         default=False,
         metadata={"help": "Start a fresh run even if output_dir already holds checkpoint-* folders."},

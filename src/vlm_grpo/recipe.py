@@ -142,6 +142,7 @@ def load_checked_rows(
         module,
         processor,
         max_prompt_length=script_args.max_prompt_length,
+        mm_max_length=script_args.mm_max_length,
         skip_bad_rows=script_args.skip_bad_rows,
     )
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vlm_grpo.data.chatml import chatml_row
 from vlm_grpo.data.images import ImageError, decode_rgb, pixel_limit
 from vlm_grpo.data.jsonl import BadRow, _source_order, prompt_lengths, validate_rows
 from vlm_grpo.data.preprocess import TASK_TAGS, canonical_task, coordinate_problem
@@ -281,6 +282,9 @@ def text_sequence_lengths(rows: Sequence[dict], module: Any, processor: Any, npr
         return [n for part in pool.map(chunk_lengths, chunks) for n in part]
 
 
+FORMAT_LAYOUTS = ("vlm_r1", "chatml")
+
+
 def format_rows(
     data_file_paths: Sequence[str],
     save_path: str | Path,
@@ -292,9 +296,13 @@ def format_rows(
     nproc: int | None = None,
     overwrite: bool = False,
     skip_bad_rows: bool = False,
+    layout: str = "vlm_r1",
 ) -> FormatResult:
     """Normalise rows into the canonical format with absolute image paths, ``image_sizes`` ([w, h] each) and
-    ``text_sequence_length``; other top-level fields of the input rows are kept."""
+    ``text_sequence_length``; other top-level fields of the input rows are kept. ``layout="chatml"`` writes
+    RynnBrain's formatted rows instead (:mod:`vlm_grpo.data.chatml`)."""
+    if layout not in FORMAT_LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(FORMAT_LAYOUTS)}, got {layout!r}")
     save_path = Path(save_path)
     if save_path.exists() and not overwrite:
         raise FileExistsError(f"Refusing to overwrite {save_path} (pass -y / --yes to overwrite)")
@@ -307,9 +315,16 @@ def format_rows(
     module, processor = load_module_and_processor(model, vlm_module)
     lengths = text_sequence_lengths(rows, module, processor, nproc)
     raw = {r.source: r.value for path in files for r in iter_records(path) if isinstance(r.value, dict)}
-    for row, length in zip(rows, lengths, strict=True):
+    for index, (row, length) in enumerate(zip(rows, lengths, strict=True)):
         extra = {k: v for k, v in raw.get(row["source"], {}).items() if k not in _FORMAT_KEYS}
         images = [p if p.startswith("data:") else os.path.abspath(p) for p in row["image_path"]]
+        if layout == "chatml":
+            source = Path(row["source"].rpartition(":")[0] or row["source"]).stem
+            formatted = chatml_row(
+                raw.get(row["source"], {}), {**row, "image_path": images}, length, source, index, image_folders or ()
+            )
+            result.rows.append({**formatted, **{k: v for k, v in extra.items() if k not in formatted}})
+            continue
         result.rows.append(
             vlm_r1_row(
                 row["question"],

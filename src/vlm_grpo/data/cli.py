@@ -291,6 +291,13 @@ def _add_format(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--task_type", help="task of rows without their own")
     p.add_argument("--nproc", type=int, default=None, help="worker threads (default: CPU count)")
     p.add_argument("--skip_bad_rows", action="store_true", help="leave bad rows out instead of failing")
+    p.add_argument(
+        "--layout",
+        choices=["vlm_r1", "chatml"],
+        default="vlm_r1",
+        help="vlm_r1 (default): canonical VLM-R1 rows; chatml: RynnBrain's formatted rows (ChatML 'conversation' with "
+        "type/text/image/video/width/height/duration on every item, data_source, id, text_sequence_length)",
+    )
     p.add_argument("-y", "--yes", action="store_true", help="overwrite the output file")
     p.set_defaults(func=_run_format)
 
@@ -308,6 +315,7 @@ def _run_format(args: argparse.Namespace) -> int:
         nproc=args.nproc,
         overwrite=args.yes,
         skip_bad_rows=args.skip_bad_rows,
+        layout=args.layout,
     )
     if _refuse_bad(result.bad, args.skip_bad_rows, "row"):
         return 1

@@ -334,7 +334,13 @@ def prompt_lengths(rows: Sequence[dict], module: Any, processor: Any, batch_size
 
 
 def validate_rows(
-    rows: list[dict], bad: list[BadRow], module: Any, processor: Any, *, max_prompt_length: int | None = None
+    rows: list[dict],
+    bad: list[BadRow],
+    module: Any,
+    processor: Any,
+    *,
+    max_prompt_length: int | None = None,
+    mm_max_length: int | None = None,
 ) -> list[dict]:
     """Model-dependent checks and columns (coordinate frames, image tokens, prompt length); rows that fail
     join ``bad`` (kept sorted) and the rest are returned. Shared by training and ``vlm-grpo-data check``."""
@@ -343,12 +349,21 @@ def validate_rows(
     for row in rows:
         try:  # the processor refuses some shapes (e.g. aspect ratio over 200): a bad row, not a crash
             row["coord_sizes"] = [list(module.coord_size(processor, w, h)) for w, h in row["image_sizes"]]
-            for w, h in row["image_sizes"]:
-                module.num_image_tokens(processor, w, h)
+            image_tokens = sum(module.num_image_tokens(processor, w, h) for w, h in row["image_sizes"])
             grids = [image_grid(processor, w, h) for w, h in row["image_sizes"]] if image_grid else []
             row["image_grids"] = [list(g) for g in grids if g is not None]
         except ValueError as exc:
             bad.append(BadRow(row["source"], "image", f"the processor refuses this image: {exc}"))
+            continue
+        if mm_max_length is not None and image_tokens > mm_max_length:
+            bad.append(
+                BadRow(
+                    row["source"],
+                    "image",
+                    f"{len(row['image_sizes'])} image(s) take {image_tokens} image tokens, more than "
+                    f"--mm_max_length {mm_max_length} (lower --max_pixels or drop frames)",
+                )
+            )
             continue
         sized.append(row)
     kept = sized
@@ -378,11 +393,12 @@ def prepare_rows(
     processor: Any,
     *,
     max_prompt_length: int | None = None,
+    mm_max_length: int | None = None,
     skip_bad_rows: bool = False,
 ) -> list[dict]:
-    """Add model-dependent columns, apply the prompt-length limit, then fail or skip on bad rows."""
+    """Add model-dependent columns, apply the length limits, then fail or skip on bad rows."""
     total = len(rows) + len(bad)  # an empty file counts as one bad row
-    kept = validate_rows(rows, bad, module, processor, max_prompt_length=max_prompt_length)
+    kept = validate_rows(rows, bad, module, processor, max_prompt_length=max_prompt_length, mm_max_length=mm_max_length)
     if bad:
         if not skip_bad_rows:
             raise DataValidationError(bad, total)

@@ -7,6 +7,8 @@ subclass, or from another package through the ``vlm_grpo.modules`` entry-point g
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from vlm_grpo.modules.base import ImageLimits, VLMModule
 from vlm_grpo.registry import Registry, UnknownEntryError
 
@@ -33,6 +35,19 @@ def read_model_type(model_name_or_path: str, revision: str | None = None) -> str
     return model_type
 
 
+def internvl_chat_hint(model_name_or_path: str) -> str:
+    """The one command that makes an original InternVL / Vintern checkpoint trainable here."""
+    src = model_name_or_path.rstrip("/")
+    fetch = ""
+    if not Path(src).is_dir():  # a hub id: the converter reads a local folder
+        fetch, src = f"hf download {src} --local-dir {src.split('/')[-1]} && ", src.split("/")[-1]
+    return (
+        f"'{model_name_or_path}' is an original InternVL checkpoint (model_type 'internvl_chat', remote code); "
+        f"convert it once with: {fetch}vlm-grpo-convert internvl-chat {src} {src}-hf  "
+        f"then pass --model_name_or_path {src}-hf"
+    )
+
+
 def get_vlm_module(
     model_name_or_path: str,
     vlm_module: str | None = None,
@@ -47,6 +62,8 @@ def get_vlm_module(
         try:
             cls = VLM_MODULES.get(model_type)
         except UnknownEntryError:
+            if model_type == "internvl_chat":  # original InternVL / Vintern remote-code layout
+                raise UnknownEntryError(internvl_chat_hint(model_name_or_path)) from None
             raise UnknownEntryError(
                 f"Unknown model_type '{model_type}' in the config.json of '{model_name_or_path}': no VLM module is "
                 f"registered for it. Available: {', '.join(VLM_MODULES.names())}. Pass --vlm_module NAME to use one "

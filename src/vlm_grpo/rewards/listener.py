@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
@@ -47,6 +48,19 @@ def describe_text(text: str, tags: Sequence[str] = ("coarse", "detailed")) -> st
     return " ".join(description.split())[:MAX_DESCRIPTION_CHARS]
 
 
+def _candidate_root(image: str, candidates: list[str], target: Any) -> str:
+    """The folder candidate names are relative to: the target image's path minus the target's name (so that
+    ``concept/3.png`` under ``ROOT`` resolves to ``ROOT/concept/3.png``), else the image's own folder."""
+    name = target if isinstance(target, str) else None
+    if isinstance(target, int) and not isinstance(target, bool) and 0 <= target < len(candidates):
+        name = candidates[target]
+    if name and not os.path.isabs(name):
+        name = os.path.normpath(name)
+        if image.endswith(os.sep + name):
+            return image[: -len(name) - 1]
+    return os.path.dirname(image)
+
+
 def parse_lewis_target(
     solution: Any, image_paths: Sequence[str] | None, candidate_root: str | None = None
 ) -> tuple[list[str], int]:
@@ -71,7 +85,9 @@ def parse_lewis_target(
             raise ValueError("solution.candidates must be a non-empty list of image paths")
     else:
         raise ValueError(f"solution must be an index or {{candidates, target}}, got {type(data).__name__}")
-    base = candidate_root or (os.path.dirname(images[0]) if images and not images[0].startswith("data:") else "")
+    base = candidate_root or (
+        _candidate_root(images[0], candidates, target) if images and not images[0].startswith("data:") else ""
+    )
     resolved = [
         c if c.startswith("data:image/") or os.path.isabs(c) else os.path.abspath(os.path.join(base, c))
         for c in candidates
@@ -128,13 +144,15 @@ def listener_reward(
     candidate_root: str | None = None,
     fallback: float | None = None,
     log_metric: Callable[[str, float], None] | None = None,
+    log_path: str | None = None,
     **options: Any,
 ) -> list[float | None]:
     """Lewis-game listener reward: does a served listener pick the target image from the speaker's description?
 
     See the module docstring for the row format, the modes and every parameter (environment ``LISTENER_*``).
     Samples whose row names no valid target get None (and a warning); a completion with no description gets 0.0;
-    samples the server could not score get ``fallback``. Range [0, 1].
+    samples the server could not score get ``fallback``. Range [0, 1]. ``log_path`` (or the seed's ``LOG_PATH``):
+    a JSON-lines prediction log, one line per game the listener answered (appended by every rank).
     """
     if mode not in LISTENER_MODES:
         raise ValueError(f"listener mode must be one of {LISTENER_MODES}, got {mode!r}")
@@ -152,6 +170,7 @@ def listener_reward(
     rewards: list[float | None] = [None] * n
     items: list[dict[str, Any]] = []
     wanted: list[tuple[int, int, int]] = []  # (sample, target, number of candidates)
+    descriptions: list[str] = []
     bad_rows: list[str] = []
     for i, completion in enumerate(completions):
         try:
@@ -170,6 +189,7 @@ def listener_reward(
         question = question_template.replace("{description}", description)
         items.append({"candidate_paths": candidates, "question": question, "topk": 1})
         wanted.append((i, target, len(candidates)))
+        descriptions.append(description)
     if bad_rows:
         client.failures.record(len(bad_rows), f"rows without a valid Lewis target: {bad_rows[0]}", None, "bad rows")
     call = client.map_chunks(items, lambda chunk: {"batch": chunk}, _parse_listener_response) if items else None
@@ -187,7 +207,41 @@ def listener_reward(
             rewards[i] = fallback
             failed += 1
     report(client, call or CallResult([], []), failed, fallback, log_metric)
+    log_path = log_path or os.environ.get("LOG_PATH")
+    if log_path and call is not None:
+        log_games(log_path, items, wanted, descriptions, call, rewards)
     return rewards
+
+
+def log_games(
+    path: str,
+    items: Sequence[dict[str, Any]],
+    wanted: Sequence[tuple[int, int, int]],
+    descriptions: Sequence[str],
+    call: CallResult,
+    rewards: Sequence[float | None],
+) -> None:
+    """Append one JSON line per answered game: description, candidates, target, the listener's pick, reward."""
+    lines = []
+    for j, (i, target, _) in enumerate(wanted):
+        if not call.ok[j]:
+            continue
+        result = call.values[j]
+        game = {
+            "time": time.time(),
+            "rank": int(os.environ.get("RANK", "0")),
+            "description": descriptions[j],
+            "candidates": items[j]["candidate_paths"],
+            "target": target,
+            "predicted_index": result["predicted_index"],
+            "yes_probabilities": result["yes_probabilities"],
+            "correct": result["predicted_index"] == target,
+            "reward": rewards[i],
+        }
+        lines.append(json.dumps(game, ensure_ascii=False) + "\n")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:  # one write per batch: ranks append whole lines
+        f.write("".join(lines))
 
 
 listener_reward.value_range = (0.0, 1.0)  # type: ignore[attr-defined]  # plus whatever ``fallback`` is

@@ -1,7 +1,14 @@
 """Lewis reference game data: the speaker sees one target image and must describe it so that a listener picks it
-out among ``k`` candidates (the target and ``k - 1`` distractors from the same folder).
+out among ``k`` candidates (the target and ``k - 1`` distractors).
 
     python -m vlm_grpo.serve.lewis --images data/demo/images --out runs/lewis/train.jsonl --rows 16 --k 3
+    python -m vlm_grpo.serve.lewis --concepts data/perva --out runs/lewis/train.jsonl      # same-concept distractors
+    python -m vlm_grpo.serve.lewis --concepts concepts.jsonl --image_root data/perva --out ...
+
+``--concepts`` reads a PerVA / YoLLaVA-style folder (``ROOT/<concept>/<image>``) or a dataset file (JSONL, or a
+JSON list, of ``{"image": path, "concept": name}``; paths relative to ``--image_root``). With ``--distractors
+same_concept`` (the default there) a game's distractors are other images of the target's concept, so the speaker
+must describe what sets this photo apart, not the object; ``other_concepts`` draws them from other concepts.
 
 Each row is VLM-R1 JSONL; the ``solution`` is the JSON the ``listener`` reward reads::
 
@@ -70,15 +77,117 @@ def write_lewis_dataset(images: str | Path, out: str | Path, rows: int = 16, k: 
     return target
 
 
+DISTRACTORS = ("same_concept", "other_concepts")
+
+
+def read_concepts(source: str | Path, image_root: str | Path | None = None) -> list[tuple[str, str]]:
+    """``(image path relative to the image root, concept)`` pairs from a concept folder tree or a dataset file."""
+    source = Path(source)
+    if source.is_dir():
+        return sorted(
+            (f"{concept.name}/{p.name}", concept.name)
+            for concept in source.iterdir()
+            if concept.is_dir()
+            for p in concept.iterdir()
+            if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES
+        )
+    if not source.is_file():
+        raise ValueError(f"{source}: no such concept folder or dataset file")
+    text = source.read_text(encoding="utf-8")
+    if source.suffix == ".json":
+        try:
+            entries = list(enumerate(json.loads(text), 1))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{source}: not valid JSON ({exc})") from None
+    else:
+        entries = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    entries.append((number, json.loads(line)))
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{source}:{number}: not valid JSON ({exc.msg})") from None
+    root = Path(image_root) if image_root else source.parent
+    pairs = []
+    for number, row in entries:
+        for field in ("image", "concept"):
+            if not isinstance(row, dict) or not isinstance(row.get(field), str) or not row[field].strip():
+                raise ValueError(f"{source}:{number}: field '{field}' must be a non-empty string")
+        if not (root / row["image"]).is_file():
+            raise ValueError(f"{source}:{number}: field 'image': {root / row['image']} does not exist")
+        pairs.append((row["image"], row["concept"]))
+    return pairs
+
+
+def make_concept_games(
+    items: Sequence[tuple[str, str]], rows: int = 16, k: int = 3, seed: int = 0, distractors: str = "same_concept"
+) -> list[dict]:
+    """``rows`` games whose distractors come from the target's concept (``same_concept``) or from the others."""
+    if distractors not in DISTRACTORS:
+        raise ValueError(f"distractors must be one of {DISTRACTORS}, got {distractors!r}")
+    if k < 2:
+        raise ValueError("k must be at least 2 (a target and a distractor)")
+    by_concept: dict[str, list[str]] = {}
+    for image, concept in sorted(items):
+        by_concept.setdefault(concept, []).append(image)
+
+    def pool(target: str, concept: str) -> list[str]:
+        if distractors == "same_concept":
+            return [i for i in by_concept[concept] if i != target]
+        return [i for c, images in by_concept.items() if c != concept for i in images]
+
+    targets = [(image, concept) for concept, images in sorted(by_concept.items()) for image in images]
+    playable = [(t, c) for t, c in targets if len(pool(t, c)) >= k - 1]
+    if not playable:
+        raise ValueError(
+            f"no concept has enough images for k={k} with {distractors} distractors "
+            f"(largest concept: {max((len(v) for v in by_concept.values()), default=0)} images)"
+        )
+    rng = random.Random(seed)
+    out = []
+    for i in range(rows):
+        target, concept = playable[i % len(playable)]
+        candidates = rng.sample(pool(target, concept), k - 1)
+        position = rng.randrange(k)
+        candidates.insert(position, target)
+        answer = {"candidates": candidates, "target": position, "concept": concept}
+        out.append(
+            {
+                "id": f"lewis-{i:04d}",
+                "image": target,
+                "task_type": "raw",
+                "conversations": [
+                    {"from": "human", "value": SPEAKER_PROMPT},
+                    {"from": "gpt", "value": json.dumps(answer)},
+                ],
+            }
+        )
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m vlm_grpo.serve.lewis", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--images", required=True, help="folder of candidate images")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--images", help="folder of candidate images (distractors: any other image)")
+    source.add_argument("--concepts", help="concept folder tree ROOT/<concept>/<image>, or a JSONL/JSON dataset file")
+    parser.add_argument("--image_root", help="root of a --concepts file's image paths (default: the file's folder)")
+    parser.add_argument("--distractors", choices=DISTRACTORS, default="same_concept", help="with --concepts")
     parser.add_argument("--out", required=True, help="JSONL file to write")
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--k", type=int, default=3, help="candidates per game (target included)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    path = write_lewis_dataset(args.images, args.out, args.rows, args.k, args.seed)
+    if args.images:
+        path = write_lewis_dataset(args.images, args.out, args.rows, args.k, args.seed)
+    else:
+        try:
+            items = read_concepts(args.concepts, args.image_root)
+            games = make_concept_games(items, args.rows, args.k, args.seed, args.distractors)
+        except ValueError as exc:
+            raise SystemExit(f"error: {exc}") from None
+        path = Path(args.out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in games), encoding="utf-8")
     print(path)
 
 

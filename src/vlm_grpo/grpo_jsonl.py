@@ -20,6 +20,7 @@ from trl import TrlParser, get_peft_config
 
 from vlm_grpo.configs import GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig
 from vlm_grpo.data import to_datasets
+from vlm_grpo.plot import finish_run
 from vlm_grpo.recipe import load_checked_rows, load_model, pick_module
 from vlm_grpo.resume import resolve_resume
 from vlm_grpo.rewards import build_reward_funcs
@@ -81,6 +82,7 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
     )
     trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(training_args.output_dir)
+    finish_run(trainer, training_args.output_dir, script_args.plot)
     if is_main:
         means = reward_means(trainer.state.log_history)
         summary = ", ".join(f"{name}={value:.3f}" for name, value in sorted(means.items()))

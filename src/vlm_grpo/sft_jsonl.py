@@ -20,6 +20,7 @@ from trl import TrlParser, get_peft_config
 
 from vlm_grpo.configs import GRPOScriptArguments, VLMModelConfig
 from vlm_grpo.data import to_datasets
+from vlm_grpo.plot import finish_run
 from vlm_grpo.recipe import load_checked_rows, load_model, pick_module
 from vlm_grpo.resume import resolve_resume
 from vlm_grpo.sft_trainer import SFTTransform, VLMSFTConfig, VLMSFTTrainer, assistant_masks_supported
@@ -42,6 +43,7 @@ def main(script_args: GRPOScriptArguments, training_args: VLMSFTConfig, model_ar
     trainer, resume = build_trainer(script_args, training_args, model_args)
     trainer.train(resume_from_checkpoint=resume)
     save_final_model(trainer, training_args, model_args.model_name_or_path)
+    finish_run(trainer, training_args.output_dir, script_args.plot)
     if is_main:
         losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
         summary = f"first loss {losses[0]:.4f}, last loss {losses[-1]:.4f}" if losses else "no loss logged"

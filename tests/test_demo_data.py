@@ -238,13 +238,16 @@ def test_colour_task_rows_and_pixels():
 
 
 def test_colour_sft_rows_are_the_weak_labeller():
-    """sft.jsonl: the train rows, half of each colour's answers swapped within its pair, never across pairs."""
+    """sft.jsonl: the train rows, with 3 in 5 red answers 'yellow' and 3 in 5 blue answers 'green', nothing else."""
     train, sft = _rows(COLOUR, "train"), _rows(COLOUR, "sft")
     assert [r["id"] for r in sft] == [r["id"] for r in train]
-    swapped = {c: 0 for c in demo.COLORS}
+    answers: dict[tuple[str, str], int] = {}
     for true_row, weak_row in zip(train, sft, strict=True):
         truth, weak = true_row["conversations"][1]["value"], weak_row["conversations"][1]["value"]
-        assert weak in (truth, demo.COLOUR_PAIRS[truth])
-        swapped[truth] += weak != truth
+        answers[truth, weak] = answers.get((truth, weak), 0) + 1
         assert {**weak_row, "conversations": true_row["conversations"]} == true_row
-    assert swapped == {c: 32 for c in demo.COLORS}
+    # 64 rows a colour: rows k = 0..63 of red (blue) with k % 5 < 3 are mixed up, 39 of them
+    assert answers == {
+        ("red", "yellow"): 39, ("red", "red"): 25, ("blue", "green"): 39, ("blue", "blue"): 25,
+        ("yellow", "yellow"): 64, ("green", "green"): 64,
+    }  # fmt: skip

@@ -19,14 +19,14 @@ A second set, ``colour/`` (:func:`generate_colour`), is the task ``make demo`` l
 large shape?" with one large shape and one small distractor of another colour on a <= 64 px image. The question
 never changes, so the answer (a bare colour word, ``accu_reward_method`` ``"exact"``) depends only on the image.
 Besides ``train.jsonl`` / ``val.jsonl`` (true answers) it writes ``sft.jsonl``: the train images answered by a
-weak labeller that mixes up the warm colours (red / yellow) and the cool ones (green / blue) -- exactly half of
-each colour's rows carry the other colour of its pair. SFT on it teaches the answer format and the pair, not
-the colour within the pair (greedy held-out accuracy near 0.5, chance 0.25), which leaves GRPO with the task
-reward something to learn from the pixels.
+weak labeller with two blind spots -- it calls 3 in 5 red shapes yellow and 3 in 5 blue shapes green (yellow and
+green it always gets right). SFT on it teaches the answer format and most of the task, but its greedy answer for
+red and blue shapes is the wrong one (held-out accuracy near 0.5, chance 0.25) while the right one is still
+sampled often enough for GRPO with the task reward to find it.
 
 Public API: :data:`COLORS`, :data:`SHAPES`, :data:`IMAGE_SIZES`, :class:`Shape`, :class:`Scene`,
 :class:`Sample`, :func:`random_scene`, :func:`render_scene`, :func:`generate_split`, :func:`generate`,
-:data:`COLOUR_PAIRS`, :func:`colour_split`, :func:`generate_colour`, :func:`main`.
+:data:`COLOUR_MIXUPS`, :func:`colour_split`, :func:`generate_colour`, :func:`main`.
 """
 
 from __future__ import annotations
@@ -300,8 +300,8 @@ def generate(out_dir: str | Path, n_train: int = 48, n_val: int = 8, seed: int =
 COLOUR_DIR = "colour"
 COLOUR_QUESTION = "<image>What colour is the large shape?"
 COLOUR_SIZES: tuple[int, ...] = (48, 56, 64)
-# The weak SFT labeller answers the other colour of the pair for half of each colour's rows.
-COLOUR_PAIRS: dict[str, str] = {"red": "yellow", "yellow": "red", "green": "blue", "blue": "green"}
+# The weak SFT labeller's blind spots: it answers the value for 3 in 5 rows of the key's colour.
+COLOUR_MIXUPS: dict[str, str] = {"red": "yellow", "blue": "green"}
 
 
 def colour_scene(rng: random.Random, color: str) -> Scene:
@@ -330,7 +330,8 @@ def colour_split(split: str, n: int, seed: int = 0) -> list[Sample]:
         scene = colour_scene(rng, color)
         name = f"{split}_{idx:04d}.png"
         row = _make_row(f"colour-{split}-{idx:04d}", [name], COLOUR_QUESTION, color, "exact", "raw")
-        weak = color if (idx // len(names)) % 2 == 0 else COLOUR_PAIRS[color]
+        mixed_up = color in COLOUR_MIXUPS and (idx // len(names)) % 5 < 3
+        weak = COLOUR_MIXUPS[color] if mixed_up else color
         samples.append(Sample(row, (scene,), (name,), query={"color": color, "weak": weak}))
     return samples
 
@@ -344,10 +345,10 @@ depends only on the image. Answers are bare colour words (`accu_reward_method` "
 think/answer tags). Colours are balanced (row i shows colour i % 4).
 
 - `train.jsonl` ({n_train} rows) and `val.jsonl` ({n_val} held-out rows): true answers.
-- `sft.jsonl`: the train images answered by a weak labeller that mixes up red/yellow and green/blue (exactly half
-  of each colour's rows carry the other colour of its pair). SFT on it learns the format and the pair but not the
-  colour within the pair: greedy held-out accuracy near 0.5 (chance 0.25). GRPO with the exact-match reward on
-  `train.jsonl` then has to learn the rest from the pixels.
+- `sft.jsonl`: the train images answered by a weak labeller that calls 3 in 5 red shapes yellow and 3 in 5 blue
+  shapes green (yellow and green always right). SFT on it learns the format and most of the task, but answers
+  red and blue shapes wrongly when greedy: held-out accuracy near 0.5 (chance 0.25). GRPO with the exact-match
+  reward on `train.jsonl` then has to learn the rest from the pixels.
 
 Regenerated with the shapes set by `python -m vlm_grpo.data.demo --out data/demo` (do not edit by hand).
 """

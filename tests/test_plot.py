@@ -107,3 +107,10 @@ def test_cli_errors_are_one_line(content, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "Traceback" not in err and err.count("\n") == 1
     assert not (tmp_path / "c.png").exists()
+
+
+def test_single_reward_is_drawn_once():
+    others = ("rewards/format", "rewards/iou")
+    history = [{k: v for k, v in e.items() if not k.startswith(others)} for e in grpo_history()]
+    assert keys(history, "Reward") == ["reward"]
+    assert keys(history, "Accuracy") == ["rewards/accuracy/mean"]

@@ -5,8 +5,12 @@
 Pipeline (each stage is the project's own recipe, run in this process):
 
 1. build a tiny random Qwen2.5-VL (:mod:`vlm_grpo.testing.tiny`, seeded);
-2. SFT on ``data/demo/colour/sft.jsonl``: a weak labeller's answers that mix up red/yellow and green/blue, so the
-   policy learns the answer format and the colour pair but not the colour within it (imperfect on purpose);
+2. SFT on the true answers (``train.jsonl``): the model learns to read the colour (held-out accuracy ~1);
+   then SFT on ``sft.jsonl``, a weak labeller's answers that call 3 in 5 red shapes yellow and 3 in 5 blue shapes
+   green: the policy takes on the labeller's bias, so its greedy answer for red and blue shapes is wrong
+   (imperfect on purpose) while the right one is still sampled often -- GRPO sharpens what the policy can
+   already sometimes do. (SFT on the weak answers alone leaves most seeds unable to tell red from yellow at all:
+   the labels hold too little contrast, and GRPO then plateaus for hundreds of steps.)
 3. greedy held-out accuracy A0 on ``val.jsonl`` (:func:`vlm_grpo.evaluate.evaluate`, exact match);
 4. GRPO on ``train.jsonl`` with the task reward only (``accuracy``, exact match: no format reward to farm);
 5. greedy held-out accuracy A1 on the same rows; ``curves.png`` from the GRPO run's log history.
@@ -20,6 +24,7 @@ import argparse
 import json
 import logging
 import shutil
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -48,15 +53,15 @@ def held_out_accuracy(model_dir: Path, val: Path, images: Path, out_dir: Path, s
     return float(evaluate(args)["rewards"]["accuracy"]["mean"])
 
 
-def sft_argv(a: argparse.Namespace, model: Path, out: Path, rows: str = "sft.jsonl") -> list[str]:
-    """The SFT recipe's flags; ``rows``: the weak labeller's ``sft.jsonl`` (the demo) or ``train.jsonl``."""
+def sft_argv(a: argparse.Namespace, model: Path, out: Path, rows: str, steps: int) -> list[str]:
+    """The SFT recipe's flags; ``rows``: ``train.jsonl`` (true answers) or the weak labeller's ``sft.jsonl``."""
     return [
         "--model_name_or_path", str(model),
         "--data_file_paths", str(a.data / rows),
         "--image_folders", str(a.data / "images"),
         "--output_dir", str(out),
         "--overwrite_output_dir", "true",
-        "--max_steps", str(a.sft_steps),
+        "--max_steps", str(steps),
         "--per_device_train_batch_size", str(a.sft_batch),
         "--learning_rate", str(a.sft_lr),
         "--vision_encoder_lr", str(a.sft_vision_lr),
@@ -112,7 +117,8 @@ def run(a: argparse.Namespace) -> tuple[float, float, int]:
     out.mkdir(parents=True)
     t0 = time.monotonic()
     model = build_tiny_model("qwen2_5_vl", out / "model", seed=a.seed)
-    sft_jsonl.main(*sft_jsonl.parse_args(sft_argv(a, model, out / "sft")))
+    sft_jsonl.main(*sft_jsonl.parse_args(sft_argv(a, model, out / "sft_true", "train.jsonl", a.sft_true_steps)))
+    sft_jsonl.main(*sft_jsonl.parse_args(sft_argv(a, out / "sft_true", out / "sft", "sft.jsonl", a.sft_steps)))
     a0 = held_out_accuracy(out / "sft", a.data / "val.jsonl", a.data / "images", out / "eval_sft", a.seed)
     t_sft = time.monotonic()
     grpo = grpo_jsonl.main(*grpo_jsonl.parse_args(grpo_argv(a, out / "sft", out / "grpo")))
@@ -142,15 +148,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("runs/demo"), help="run folder, replaced (default: %(default)s)")
     p.add_argument("--data", type=Path, default=DATA, help="the colour task folder (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the tiny model, SFT and GRPO (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
-    p.add_argument("--sft_steps", type=int, default=60)
+    p.add_argument("--threads", type=int, default=1, help="torch threads: tiny models run fastest on one")
+    p.add_argument("--sft_true_steps", type=int, default=200, help="SFT steps on the true answers (train.jsonl)")
+    p.add_argument("--sft_steps", type=int, default=100, help="then SFT steps on the weak labeller's (sft.jsonl)")
     p.add_argument("--sft_batch", type=int, default=16)
     p.add_argument("--sft_lr", type=float, default=3e-3, help="SFT learning rate of the language model")
     p.add_argument("--sft_vision_lr", type=float, default=1e-3, help="SFT learning rate of the vision tower")
-    p.add_argument("--grpo_steps", type=int, default=120)
+    p.add_argument("--grpo_steps", type=int, default=200)
     p.add_argument("--grpo_batch", type=int, default=32, help="completions per step (prompts x G)")
     p.add_argument("--num_generations", type=int, default=8, help="G, completions per prompt")
-    p.add_argument("--grpo_lr", type=float, default=1e-3)
+    p.add_argument("--grpo_lr", type=float, default=3e-4)
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient")
     p.add_argument("--temperature", type=float, default=1.0)
     return p.parse_args(argv)
@@ -159,6 +166,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     a = parse_args(argv)
+    missing = [name for name in ("sft.jsonl", "train.jsonl", "val.jsonl") if not (a.data / name).is_file()]
+    if missing:
+        print(
+            f"error: {a.data} lacks {', '.join(missing)}: run from the repository root, pass --data, or regenerate "
+            "it with python -m vlm_grpo.data.demo --out data/demo",
+            file=sys.stderr,
+        )
+        sys.exit(2)
     a0, a1, steps = run(a)
     print(f"demo: held-out accuracy {a0:.3f} -> {a1:.3f} (GRPO steps {steps})", flush=True)
 

@@ -49,7 +49,8 @@ def panels(history: Sequence[Mapping[str, Any]]) -> list[tuple[str, str, list[tu
     task = [(r, key) for r, key in per_reward if not SHAPING_REWARDS.match(r)]
     token_accuracy = [("train", "mean_token_accuracy"), ("eval", "eval_mean_token_accuracy")]
     wanted: list[tuple[str, str, list[tuple[str, str]]]] = [
-        ("Reward (training samples)", "mean reward", [("total", "reward"), *per_reward]),
+        # one reward: the total is that reward, drawn once
+        ("Reward (training samples)", "mean reward", [("total", "reward"), *(per_reward if len(rewards) > 1 else [])]),
         ("Accuracy-like rewards (training samples)", "mean reward", task),
         ("Loss", "loss", [("train", "loss"), ("eval", "eval_loss")]),
         ("Token accuracy", "mean token accuracy", token_accuracy),
@@ -114,16 +115,19 @@ def plot_run(
         if i == marker_panel and markers:
             for label, points in markers.items():
                 xs, ys = zip(*points, strict=True)
-                ax.plot(xs, ys, "o--", color="black", label=label, markersize=6)
+                ax.plot(xs, ys, "o", color="black", label=label, markersize=7, zorder=5)
                 for x, y in points:
-                    ax.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(4, 5), fontsize=8)
+                    right = x > (min(xs) + max(xs)) / 2
+                    ax.annotate(
+                        f"{y:.3f}", (x, y), textcoords="offset points", xytext=(-30 if right else 6, -14), fontsize=9
+                    )
         ax.set_title(panel_title, fontsize=10)
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         if "ccuracy" in panel_title or panel_title.startswith("Groups"):
-            ax.set_ylim(-0.03, 1.05)
-        if len(ax.get_lines()) > 1 or (i == marker_panel and markers):
+            ax.set_ylim(-0.03, 1.06)
+        if len([line for line in ax.get_lines() if not line.get_label().startswith("_")]) > 1:
             ax.legend(fontsize=8)
     for ax in axes[len(chosen) :]:
         ax.set_visible(False)

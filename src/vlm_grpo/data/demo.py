@@ -20,9 +20,9 @@ large shape?" with one large shape and one small distractor of another colour on
 never changes, so the answer (a bare colour word, ``accu_reward_method`` ``"exact"``) depends only on the image.
 Besides ``train.jsonl`` / ``val.jsonl`` (true answers) it writes ``sft.jsonl``: the train images answered by a
 weak labeller with two blind spots -- it calls 3 in 5 red shapes yellow and 3 in 5 blue shapes green (yellow and
-green it always gets right). SFT on it teaches the answer format and most of the task, but its greedy answer for
-red and blue shapes is the wrong one (held-out accuracy near 0.5, chance 0.25) while the right one is still
-sampled often enough for GRPO with the task reward to find it.
+green it always gets right). ``make demo`` fine-tunes on ``train.jsonl`` and then on ``sft.jsonl``: the model
+takes on the labeller's bias, so its greedy answer for red and blue shapes is the wrong one (held-out accuracy
+near 0.5, chance 0.25) while the right one is still sampled often enough for GRPO with the task reward to find it.
 
 Public API: :data:`COLORS`, :data:`SHAPES`, :data:`IMAGE_SIZES`, :class:`Shape`, :class:`Scene`,
 :class:`Sample`, :func:`random_scene`, :func:`render_scene`, :func:`generate_split`, :func:`generate`,
@@ -346,9 +346,9 @@ think/answer tags). Colours are balanced (row i shows colour i % 4).
 
 - `train.jsonl` ({n_train} rows) and `val.jsonl` ({n_val} held-out rows): true answers.
 - `sft.jsonl`: the train images answered by a weak labeller that calls 3 in 5 red shapes yellow and 3 in 5 blue
-  shapes green (yellow and green always right). SFT on it learns the format and most of the task, but answers
-  red and blue shapes wrongly when greedy: held-out accuracy near 0.5 (chance 0.25). GRPO with the exact-match
-  reward on `train.jsonl` then has to learn the rest from the pixels.
+  shapes green (yellow and green always right). `make demo` fine-tunes on `train.jsonl`, then on `sft.jsonl`:
+  the model takes on the labeller's bias and answers red and blue shapes wrongly when greedy (held-out accuracy
+  near 0.5, chance 0.25). GRPO with the exact-match reward on `train.jsonl` then has to undo it from the pixels.
 
 Regenerated with the shapes set by `python -m vlm_grpo.data.demo --out data/demo` (do not edit by hand).
 """

@@ -48,7 +48,7 @@ def test_grpo_panels():
         "Entropy of the policy",
         "KL to the reference model",
         "Completion length",
-        "Groups with no reward spread",
+        "frac_reward_zero_std: groups with one reward",
     ]
     # a reward logged only as NaN has nothing to draw; the format reward is not an accuracy
     assert keys(history, "Reward") == ["reward", "rewards/accuracy/mean", "rewards/format/mean"]

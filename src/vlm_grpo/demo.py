@@ -1,6 +1,6 @@
 """``make demo``: a tiny VLM that measurably gets better under GRPO, on CPU, in a few minutes.
 
-    python -m vlm_grpo.demo [--out runs/demo] [--seed 0] [--grpo_steps 120] [--grpo_lr 1e-3] ...
+    python -m vlm_grpo.demo [--out runs/demo] [--seed 0] [--grpo_steps 200] [--grpo_lr 3e-4] ...
 
 Pipeline (each stage is the project's own recipe, run in this process):
 
@@ -32,6 +32,7 @@ from pathlib import Path
 logger = logging.getLogger("vlm_grpo")
 
 DATA = Path("data/demo/colour")
+STAGES = ("model", "sft_true", "sft", "eval_sft", "grpo", "eval_grpo")  # sub-folders of --out, in order
 
 
 def held_out_accuracy(model_dir: Path, val: Path, images: Path, out_dir: Path, seed: int) -> float:
@@ -76,7 +77,7 @@ def sft_argv(a: argparse.Namespace, model: Path, out: Path, rows: str, steps: in
 
 
 def grpo_argv(a: argparse.Namespace, model: Path, out: Path) -> list[str]:
-    """The GRPO recipe's flags: the task reward only (exact match), short completions, constant LR."""
+    """The GRPO recipe's flags: the task reward only (exact match), short completions, LR decaying to 0."""
     return [
         "--model_name_or_path", str(model),
         "--data_file_paths", str(a.data / "train.jsonl"),
@@ -91,7 +92,7 @@ def grpo_argv(a: argparse.Namespace, model: Path, out: Path) -> list[str]:
         "--temperature", str(a.temperature),
         "--beta", str(a.beta),
         "--learning_rate", str(a.grpo_lr),
-        "--lr_scheduler_type", "constant",
+        "--lr_scheduler_type", "linear",
         "--gradient_checkpointing", "false",
         "--logging_steps", "2",
         "--save_strategy", "no",
@@ -112,9 +113,10 @@ def run(a: argparse.Namespace) -> tuple[float, float, int]:
     if a.threads:
         torch.set_num_threads(a.threads)
     out: Path = a.out
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
+    for name in STAGES:  # a previous demo's outputs only: --out may be a folder with other things in it
+        if (out / name).is_dir():
+            shutil.rmtree(out / name)
+    out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     model = build_tiny_model("qwen2_5_vl", out / "model", seed=a.seed)
     sft_jsonl.main(*sft_jsonl.parse_args(sft_argv(a, model, out / "sft_true", "train.jsonl", a.sft_true_steps)))
@@ -145,7 +147,7 @@ def run(a: argparse.Namespace) -> tuple[float, float, int]:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m vlm_grpo.demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=Path("runs/demo"), help="run folder, replaced (default: %(default)s)")
+    p.add_argument("--out", type=Path, default=Path("runs/demo"), help="run folder (default: %(default)s)")
     p.add_argument("--data", type=Path, default=DATA, help="the colour task folder (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the tiny model, SFT and GRPO (default: %(default)s)")
     p.add_argument("--threads", type=int, default=1, help="torch threads: tiny models run fastest on one")

@@ -57,14 +57,18 @@ def panels(history: Sequence[Mapping[str, Any]]) -> list[tuple[str, str, list[tu
         ("Entropy of the policy", "nats per token", [("entropy", "entropy")]),
         ("KL to the reference model", "KL", [("kl", "kl")]),
         ("Completion length", "tokens", [("mean", "completions/mean_length"), ("max", "completions/max_length")]),
-        ("Groups with no reward spread", "fraction of groups", [("frac_reward_zero_std", "frac_reward_zero_std")]),
+        (
+            "frac_reward_zero_std: groups with one reward",
+            "fraction of groups",
+            [("frac_reward_zero_std", "frac_reward_zero_std")],
+        ),
     ]
     out = []
     for title, ylabel, lines in wanted:
         lines = [(label, key) for label, key in lines if _series(history, key)[0]]
         if title.startswith("Loss") and rewards:
             continue  # GRPO's loss is a surrogate with no level to read; the reward panels say more
-        if title.startswith("KL") and not any(v != 0 for key in ("kl",) for v in _series(history, key)[1]):
+        if title.startswith("KL") and not any(v != 0 for v in _series(history, "kl")[1]):
             continue  # beta = 0: TRL logs no KL (or zeros)
         if lines:
             out.append((title, ylabel, lines))
@@ -125,7 +129,7 @@ def plot_run(
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-        if "ccuracy" in panel_title or panel_title.startswith("Groups"):
+        if "ccuracy" in panel_title or panel_title.startswith("frac_"):
             ax.set_ylim(-0.03, 1.06)
         if len([line for line in ax.get_lines() if not line.get_label().startswith("_")]) > 1:
             ax.legend(fontsize=8)

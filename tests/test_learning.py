@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from vlm_grpo import demo, grpo_jsonl, sft_jsonl
+from vlm_grpo import demo, grpo_jsonl, plot, sft_jsonl
 from vlm_grpo.testing.tiny import build_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -75,14 +75,16 @@ def test_grpo_lifts_held_out_accuracy_over_start_and_lr0_control(weak_sft, tmp_p
     assert 0.35 <= start <= 0.65, start
 
     runs = {}
-    for name, lr, plot in (("grpo", demo.parse_args([]).grpo_lr, "true"), ("control", 0.0, "false")):
-        argv = [*demo.grpo_argv(recipe(tmp_path, grpo_lr=lr), sft_model, tmp_path / name), "--plot", plot]
+    for name, lr, draw in (("grpo", demo.parse_args([]).grpo_lr, "true"), ("control", 0.0, "false")):
+        argv = [*demo.grpo_argv(recipe(tmp_path, grpo_lr=lr), sft_model, tmp_path / name), "--plot", draw]
         trainer = grpo_jsonl.main(*grpo_jsonl.parse_args(argv))
         assert trainer.state.global_step == GRPO_STEPS
         runs[name] = accuracy(tmp_path / name, tmp_path / f"eval_{name}")
-    # --plot (default true) drew the run's curves; --plot false did not
+    # --plot (default true) drew the run's curves; --plot false did not; vlm-grpo-plot redraws from the run folder
     assert (tmp_path / "grpo" / "curves.png").stat().st_size > 10_000
     assert not (tmp_path / "control" / "curves.png").exists()
+    assert plot.main([str(tmp_path / "control"), "--out", str(tmp_path / "control.png")]) == 0
+    assert (tmp_path / "control.png").stat().st_size > 10_000
     # the control ran the same steps on the same samples and changed nothing: its accuracy is the start's
     assert runs["control"] == start
     assert runs["grpo"] - start >= MARGIN, (start, runs)

@@ -253,7 +253,7 @@ coloured shapes (red/green/blue/yellow squares, circles, triangles) on a plain l
 images <= 128 px. Tasks: `counting` (answer `<answer>N</answer>`, `accu_reward_method` "default"),
 `rec` grounding (answer `<answer>[x1, y1, x2, y2]</answer>` in original image pixels, x2/y2 exclusive,
 `accu_reward_method` null) and a few two-image `counting` rows (`image` is a list, `<image>` placeholders
-inside the text).
+inside the text). `colour/` holds the image-only colour task that `make demo` learns (see its README).
 
 Regenerate (byte-identical for the same arguments; do not edit by hand, tests/test_demo_data.py checks it):
 

@@ -99,3 +99,22 @@ def test_demo_without_its_data_is_a_one_line_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"error: {tmp_path} lacks sft.jsonl, val.jsonl") and "Traceback" not in err
     assert not (tmp_path / "run").exists()
+
+
+def test_demo_prints_the_promised_last_line_and_writes_curves(tmp_path, capsys):
+    """What `make demo` is checked by, on a 2-step run: its last line parses, curves.png is a PNG."""
+    import re
+
+    from PIL import Image
+
+    (tmp_path / "notes.txt").write_text("kept")  # --out may hold other files: only the demo's folders are replaced
+    argv = ["--out", str(tmp_path), "--data", str(ROOT / demo.DATA), "--sft_true_steps", "2", "--sft_steps", "2"]
+    demo.main([*argv, "--grpo_steps", "2"])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert re.fullmatch(r"demo: held-out accuracy [01]\.\d{3} -> [01]\.\d{3} \(GRPO steps 2\)", last), last
+    with Image.open(tmp_path / "curves.png") as im:
+        assert im.format == "PNG"
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    a0, a1 = summary["held_out_accuracy_sft"], summary["held_out_accuracy_grpo"]
+    assert last.endswith(f"{a0:.3f} -> {a1:.3f} (GRPO steps 2)")
+    assert (tmp_path / "notes.txt").read_text() == "kept"

@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
 	touch $(STAMP)
 
-# SFT on weak labels -> greedy held-out accuracy -> GRPO -> the same evaluation; writes runs/demo/curves.png.
+# SFT (true, then weak labels) -> greedy held-out accuracy -> GRPO -> the same evaluation; runs/demo/curves.png.
 demo: $(STAMP)
 	$(PY) -m vlm_grpo.demo --out runs/demo
 

@@ -3,7 +3,6 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-TINY ?= runs/tiny/qwen2_5_vl
 
 .PHONY: setup demo test lint clean
 
@@ -15,9 +14,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
 	touch $(STAMP)
 
+# SFT (true, then weak labels) -> greedy held-out accuracy -> GRPO -> the same evaluation; runs/demo/curves.png.
 demo: $(STAMP)
-	$(PY) -m vlm_grpo.testing.tiny --family qwen2_5_vl --out $(TINY)
-	$(VENV)/bin/torchrun --nproc_per_node 1 src/vlm_grpo/grpo_jsonl.py --config configs/demo.yaml --model_name_or_path $(TINY)
+	$(PY) -m vlm_grpo.demo --out runs/demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The demo run on CPU: a tiny offline Qwen2.5-VL (built here if missing) on data/demo.
-#   bash run_scripts/run_grpo_demo.sh            (what `make demo` runs, through the script)
+#   bash run_scripts/run_grpo_demo.sh            (a 6-step smoke run; `make demo` is the learning demo, vlm_grpo.demo)
 source "$(dirname "$0")/_common.sh"
 EXP_NAME="${EXP_NAME:-demo}"
 MODEL="${MODEL:-runs/tiny/qwen2_5_vl}"

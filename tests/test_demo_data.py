@@ -67,6 +67,7 @@ def test_committed_data_matches_generator(regenerated):
 
 def test_generation_is_byte_deterministic(regenerated, tmp_path):
     demo.generate(tmp_path, SPLITS["train"], SPLITS["val"], SEED)
+    demo.generate_colour(tmp_path / demo.COLOUR_DIR, seed=SEED)
     first, second = _files(regenerated), _files(tmp_path)
     assert sorted(first) == sorted(second)
     for name in first:
@@ -212,3 +213,41 @@ def test_rec_boxes(split, samples):
         matches = [b for c, k, b in _detect(pixels) if (c, k) == (color, kind)]
         assert matches == [(x1, y1, x2, y2)], row["id"]
         assert sample.target == demo.Shape(color, kind, (x1, y1, x2, y2))
+
+
+# ----------------------------------------------------------------------------- the colour task (make demo)
+COLOUR = DEMO / demo.COLOUR_DIR
+
+
+def test_colour_task_rows_and_pixels():
+    """Same question everywhere, colours balanced, and the answer is the colour with the most pixels."""
+    for split, n in (("train", 256), ("val", 64)):
+        rows = _rows(COLOUR, split)
+        assert len(rows) == n and len({r["id"] for r in rows}) == n
+        answers = [r["conversations"][1]["value"] for r in rows]
+        assert {a: answers.count(a) for a in set(answers)} == {c: n // 4 for c in demo.COLORS}
+        for row, answer in zip(rows, answers, strict=True):
+            assert row["conversations"][0]["value"] == "<image>What colour is the large shape?"
+            assert (row["accu_reward_method"], row["task_type"]) == ("exact", "raw")
+            pixels = _pixels(COLOUR / "images" / row["image"])
+            assert max(pixels.shape[:2]) <= 64
+            counts = {c: int(np.all(pixels == rgb, axis=-1).sum()) for c, rgb in demo.COLORS.items()}
+            assert max(counts, key=counts.get) == answer, row["id"]
+            assert sum(1 for v in counts.values() if v) == 2  # one large shape, one distractor
+    assert not {r["image"] for r in _rows(COLOUR, "train")} & {r["image"] for r in _rows(COLOUR, "val")}
+
+
+def test_colour_sft_rows_are_the_weak_labeller():
+    """sft.jsonl: the train rows, with 3 in 5 red answers 'yellow' and 3 in 5 blue answers 'green', nothing else."""
+    train, sft = _rows(COLOUR, "train"), _rows(COLOUR, "sft")
+    assert [r["id"] for r in sft] == [r["id"] for r in train]
+    answers: dict[tuple[str, str], int] = {}
+    for true_row, weak_row in zip(train, sft, strict=True):
+        truth, weak = true_row["conversations"][1]["value"], weak_row["conversations"][1]["value"]
+        answers[truth, weak] = answers.get((truth, weak), 0) + 1
+        assert {**weak_row, "conversations": true_row["conversations"]} == true_row
+    # 64 rows a colour: rows k = 0..63 of red (blue) with k % 5 < 3 are mixed up, 39 of them
+    assert answers == {
+        ("red", "yellow"): 39, ("red", "red"): 25, ("blue", "green"): 39, ("blue", "blue"): 25,
+        ("yellow", "yellow"): 64, ("green", "green"): 64,
+    }  # fmt: skip

@@ -178,6 +178,14 @@ class GRPOScriptArguments(ScriptArguments):
         default=False,
         metadata={"help": "Start a fresh run even if output_dir already holds checkpoint-* folders."},
     )
+    plot: bool = field(
+        default=True,
+        metadata={
+            "help": "At the end of the run, write output_dir/curves.png from the log history (rewards, accuracy, "
+            "entropy, KL, completion length, frac_reward_zero_std; SFT: loss, token accuracy). Same as "
+            "vlm-grpo-plot output_dir."
+        },
+    )
 
 
 @dataclass

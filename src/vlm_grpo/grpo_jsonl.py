@@ -57,6 +57,7 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
     from tqdm.contrib.logging import logging_redirect_tqdm
     from trl import get_peft_config
 
+    from vlm_grpo.plot import finish_run
     from vlm_grpo.recipe import finish_loggers, load_datasets, load_model, pick_module, preflight
     from vlm_grpo.resume import resolve_resume
     from vlm_grpo.rewards import build_reward_funcs
@@ -110,6 +111,7 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
         trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(training_args.output_dir)
     finish_loggers(training_args.report_to)
+    finish_run(trainer, training_args.output_dir, script_args.plot)
     if is_main:
         means = reward_means(trainer.state.log_history)
         summary = ", ".join(f"{name}={value:.3f}" for name, value in sorted(means.items()))

@@ -41,6 +41,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[GRPOScriptArguments, 
 def main(script_args: GRPOScriptArguments, training_args: VLMSFTConfig, model_args: VLMModelConfig) -> VLMSFTTrainer:
     from tqdm.contrib.logging import logging_redirect_tqdm
 
+    from vlm_grpo.plot import finish_run
     from vlm_grpo.trainer_common import log_metrics_to_logger
     from vlm_grpo.utils import quiet_warnings
 
@@ -54,6 +55,7 @@ def main(script_args: GRPOScriptArguments, training_args: VLMSFTConfig, model_ar
     with logging_redirect_tqdm():  # log lines above the progress bar, not through it
         trainer.train(resume_from_checkpoint=resume)
     save_final_model(trainer, training_args, model_args.model_name_or_path)
+    finish_run(trainer, training_args.output_dir, script_args.plot)
     if is_main:
         losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
         summary = f"first loss {losses[0]:.4f}, last loss {losses[-1]:.4f}" if losses else "no loss logged"

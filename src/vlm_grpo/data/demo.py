@@ -15,9 +15,18 @@ Three kinds of row are written:
 * multi-image ``counting`` -- two images, ``image`` is a list and the ``<image>`` placeholders sit inside
   the text; the answer is a total over both images.
 
+A second set, ``colour/`` (:func:`generate_colour`), is the task ``make demo`` learns on: "What colour is the
+large shape?" with one large shape and one small distractor of another colour on a <= 64 px image. The question
+never changes, so the answer (a bare colour word, ``accu_reward_method`` ``"exact"``) depends only on the image.
+Besides ``train.jsonl`` / ``val.jsonl`` (true answers) it writes ``sft.jsonl``: the train images answered by a
+weak labeller with two blind spots -- it calls 3 in 5 red shapes yellow and 3 in 5 blue shapes green (yellow and
+green it always gets right). ``make demo`` fine-tunes on ``train.jsonl`` and then on ``sft.jsonl``: the model
+takes on the labeller's bias, so its greedy answer for red and blue shapes is the wrong one (held-out accuracy
+near 0.5, chance 0.25) while the right one is still sampled often enough for GRPO with the task reward to find it.
+
 Public API: :data:`COLORS`, :data:`SHAPES`, :data:`IMAGE_SIZES`, :class:`Shape`, :class:`Scene`,
 :class:`Sample`, :func:`random_scene`, :func:`render_scene`, :func:`generate_split`, :func:`generate`,
-:func:`main`.
+:data:`COLOUR_MIXUPS`, :func:`colour_split`, :func:`generate_colour`, :func:`main`.
 """
 
 from __future__ import annotations
@@ -244,7 +253,7 @@ coloured shapes (red/green/blue/yellow squares, circles, triangles) on a plain l
 images <= 128 px. Tasks: `counting` (answer `<answer>N</answer>`, `accu_reward_method` "default"),
 `rec` grounding (answer `<answer>[x1, y1, x2, y2]</answer>` in original image pixels, x2/y2 exclusive,
 `accu_reward_method` null) and a few two-image `counting` rows (`image` is a list, `<image>` placeholders
-inside the text).
+inside the text). `colour/` holds the image-only colour task that `make demo` learns (see its README).
 
 Regenerate (byte-identical for the same arguments; do not edit by hand, tests/test_demo_data.py checks it):
 
@@ -287,17 +296,110 @@ def generate(out_dir: str | Path, n_train: int = 48, n_val: int = 8, seed: int =
     return result
 
 
+# ----------------------------------------------------------------------------- the colour task (make demo)
+COLOUR_DIR = "colour"
+COLOUR_QUESTION = "<image>What colour is the large shape?"
+COLOUR_SIZES: tuple[int, ...] = (48, 56, 64)
+# The weak SFT labeller's blind spots: it answers the value for 3 in 5 rows of the key's colour.
+COLOUR_MIXUPS: dict[str, str] = {"red": "yellow", "blue": "green"}
+
+
+def colour_scene(rng: random.Random, color: str) -> Scene:
+    """One large square or circle of ``color`` and one small square of another colour (the distractor)."""
+    side = rng.choice(COLOUR_SIZES)
+    big = rng.randint(side // 2, side - 2 * MARGIN - 12)
+    x1, y1 = rng.randint(MARGIN, side - MARGIN - big), rng.randint(MARGIN, side - MARGIN - big)
+    large = Shape(color, rng.choice(("square", "circle")), (x1, y1, x1 + big, y1 + big))
+    other = rng.choice([c for c in COLORS if c != color])
+    while True:
+        small = rng.randint(6, 9)
+        sx, sy = rng.randint(MARGIN, side - MARGIN - small), rng.randint(MARGIN, side - MARGIN - small)
+        box = (sx, sy, sx + small, sy + small)
+        if not _overlaps(box, large.box, 1):
+            return Scene(side, side, rng.choice(BACKGROUNDS), (large, Shape(other, "square", box)))
+
+
+def colour_split(split: str, n: int, seed: int = 0) -> list[Sample]:
+    """``n`` rows of the colour task; row ``i`` shows colour ``i % 4`` (balanced) and depends only on
+    ``(seed, split, i)``. ``Sample.query["weak"]`` is the weak labeller's answer (see the module docstring)."""
+    names = list(COLORS)
+    samples = []
+    for idx in range(n):
+        rng = random.Random(f"vlm_grpo.demo.colour/{seed}/{split}/{idx}")
+        color = names[idx % len(names)]
+        scene = colour_scene(rng, color)
+        name = f"{split}_{idx:04d}.png"
+        row = _make_row(f"colour-{split}-{idx:04d}", [name], COLOUR_QUESTION, color, "exact", "raw")
+        mixed_up = color in COLOUR_MIXUPS and (idx // len(names)) % 5 < 3
+        weak = COLOUR_MIXUPS[color] if mixed_up else color
+        samples.append(Sample(row, (scene,), (name,), query={"color": color, "weak": weak}))
+    return samples
+
+
+_COLOUR_README = """\
+# Colour task (synthetic): what `make demo` learns
+
+"What colour is the large shape?" -- one large square or circle (red/green/blue/yellow) and one small square of
+another colour on a light background, {sizes} px images. The question is the same in every row, so the answer
+depends only on the image. Answers are bare colour words (`accu_reward_method` "exact", `task_type` "raw": no
+think/answer tags). Colours are balanced (row i shows colour i % 4).
+
+- `train.jsonl` ({n_train} rows) and `val.jsonl` ({n_val} held-out rows): true answers.
+- `sft.jsonl`: the train images answered by a weak labeller that calls 3 in 5 red shapes yellow and 3 in 5 blue
+  shapes green (yellow and green always right). `make demo` fine-tunes on `train.jsonl`, then on `sft.jsonl`:
+  the model takes on the labeller's bias and answers red and blue shapes wrongly when greedy (held-out accuracy
+  near 0.5, chance 0.25). GRPO with the exact-match reward on `train.jsonl` then has to undo it from the pixels.
+
+Regenerated with the shapes set by `python -m vlm_grpo.data.demo --out data/demo` (do not edit by hand).
+"""
+
+
+def generate_colour(out_dir: str | Path, n_train: int = 256, n_val: int = 64, seed: int = 0) -> dict[str, list[Sample]]:
+    """Write the colour task to ``out_dir`` (``images/``, ``train.jsonl``, ``sft.jsonl``, ``val.jsonl``,
+    ``README.md``); stale images are removed."""
+    out = Path(out_dir)
+    img_dir = out / IMAGE_DIR
+    img_dir.mkdir(parents=True, exist_ok=True)
+    result = {"train": colour_split("train", n_train, seed), "val": colour_split("val", n_val, seed)}
+    written: set[str] = set()
+    files: dict[str, list[str]] = {"train": [], "sft": [], "val": []}
+    for split, samples in result.items():
+        for sample in samples:
+            render_scene(sample.scenes[0]).save(img_dir / sample.image_files[0], format="PNG", optimize=True)
+            written.add(sample.image_files[0])
+            files[split].append(json.dumps(sample.row, ensure_ascii=False) + "\n")
+            if split == "train":
+                weak = json.loads(json.dumps(sample.row))
+                weak["conversations"][1]["value"] = sample.query["weak"]
+                files["sft"].append(json.dumps(weak, ensure_ascii=False) + "\n")
+    for name, lines in files.items():
+        with open(out / f"{name}.jsonl", "w", encoding="utf-8", newline="\n") as f:
+            f.writelines(lines)
+    for stale in img_dir.glob("*.png"):
+        if stale.name not in written:
+            stale.unlink()
+    sizes = "/".join(str(s) for s in COLOUR_SIZES)
+    with open(out / "README.md", "w", encoding="utf-8", newline="\n") as f:
+        f.write(_COLOUR_README.format(sizes=sizes, n_train=n_train, n_val=n_val))
+    return result
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m vlm_grpo.data.demo",
-        description="Generate the deterministic synthetic shapes demo set (VLM-R1 JSONL + PNG images).",
+        description="Generate the deterministic synthetic shapes demo set and the colour task under colour/ "
+        "(VLM-R1 JSONL + PNG images).",
     )
     parser.add_argument("--out", default="data/demo", help="output folder (default: %(default)s)")
     parser.add_argument("--n_train", type=int, default=48, help="train rows (default: %(default)s)")
     parser.add_argument("--n_val", type=int, default=8, help="val rows (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    parser.add_argument("--colour_train", type=int, default=256, help="colour-task train rows (default: %(default)s)")
+    parser.add_argument("--colour_val", type=int, default=64, help="colour-task held-out rows (default: %(default)s)")
     args = parser.parse_args(argv)
     result = generate(args.out, args.n_train, args.n_val, args.seed)
+    colour = generate_colour(Path(args.out) / COLOUR_DIR, args.colour_train, args.colour_val, args.seed)
+    result.update({f"{COLOUR_DIR}/{split}": samples for split, samples in colour.items()})
     for split, samples in result.items():
         n_img = sum(len(s.image_files) for s in samples)
         print(f"{split}: {len(samples)} rows, {n_img} images -> {Path(args.out) / f'{split}.jsonl'}")

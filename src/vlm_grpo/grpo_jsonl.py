@@ -76,6 +76,8 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
         lora_include_vision=model_args.lora_include_vision,
         processing_class=processor,
         peft_config=get_peft_config(model_args),
+        tools=script_args.tools,
+        tool_kwargs=script_args.tool_kwargs,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
     )

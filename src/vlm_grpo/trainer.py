@@ -11,7 +11,7 @@ text-only and image prompts. Losses, logging, DeepSpeed and the rest are TRL's, 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ from vlm_grpo.fastpath.vision_attention import use_batched_vision_attention
 from vlm_grpo.fastpath.vision_sync import install_vision_sync, needs_vision_sync
 from vlm_grpo.modules import VLMModule
 from vlm_grpo.rewards import build_reward_funcs
+from vlm_grpo.tools.rollouts import build_tool_environment, prepare_for_tools, rollout_tool_stats
 from vlm_grpo.trainer_common import CheckpointReloadMixin, prepare_vlm
 from vlm_grpo.utils import is_zero3
 
@@ -39,6 +40,9 @@ class VLMGRPOTrainer(CheckpointReloadMixin, GRPOTrainer):
         lora_include_vision: put LoRA on vision layers too (default: language model only).
         rewards_from_vlm_module: the adapter's own reward variants replace registered ones of the same name.
         reward_funcs: callables as in TRL, or registered reward names / ``file.py:fn`` plugins.
+        tools: registered tool names / ``file.py:fn`` plugins (they see the row's images, see
+            :mod:`vlm_grpo.tools`), and/or plain callables passed to TRL as they are.
+        tool_kwargs: options per named tool, ``{"python": {"timeout": 10}}`` (JSON text or a mapping).
     """
 
     def __init__(
@@ -53,6 +57,8 @@ class VLMGRPOTrainer(CheckpointReloadMixin, GRPOTrainer):
         rewards_from_vlm_module: bool = False,
         processing_class: Any = None,
         peft_config: Any = None,
+        tools: Sequence[str | Callable] | None = None,
+        tool_kwargs: str | Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         vlm_module, model, processing_class = prepare_vlm(
@@ -71,12 +77,29 @@ class VLMGRPOTrainer(CheckpointReloadMixin, GRPOTrainer):
         overrides = vlm_module.reward_overrides if rewards_from_vlm_module else None
         reward_funcs = [build_reward_funcs([f], overrides)[0] if isinstance(f, str) else f for f in reward_funcs]
 
+        tools = list(tools or [])
+        named = [t for t in tools if isinstance(t, str)]
+        if named or tool_kwargs:
+            # Registered tools get the row's images and per-rollout state: one environment per rollout.
+            if kwargs.get("environment_factory") is not None:
+                raise ValueError("Pass tools by name (--tools) or an environment_factory, not both")
+            module = vlm_module
+
+            def coord_size(width: int, height: int) -> tuple[int, int]:
+                return module.coord_size(processing_class, width, height)
+
+            kwargs["environment_factory"] = build_tool_environment(named, tool_kwargs, coord_size)
+            tools = [t for t in tools if not isinstance(t, str)]
+        if tools or kwargs.get("environment_factory") is not None:
+            prepare_for_tools(args, processing_class)
+
         super().__init__(
             model=model,
             reward_funcs=reward_funcs,
             args=args,
             processing_class=processing_class,
             peft_config=peft_config,
+            tools=tools or None,
             **kwargs,
         )
         self._warn_if_groups_split()
@@ -166,6 +189,19 @@ class VLMGRPOTrainer(CheckpointReloadMixin, GRPOTrainer):
             if completion_ids is not None:
                 return completion_ids, None
         return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+
+    def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
+        """TRL's tool loop, plus per-rollout metrics: tool calls, errors, turns, images, sandbox timeouts."""
+        result = super()._tool_call_loop(
+            prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields
+        )
+        mode = "train" if self.model.training else "eval"
+        stats = rollout_tool_stats(result[1], self.environments)
+        for name, values in stats.items():
+            local = torch.tensor(values, dtype=torch.float32, device=self.accelerator.device)
+            gathered = self.accelerator.gather(local)
+            self._metrics[mode][f"tools/{name}"].append(gathered.mean().item())
+        return result
 
     def _tokenize_prompts(self, prompts: list) -> tuple:
         """Text-only prompts get ``[]`` rather than ``None`` images, so mixed batches reach the processor whole.

@@ -62,6 +62,11 @@ REWARDS.register("listener", "vlm_grpo.rewards.remote:listener_reward")
 REWARDS.register("http", "vlm_grpo.rewards.remote:http_reward")
 REWARDS.register("llm_judge", "vlm_grpo.rewards.judge:llm_judge_reward")
 
+# tool-using rollouts
+REWARDS.register("tool_use", "vlm_grpo.rewards.tools:tool_use_reward")
+REWARDS.register("deepeyes", "vlm_grpo.rewards.tools:deepeyes_reward")
+REWARDS.register("tool_format", "vlm_grpo.rewards.tools:tool_format_reward")
+
 __all__ = [
     "REWARDS",
     "RewardFunc",

@@ -1,0 +1,60 @@
+"""What the trainer needs for multi-turn tool rollouts on top of TRL's tool loop.
+
+Every family is asked to call tools in the Hermes / Qwen format, ``<tool_call>{"name": ..., "arguments":
+{...}}</tool_call>`` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL; InternVL's ``-hf`` checkpoints share the ``<|im_start|>``
+chat format and are given the same one), parsed by TRL's Qwen response template.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from vlm_grpo.tools.base import CoordSize, ToolEnvironment, make_environment_factory, parse_tool_kwargs
+
+logger = logging.getLogger(__name__)
+
+_SPEED_FEATURES = ("share_prompt", "share_prefill", "fast_decode")
+
+
+def build_tool_environment(
+    names: Sequence[str], tool_kwargs: str | Mapping[str, Any] | None = None, coord_size: CoordSize | None = None
+) -> type[ToolEnvironment]:
+    """The environment class (TRL's ``environment_factory``) holding the named tools."""
+    from vlm_grpo.tools import TOOLS
+
+    if not names:
+        raise ValueError("--tool_kwargs was given without --tools")
+    return make_environment_factory([TOOLS.get(name) for name in names], parse_tool_kwargs(tool_kwargs), coord_size)
+
+
+def prepare_for_tools(args: Any, processing_class: Any) -> None:
+    """Set the tool-call parser when the checkpoint has none, and turn the group-sharing speed path off.
+
+    The speed path shares one prompt across a group; tool turns make every rollout's prefix its own, so
+    the run uses TRL's per-row generation and log-prob passes (correct, slower).
+    """
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema", None) is None:
+        from trl.chat_template_utils import qwen3_template
+
+        tokenizer.response_template = qwen3_template
+    on = [name for name in _SPEED_FEATURES if getattr(args, name, False)]
+    if on:
+        logger.info("Tool rollouts are multi-turn: %s turned off for this run (TRL's per-row path)", ", ".join(on))
+        for name in on:
+            setattr(args, name, False)
+
+
+def rollout_tool_stats(completions: Sequence[Any], environments: Sequence[Any] | None) -> dict[str, list[float]]:
+    """Per-rollout counts for the log: assistant turns, tool calls, tool errors, images returned, timeouts."""
+    turns = [float(sum(1 for m in c if isinstance(m, dict) and m.get("role") == "assistant")) for c in completions]
+    stats = {"turns": turns}
+    envs = [e for e in environments or [] if isinstance(e, ToolEnvironment)]
+    if envs and len(envs) == len(completions):
+        stats["calls_per_rollout"] = [float(e.calls) for e in envs]
+        stats["errors_per_rollout"] = [float(e.errors) for e in envs]
+        stats["images_returned"] = [float(len(e.images) - e.prompt_images) for e in envs]
+        stats["sandbox_timeouts"] = [float(e.timeouts) for e in envs]
+    return stats

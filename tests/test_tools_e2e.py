@@ -1,0 +1,134 @@
+"""Multi-turn tool rollouts end to end through grpo_jsonl.py's main: a scripted policy really calls tools.
+
+The scripted policy: the first turn of every rollout is fixed tool-call text (one good call, or a bad one
+for every other rollout); the turns after a tool result are the tiny model's own sampled tokens. Everything
+else (TRL's tool loop, tool execution, images returned into the conversation, masks, loss) is the real path.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from e2e_utils import base_args, make_dataset, original_params
+from vlm_grpo.grpo_jsonl import main, parse_args
+from vlm_grpo.trainer import VLMGRPOTrainer
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# A box valid in each family's frame: Qwen2.5-VL writes resized-image pixels (>= 56 here), the others 0-1000.
+GOOD_BOX = {"qwen2_5_vl": [4, 4, 44, 44], "qwen2_vl": [100, 100, 800, 800], "qwen3_vl": [100, 100, 800, 800]}
+GOOD_BOX["internvl"] = GOOD_BOX["qwen2_vl"]
+
+
+def tool_call(name: str, arguments: dict) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call><|im_end|>"
+
+
+def scripted_calls(family: str, tool: str) -> list[str]:
+    if tool == "zoom_in":
+        good = tool_call("zoom_in", {"bbox_2d": GOOD_BOX[family], "image_index": 0, "label": "square"})
+        bad = tool_call("zoom_in", {"bbox_2d": [50, 50, 10, 10]})  # inverted: a tool error for the model
+    else:
+        good = tool_call("python", {"code": "print('size', image.size)\ndisplay(image.crop((0, 0, 24, 24)))"})
+        bad = tool_call("python", {"code": "open('/etc/passwd').read()"})
+    return [good, bad]
+
+
+@pytest.fixture
+def scripted_policy(monkeypatch):
+    """Replace only the first generation of each rollout (num_generations > 1) by tool-call text."""
+    calls: list[str] = []
+    seen = {"first_turns": 0, "tool_turns": 0, "tool_images": 0}
+    original = VLMGRPOTrainer._generate_single_turn
+
+    def generate(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if num_generations == 1:  # TRL's tool loop: the model continues after the tool result
+            seen["tool_turns"] += len(prompt_ids)
+            seen["tool_images"] += int(has_tool_images)
+            return original(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        seen["first_turns"] += len(prompt_ids)
+        ids = [self._tokenizer.encode(calls[i % len(calls)], add_special_tokens=False) for i in range(len(prompt_ids))]
+        return ids, None
+
+    monkeypatch.setattr(VLMGRPOTrainer, "_generate_single_turn", generate)
+    return calls, seen
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return make_dataset(tmp_path_factory.mktemp("tools_data"), kinds=("single",))
+
+
+@pytest.mark.parametrize(
+    ("family", "tool"),
+    [
+        ("qwen2_5_vl", "zoom_in"),
+        ("qwen2_5_vl", "python"),
+        ("internvl", "zoom_in"),
+        ("internvl", "python"),
+        ("qwen2_vl", "zoom_in"),
+        ("qwen3_vl", "zoom_in"),
+    ],
+)
+def test_two_grpo_steps_with_tool_calls(family, tool, tiny_models, dataset, scripted_policy, tmp_path):
+    data, plugin = dataset
+    calls, seen = scripted_policy
+    calls += scripted_calls(family, tool)
+    model_dir = tiny_models[family]
+    argv = base_args(model_dir, data, plugin, tmp_path / "out")
+    argv += ["--tools", tool, "--max_tool_calling_iterations", "2", "--max_completion_length", "160"]
+    argv[argv.index("--reward_funcs") + 1 : argv.index("--reward_funcs") + 3] = [f"{plugin}:text_shape", "tool_use"]
+    if tool == "python":
+        argv += ["--tool_kwargs", '{"python": {"timeout": 20, "pool_size": 1}}']
+    trainer = main(*parse_args(argv))
+    assert trainer.state.global_step == 2
+
+    # Tools were called, half of the calls failed with an error message, images came back into the conversation.
+    logs = [entry for entry in trainer.state.log_history if "tools/calls_per_rollout" in entry]
+    assert len(logs) == 2
+    assert all(entry["tools/calls_per_rollout"] == 1.0 for entry in logs)
+    assert all(entry["tools/errors_per_rollout"] == 0.5 for entry in logs)
+    assert all(entry["tools/images_returned"] == 0.5 for entry in logs)
+    assert all(entry["tools/turns"] == 2.0 for entry in logs)  # every rollout: tool call, then an answer
+    assert seen["first_turns"] == 8 and seen["tool_turns"] == 8 and seen["tool_images"] == 2
+    # tool_use pays the successful half of the rollouts only
+    assert all(entry["rewards/tool_use/mean"] == pytest.approx(0.5) for entry in logs)
+
+    # the language model learned from the multi-turn batch
+    before = original_params(model_dir)
+    after = {n: p.detach() for n, p in trainer.model.named_parameters()}
+    assert any(not torch.equal(before[n], after[n]) for n in before if "layers" in n)
+
+
+def test_tool_tokens_are_masked_and_images_reach_the_loss_pass(tiny_models, dataset, scripted_policy, tmp_path):
+    """The batch the loss sees: tool-result tokens (with the zoomed image's tokens) masked, image passed in."""
+    data, plugin = dataset
+    calls, _ = scripted_policy
+    calls += scripted_calls("qwen2_5_vl", "zoom_in")[:1]
+    model_dir = tiny_models["qwen2_5_vl"]
+    argv = base_args(model_dir, data, plugin, tmp_path / "out", steps=1)
+    argv += ["--tools", "zoom_in", "--max_tool_calling_iterations", "1", "--max_completion_length", "160"]
+    batches = []
+    original = VLMGRPOTrainer._generate_and_score_completions
+
+    def keep(self, inputs):
+        out = original(self, inputs)
+        batches.append(out)
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(VLMGRPOTrainer, "_generate_and_score_completions", keep)
+        trainer = main(*parse_args(argv))
+    batch = batches[0]
+    image_pad = trainer._tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    ids, mask = batch["completion_ids"], batch["tool_mask"]
+    for row in range(ids.size(0)):
+        tool_tokens = ids[row][mask[row] == 0]
+        assert (tool_tokens == image_pad).sum() > 0, "the zoomed image's tokens are not in the tool result"
+        assert (ids[row][mask[row] == 1] == image_pad).sum() == 0, "image tokens left in the loss"
+    # 4 prompt images + 4 zoomed images go to the log-prob passes, in conversation order
+    assert batch["image_grid_thw"].size(0) == 8
+    assert batch["num_images"] == [2, 2, 2, 2]

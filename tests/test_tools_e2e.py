@@ -79,7 +79,7 @@ def test_two_grpo_steps_with_tool_calls(family, tool, tiny_models, dataset, scri
     calls += scripted_calls(family, tool)
     model_dir = tiny_models[family]
     argv = base_args(model_dir, data, plugin, tmp_path / "out")
-    argv += ["--tools", tool, "--max_tool_calling_iterations", "2", "--max_completion_length", "160"]
+    argv += ["--tools", tool, "--max_tool_calling_iterations", "2", "--max_completion_length", "320"]
     argv[argv.index("--reward_funcs") + 1 : argv.index("--reward_funcs") + 3] = [f"{plugin}:text_shape", "tool_use"]
     if tool == "python":
         argv += ["--tool_kwargs", '{"python": {"timeout": 20, "pool_size": 1}}']

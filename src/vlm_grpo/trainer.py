@@ -10,6 +10,7 @@ text-only and image prompts. Losses, logging, DeepSpeed and the rest are TRL's, 
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -181,6 +182,12 @@ class VLMGRPOTrainer(CheckpointReloadMixin, GRPOTrainer):
         self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False
     ) -> tuple[list[list[int]], Any]:
         """Prefill each unique prompt once and decode its G samples from the shared cache (``share_prefill``)."""
+        if has_tool_images:
+            # TRL's tool-image path passes everything the image processor returned, and adds token type ids for
+            # models whose forward does not take them (InternVL): keep what the model accepts.
+            accepted = self._forward_parameters()
+            multimodal_fields = {k: v for k, v in multimodal_fields.items() if k in accepted}
+            has_tool_images = bool({"mm_token_type_ids", "token_type_ids"} & accepted)
         plain_hf = not (self.use_vllm or self.use_transformers_continuous_batching or self.tools or has_tool_images)
         # A static cache is sized and compiled by generate itself: the shared dynamic cache would bypass it.
         dynamic_cache = getattr(self.generation_config, "cache_implementation", None) in (None, "dynamic")
@@ -202,6 +209,14 @@ class VLMGRPOTrainer(CheckpointReloadMixin, GRPOTrainer):
             gathered = self.accelerator.gather(local)
             self._metrics[mode][f"tools/{name}"].append(gathered.mean().item())
         return result
+
+    def _forward_parameters(self) -> set[str]:
+        """Names the model's forward accepts (the base model's, under PEFT)."""
+        if getattr(self, "_forward_params", None) is None:
+            model = self.accelerator.unwrap_model(self.model)
+            model = model.get_base_model() if hasattr(model, "get_base_model") else model
+            self._forward_params = set(inspect.signature(type(model).forward).parameters)
+        return self._forward_params
 
     def _tokenize_prompts(self, prompts: list) -> tuple:
         """Text-only prompts get ``[]`` rather than ``None`` images, so mixed batches reach the processor whole.

@@ -148,7 +148,7 @@ def make_environment_factory(
     methods: dict[str, Any] = {}
     for fn in tools:
         name = getattr(fn, "__name__", None)
-        if not callable(fn) or not name or name.startswith("_") or name in _RESERVED:
+        if not callable(fn) or not name or not name.isidentifier() or name.startswith("_") or name in _RESERVED:
             raise ValueError(f"{fn!r} cannot be a tool: it needs a public function name other than reset/get_reward")
         if name in methods:
             raise ValueError(f"Two tools are named '{name}'")

@@ -16,6 +16,8 @@ from vlm_grpo.tools.base import CoordSize, ToolEnvironment, make_environment_fac
 logger = logging.getLogger(__name__)
 
 _SPEED_FEATURES = ("share_prompt", "share_prefill", "fast_decode")
+_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+_VISION_TOKENS += ("<IMG_CONTEXT>", "<img>", "</img>", "<video>")
 
 
 def build_tool_environment(
@@ -40,6 +42,15 @@ def prepare_for_tools(args: Any, processing_class: Any) -> None:
         from trl.chat_template_utils import qwen3_template
 
         tokenizer.response_template = qwen3_template
+    # The model must not write image placeholders itself: tool results are the only source of image tokens
+    # after the prompt, and a stray <|image_pad|> or <|video_pad|> breaks the log-prob pass (3D positions, tokens
+    # vs features). Random and early policies do sample them.
+    vocab = tokenizer.get_vocab()
+    placeholders = sorted(vocab[t] for t in _VISION_TOKENS if t in vocab)
+    if placeholders and args is not None:
+        kwargs = dict(getattr(args, "generation_kwargs", None) or {})
+        kwargs["suppress_tokens"] = sorted(set(kwargs.get("suppress_tokens") or []) | set(placeholders))
+        args.generation_kwargs = kwargs
     on = [name for name in _SPEED_FEATURES if getattr(args, name, False)]
     if on:
         logger.info("Tool rollouts are multi-turn: %s turned off for this run (TRL's per-row path)", ", ".join(on))

@@ -132,3 +132,43 @@ def test_tool_tokens_are_masked_and_images_reach_the_loss_pass(tiny_models, data
     # 4 prompt images + 4 zoomed images go to the log-prob passes, in conversation order
     assert batch["image_grid_thw"].size(0) == 8
     assert batch["num_images"] == [2, 2, 2, 2]
+
+    # Parity: the batched log-prob pass (ours, which hands tool batches to TRL's path, and TRL's own) equals an
+    # independent per-row forward fed the images the rollout saw: the prompt image and the zoomed view the tool
+    # returned. Negative control: the prompt image in place of the zoomed view changes the log-probs.
+    from trl import GRPOTrainer
+
+    model = trainer.model.eval()
+    input_ids = torch.cat([batch["prompt_ids"], ids], dim=1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    mm = {k: batch[k] for k in ("pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids") if k in batch}
+    with torch.no_grad():
+        ours, _, _ = trainer._get_per_token_logps_and_entropies(model, input_ids, attention, ids.size(1), **mm)
+        trls, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
+            trainer, model, input_ids, attention, ids.size(1), **mm
+        )
+    torch.testing.assert_close(ours, trls, rtol=0, atol=1e-5)
+    processor = trainer.processing_class
+
+    def row_logps(row: int, images: list) -> torch.Tensor:
+        keep = attention[row].bool()
+        row_ids = input_ids[row][keep].unsqueeze(0)
+        pixels = processor.image_processor(images=images, return_tensors="pt")
+        with torch.no_grad():
+            logits = model(
+                input_ids=row_ids,
+                attention_mask=torch.ones_like(row_ids),
+                pixel_values=pixels["pixel_values"],
+                image_grid_thw=pixels["image_grid_thw"],
+                mm_token_type_ids=(row_ids == image_pad).long(),
+            ).logits[0, :-1]
+        n = int(batch["completion_mask"][row].sum())
+        targets = row_ids[0, 1:]
+        return torch.log_softmax(logits.float(), -1).gather(-1, targets[:, None])[-n:, 0]
+
+    for row, env in enumerate(trainer.environments):
+        n = int(batch["completion_mask"][row].sum())
+        assert len(env.images) == 2
+        torch.testing.assert_close(ours[row, :n], row_logps(row, env.images), rtol=0, atol=1e-5)
+        wrong = row_logps(row, [env.images[0], env.images[0].resize(env.images[1].size)])
+        assert (wrong - ours[row, :n]).abs().max() > 1e-3

@@ -172,3 +172,30 @@ def test_tool_tokens_are_masked_and_images_reach_the_loss_pass(tiny_models, data
         torch.testing.assert_close(ours[row, :n], row_logps(row, env.images), rtol=0, atol=1e-5)
         wrong = row_logps(row, [env.images[0], env.images[0].resize(env.images[1].size)])
         assert (wrong - ours[row, :n]).abs().max() > 1e-3
+
+
+def test_a_malformed_first_call_is_answered_with_an_error(tiny_models, dataset, scripted_policy, tmp_path):
+    data, plugin = dataset
+    calls, _ = scripted_policy
+    calls.append('<tool_call>\n{"name": "zoom_in", "arguments": [1, 2}\n</tool_call><|im_end|>')
+    argv = base_args(tiny_models["qwen2_5_vl"], data, plugin, tmp_path / "out", steps=1)
+    argv += ["--tools", "zoom_in", "--max_tool_calling_iterations", "1", "--max_completion_length", "200"]
+    argv[argv.index("--reward_funcs") + 1 : argv.index("--reward_funcs") + 3] = [f"{plugin}:text_shape", "tool_format"]
+    rollouts = []
+    original = VLMGRPOTrainer._tool_call_loop
+
+    def keep(self, *args):
+        out = original(self, *args)
+        rollouts.extend(out[1])
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(VLMGRPOTrainer, "_tool_call_loop", keep)
+        trainer = main(*parse_args(argv))
+    assert len(rollouts) == 4
+    for turns in rollouts:
+        assert [m["role"] for m in turns] == ["assistant", "tool", "assistant"]
+        assert '"arguments": [1, 2}' in turns[0]["content"]
+        assert turns[1]["content"].startswith("{'error': 'the <tool_call> block could not be read")
+    log = trainer.state.log_history[0]
+    assert log["tools/failure_frequency"] == 1.0 and log["rewards/tool_format/mean"] == 0.0

@@ -25,7 +25,14 @@ from vlm_grpo.fastpath.vision_attention import use_batched_vision_attention
 from vlm_grpo.fastpath.vision_sync import install_vision_sync, needs_vision_sync
 from vlm_grpo.modules import VLMModule
 from vlm_grpo.rewards import build_reward_funcs
-from vlm_grpo.tools.rollouts import build_tool_environment, prepare_for_tools, rollout_tool_stats
+from vlm_grpo.tools.rollouts import (
+    MALFORMED_CALL,
+    answer_malformed_call,
+    build_tool_environment,
+    mark_malformed_call,
+    prepare_for_tools,
+    rollout_tool_stats,
+)
 from vlm_grpo.trainer_common import CheckpointReloadMixin, prepare_vlm
 from vlm_grpo.utils import is_zero3
 
@@ -198,7 +205,14 @@ class VLMGRPOTrainer(CheckpointReloadMixin, GRPOTrainer):
         return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
 
     def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
-        """TRL's tool loop, plus per-rollout metrics: tool calls, errors, turns, images, sandbox timeouts."""
+        """TRL's tool loop, plus per-rollout metrics: tool calls, errors, turns, images, sandbox timeouts.
+
+        A first turn whose ``<tool_call>`` block did not parse (TRL then reads it as a plain answer) is answered
+        with an error message instead, so the model sees what was wrong and goes on.
+        """
+        for i, turns in enumerate(completions):
+            if mark_malformed_call(turns[-1]):
+                self._sync_tool_dicts[i][MALFORMED_CALL] = answer_malformed_call
         result = super()._tool_call_loop(
             prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields
         )

@@ -58,6 +58,29 @@ def prepare_for_tools(args: Any, processing_class: Any) -> None:
             setattr(args, name, False)
 
 
+MALFORMED_CALL = "malformed_tool_call"
+
+
+def mark_malformed_call(message: dict[str, Any]) -> bool:
+    """Turn an assistant message that wrote ``<tool_call>`` but no parseable call into a call of the hidden
+    :data:`MALFORMED_CALL` tool (its text, and the tokens the model wrote, stay as they are)."""
+    content = message.get("content")
+    if message.get("role") != "assistant" or message.get("tool_calls") or not isinstance(content, str):
+        return False
+    if "<tool_call>" not in content:
+        return False
+    message["tool_calls"] = [{"type": "function", "function": {"name": MALFORMED_CALL, "arguments": {}}}]
+    return True
+
+
+def answer_malformed_call() -> str:
+    """What the model reads back after a malformed call (TRL counts it as a failed call)."""
+    raise ValueError(
+        'the <tool_call> block could not be read: write <tool_call>{"name": "<tool name>", "arguments": {...}}'
+        "</tool_call> with valid JSON"
+    )
+
+
 def rollout_tool_stats(completions: Sequence[Any], environments: Sequence[Any] | None) -> dict[str, list[float]]:
     """Per-rollout counts for the log: assistant turns, tool calls, tool errors, images returned, timeouts."""
     turns = [float(sum(1 for m in c if isinstance(m, dict) and m.get("role") == "assistant")) for c in completions]

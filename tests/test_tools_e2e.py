@@ -45,6 +45,9 @@ def scripted_policy(monkeypatch):
     original = VLMGRPOTrainer._generate_single_turn
 
     def generate(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if num_generations == 1 and seen.get("always_call"):  # a policy that never stops calling tools
+            seen["tool_turns"] += len(prompt_ids)
+            return [self._tokenizer.encode(calls[0], add_special_tokens=False) for _ in prompt_ids], None
         if num_generations == 1:  # TRL's tool loop: the model continues after the tool result
             seen["tool_turns"] += len(prompt_ids)
             seen["tool_images"] += int(has_tool_images)
@@ -199,3 +202,23 @@ def test_a_malformed_first_call_is_answered_with_an_error(tiny_models, dataset, 
         assert turns[1]["content"].startswith("{'error': 'the <tool_call> block could not be read")
     log = trainer.state.log_history[0]
     assert log["tools/failure_frequency"] == 1.0 and log["rewards/tool_format/mean"] == 0.0
+
+
+@pytest.mark.parametrize("case", ["never_stops", "overflow"])
+def test_endless_callers_stop_and_overflowing_results_end_the_rollout(
+    case, tiny_models, dataset, scripted_policy, tmp_path
+):
+    data, plugin = dataset
+    calls, seen = scripted_policy
+    calls += scripted_calls("qwen2_5_vl", "zoom_in")[:1]
+    seen["always_call"] = case == "never_stops"
+    budget = "400" if case == "never_stops" else "80"  # 80: the call (74 tokens) fits, the tool result does not
+    argv = base_args(tiny_models["qwen2_5_vl"], data, plugin, tmp_path / "out", steps=1)
+    argv += ["--tools", "zoom_in", "--max_tool_calling_iterations", "2", "--max_completion_length", budget]
+    trainer = main(*parse_args(argv))
+    log = trainer.state.log_history[0]
+    if case == "never_stops":  # call, result, call, result, call: stopped after 2 rounds
+        assert log["tools/turns"] == 3.0 and log["tools/calls_per_rollout"] == 2.0
+    else:  # the tool ran, its result did not fit: the rollout ends after its first turn, nothing appended
+        assert log["tools/turns"] == 1.0 and log["tools/calls_per_rollout"] == 1.0
+        assert log["completions/max_length"] <= 80 and seen["tool_turns"] == 0

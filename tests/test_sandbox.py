@@ -129,3 +129,31 @@ def test_cli_prints_the_json_record_last(tmp_path):
     assert "reading '/etc/passwd' is not allowed" in record["error"]
     missing = subprocess.run([*cmd[:3], str(tmp_path / "nope.py")], capture_output=True, text=True, env=env)
     assert missing.returncode == 2 and missing.stderr.startswith("error: cannot read")
+
+
+def test_rollouts_run_their_cells_at_the_same_time_and_in_order():
+    """TRL asks the rollouts' tools one after another; prefetching starts every rollout's cells at once."""
+    import time
+
+    from vlm_grpo.tools.rollouts import build_tool_environment, prefetch_tool_calls
+
+    env_class = build_tool_environment(["python"], {"python": {"timeout": 20, "pool_size": 4}})
+    envs = [env_class() for _ in range(4)]
+    for env in envs:
+        env.reset(images=[Image.new("RGB", (8, 8))])
+
+    def call(code):
+        return {"type": "function", "function": {"name": "python", "arguments": {"code": code}}}
+
+    cells = ["import time\ntime.sleep(1.5)\nx = 41", "x += 1\nprint(x)"]
+    completions = [[{"role": "assistant", "content": "", "tool_calls": [call(c) for c in cells]}] for _ in envs]
+    start = time.monotonic()
+    assert prefetch_tool_calls(envs, completions) == 4
+    outputs = [[env.python(code=c)[0]["text"] for c in cells] for env in envs]  # in TRL's order
+    elapsed = time.monotonic() - start
+    assert outputs == [["(no output)", "42\n"]] * 4
+    assert elapsed < 4.5, f"4 rollouts x 1.5 s took {elapsed:.1f} s: not run at the same time"
+    assert [(env.calls, env.successes) for env in envs] == [(2, 2)] * 4  # each cell ran once
+    for env in envs:
+        env.reset()  # closes the rollout's interpreter
+        assert not env._prefetched and not env.state

@@ -30,6 +30,7 @@ from vlm_grpo.tools.rollouts import (
     answer_malformed_call,
     build_tool_environment,
     mark_malformed_call,
+    prefetch_tool_calls,
     prepare_for_tools,
     rollout_tool_stats,
 )
@@ -213,6 +214,7 @@ class VLMGRPOTrainer(CheckpointReloadMixin, GRPOTrainer):
         for i, turns in enumerate(completions):
             if mark_malformed_call(turns[-1]):
                 self._sync_tool_dicts[i][MALFORMED_CALL] = answer_malformed_call
+        prefetch_tool_calls(self.environments, completions)  # first round: sandbox cells of all rollouts at once
         result = super()._tool_call_loop(
             prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields
         )

@@ -13,6 +13,7 @@ import inspect
 import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor, Future
 from typing import Any, ClassVar
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class ToolEnvironment:
         self.errors = 0
         self.successes = 0
         self.timeouts = 0
+        self._prefetched: dict[str, list[Future]] = {}
 
     def reset(self, **row: Any) -> None:
         """Start a rollout: drop the previous rollout's state, take this row's images."""
@@ -72,7 +74,27 @@ class ToolEnvironment:
         if not self.coord_sizes:
             self.coord_sizes = [self._frame(img) for img in self.images]
         self.calls = self.errors = self.successes = self.timeouts = 0
+        self._prefetched = {}
         return None
+
+    def _prefetch(self, calls: Sequence[tuple[str, dict[str, Any]]], executor: Executor) -> bool:
+        """Start this rollout's calls now, in order, in one thread; the method calls TRL makes later collect
+        the results. Lets the rollouts of a batch run slow tools (the sandbox) at the same time."""
+        jobs = []
+        for name, arguments in calls:
+            future: Future = Future()
+            self._prefetched.setdefault(call_key(name, arguments), []).append(future)
+            jobs.append((getattr(type(self), name).tool_function, arguments, future))
+
+        def run_in_order() -> None:
+            for fn, arguments, future in jobs:
+                try:
+                    future.set_result(run_tool(self, fn, arguments))
+                except BaseException as exc:
+                    future.set_exception(exc)
+
+        executor.submit(run_in_order)
+        return bool(jobs)
 
     def _frame(self, image: Any) -> tuple[int, int]:
         width, height = image.size
@@ -107,27 +129,48 @@ class ToolEnvironment:
         self.state = {}
 
 
-def _as_method(fn: ToolFunc) -> Callable[..., Any]:
-    """Count calls and failures; turn unexpected exceptions into a ToolError naming the tool."""
+def call_key(name: str, arguments: Mapping[str, Any]) -> str:
+    """Identity of a call (tool name + arguments), to match a prefetched result with TRL's call."""
+    return name + json.dumps(arguments, sort_keys=True, default=str)
+
+
+def run_tool(env: ToolEnvironment, fn: ToolFunc, kwargs: Mapping[str, Any]) -> Any:
+    """Run a tool for ``env``: count the call and its outcome; unexpected exceptions become a ToolError."""
     name = fn.__name__
+    env.calls += 1
+    try:
+        result = fn(env, **kwargs)
+    except ToolError:
+        env.errors += 1
+        raise
+    except TypeError as exc:  # the model named arguments the tool does not have, or left one out
+        env.errors += 1
+        raise ToolError(f"bad arguments for {name}: {exc}") from None
+    except Exception as exc:
+        env.errors += 1
+        logger.debug("tool %s failed", name, exc_info=True)
+        raise ToolError(f"{name} failed: {type(exc).__name__}: {exc}") from None
+    env.successes += 1
+    return result
+
+
+def _as_method(fn: ToolFunc) -> Callable[..., Any]:
+    """The tool as an environment method; a result started ahead (:meth:`ToolEnvironment._prefetch`) is used."""
+    name = fn.__name__
+    positional = list(inspect.signature(fn).parameters)[1:]
 
     @functools.wraps(fn)
     def method(self: ToolEnvironment, *args: Any, **kwargs: Any) -> Any:
-        self.calls += 1
-        try:
-            result = fn(self, *args, **kwargs)
-        except ToolError:
-            self.errors += 1
-            raise
-        except TypeError as exc:  # the model named arguments the tool does not have, or left one out
-            self.errors += 1
-            raise ToolError(f"bad arguments for {name}: {exc}") from None
-        except Exception as exc:
-            self.errors += 1
-            logger.debug("tool %s failed", name, exc_info=True)
-            raise ToolError(f"{name} failed: {type(exc).__name__}: {exc}") from None
-        self.successes += 1
-        return result
+        if args:  # TRL passes keywords; Python callers may not
+            if len(args) > len(positional):
+                raise ToolError(f"{name} takes {len(positional)} arguments, got {len(args)}")
+            kwargs = {**dict(zip(positional, args, strict=False)), **kwargs}
+        pending = self._prefetched.get(call_key(name, kwargs))
+        if pending:
+            return pending.pop(0).result()
+        return run_tool(self, fn, kwargs)
+
+    method.tool_function = fn  # type: ignore[attr-defined]
 
     # The schema shown to the model comes from the bound method: leave the environment parameter out of it.
     receiver = next(iter(inspect.signature(fn).parameters), None)

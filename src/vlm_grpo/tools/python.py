@@ -49,3 +49,4 @@ def _setup(options: dict[str, Any]) -> None:
 
 
 python.setup = _setup  # type: ignore[attr-defined]
+python.parallel = True  # type: ignore[attr-defined]  # a batch's rollouts run their cells at the same time

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from vlm_grpo.tools.base import CoordSize, ToolEnvironment, make_environment_factory, parse_tool_kwargs
@@ -59,6 +60,31 @@ def prepare_for_tools(args: Any, processing_class: Any) -> None:
 
 
 MALFORMED_CALL = "malformed_tool_call"
+_EXECUTOR: ThreadPoolExecutor | None = None
+
+
+def prefetch_tool_calls(environments: Sequence[Any] | None, completions: Sequence[Any]) -> int:
+    """Start the pending calls of parallel tools (``fn.parallel = True``: the python sandbox) of every rollout
+    at once, before TRL's tool loop asks for them one rollout after another. Returns the rollouts started."""
+    global _EXECUTOR
+    started = 0
+    for env, turns in zip(environments or [], completions, strict=False):
+        if not isinstance(env, ToolEnvironment) or not turns:
+            continue
+        calls = []
+        for call in turns[-1].get("tool_calls") or []:
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("arguments", {}), dict):
+                break
+            method = getattr(type(env), str(function.get("name")), None)
+            if not getattr(getattr(method, "tool_function", None), "parallel", False):
+                break  # keep the rollout's calls in order: stop at the first one that is not prefetched
+            calls.append((function["name"], function.get("arguments") or {}))
+        if calls:
+            if _EXECUTOR is None:
+                _EXECUTOR = ThreadPoolExecutor(max_workers=64, thread_name_prefix="vlm-grpo-tools")
+            started += env._prefetch(calls, _EXECUTOR)
+    return started
 
 
 def mark_malformed_call(message: dict[str, Any]) -> bool:

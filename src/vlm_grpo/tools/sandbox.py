@@ -64,7 +64,7 @@ class SandboxLimits:
         metadata={"help": "Run without a network namespace where unshare is unavailable (sockets still blocked)."},
     )
     startup_timeout: float = field(default=60.0, metadata={"help": "Seconds an interpreter may take to start."})
-    pool_size: int = field(default=2, metadata={"help": "Interpreters kept started and waiting for a rollout."})
+    pool_size: int = field(default=4, metadata={"help": "Interpreters kept started and waiting for a rollout."})
 
     @classmethod
     def from_options(cls, options: dict[str, Any] | None) -> SandboxLimits:

@@ -23,6 +23,11 @@ GOOD_BOX = {"qwen2_5_vl": [4, 4, 44, 44], "qwen2_vl": [100, 100, 800, 800], "qwe
 GOOD_BOX["internvl"] = GOOD_BOX["qwen2_vl"]
 
 
+def short_args(*args, **kwargs) -> list[str]:
+    """e2e_utils' arguments, with the model's own turns cut at 24 tokens (tool results are not)."""
+    return [*base_args(*args, **kwargs), "--generation_kwargs", '{"max_new_tokens": 24}']
+
+
 def tool_call(name: str, arguments: dict) -> str:
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call><|im_end|>"
 
@@ -81,7 +86,7 @@ def test_two_grpo_steps_with_tool_calls(family, tool, tiny_models, dataset, scri
     calls, seen = scripted_policy
     calls += scripted_calls(family, tool)
     model_dir = tiny_models[family]
-    argv = base_args(model_dir, data, plugin, tmp_path / "out")
+    argv = short_args(model_dir, data, plugin, tmp_path / "out")
     argv += ["--tools", tool, "--max_tool_calling_iterations", "2", "--max_completion_length", "320"]
     argv[argv.index("--reward_funcs") + 1 : argv.index("--reward_funcs") + 3] = [f"{plugin}:text_shape", "tool_use"]
     if tool == "python":
@@ -112,7 +117,7 @@ def test_tool_tokens_are_masked_and_images_reach_the_loss_pass(tiny_models, data
     calls, _ = scripted_policy
     calls += scripted_calls("qwen2_5_vl", "zoom_in")[:1]
     model_dir = tiny_models["qwen2_5_vl"]
-    argv = base_args(model_dir, data, plugin, tmp_path / "out", steps=1)
+    argv = short_args(model_dir, data, plugin, tmp_path / "out", steps=1)
     argv += ["--tools", "zoom_in", "--max_tool_calling_iterations", "1", "--max_completion_length", "160"]
     batches = []
     original = VLMGRPOTrainer._generate_and_score_completions
@@ -181,7 +186,7 @@ def test_a_malformed_first_call_is_answered_with_an_error(tiny_models, dataset, 
     data, plugin = dataset
     calls, _ = scripted_policy
     calls.append('<tool_call>\n{"name": "zoom_in", "arguments": [1, 2}\n</tool_call><|im_end|>')
-    argv = base_args(tiny_models["qwen2_5_vl"], data, plugin, tmp_path / "out", steps=1)
+    argv = short_args(tiny_models["qwen2_5_vl"], data, plugin, tmp_path / "out", steps=1)
     argv += ["--tools", "zoom_in", "--max_tool_calling_iterations", "1", "--max_completion_length", "200"]
     argv[argv.index("--reward_funcs") + 1 : argv.index("--reward_funcs") + 3] = [f"{plugin}:text_shape", "tool_format"]
     rollouts = []
@@ -213,7 +218,7 @@ def test_endless_callers_stop_and_overflowing_results_end_the_rollout(
     calls += scripted_calls("qwen2_5_vl", "zoom_in")[:1]
     seen["always_call"] = case == "never_stops"
     budget = "400" if case == "never_stops" else "80"  # 80: the call (74 tokens) fits, the tool result does not
-    argv = base_args(tiny_models["qwen2_5_vl"], data, plugin, tmp_path / "out", steps=1)
+    argv = short_args(tiny_models["qwen2_5_vl"], data, plugin, tmp_path / "out", steps=1)
     argv += ["--tools", "zoom_in", "--max_tool_calling_iterations", "2", "--max_completion_length", budget]
     trainer = main(*parse_args(argv))
     log = trainer.state.log_history[0]

@@ -23,6 +23,7 @@ one JSON object as its last line: ``{"stdout": ..., "images": [paths], "error": 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import logging
 import os
@@ -34,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -41,6 +43,15 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 WORKER = Path(__file__).with_name("_sandbox_worker.py")
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # interpreters to stop (and temp dirs to remove) at exit
+
+
+@atexit.register
+def _close_all() -> None:
+    for sandbox in list(_LIVE):
+        sandbox.close()
 
 
 class SandboxUnavailable(RuntimeError):
@@ -132,6 +143,7 @@ class Sandbox:
                 "with sockets blocked by the audit hook only."
             )
         self.isolation: dict[str, Any] = ready["isolation"]
+        _LIVE.add(self)
 
     def _write_images(self, images: list[Any]) -> list[str]:
         paths = []
@@ -229,6 +241,7 @@ class Sandbox:
     def close(self) -> None:
         self._kill()
         shutil.rmtree(self.tmp, ignore_errors=True)
+        _LIVE.discard(self)
 
     def __del__(self) -> None:
         if hasattr(self, "proc"):
@@ -359,9 +372,10 @@ def main(argv: list[str] | None = None) -> int:
         result = sandbox.run(code)
     finally:
         sandbox.close()
-    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="vlm_grpo_sandbox_out_"))
-    out.mkdir(parents=True, exist_ok=True)
     paths = []
+    if result.images:
+        out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="vlm_grpo_sandbox_out_"))
+        out.mkdir(parents=True, exist_ok=True)
     for i, image in enumerate(result.images):
         path = out / f"image_{i}.png"
         image.save(path)

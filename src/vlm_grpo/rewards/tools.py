@@ -138,3 +138,8 @@ def tool_format_reward(completions: Sequence[Any], require_call: bool = False, *
                     ok = False
         out.append(1.0 if ok and (calls or not require_call) else 0.0)
     return out
+
+
+tool_use_reward.value_range = (0.0, 1.0)  # type: ignore[attr-defined]  # with the default bonus
+deepeyes_reward.value_range = (-0.2, 1.4)  # type: ignore[attr-defined]  # with the default weights
+tool_format_reward.value_range = (0.0, 1.0)  # type: ignore[attr-defined]

@@ -176,3 +176,31 @@ def test_tool_format_reward():
     plain = [{"role": "assistant", "content": "<answer>4</answer>"}]
     assert tool_format_reward([good, malformed, unclosed, no_name, plain]) == [1.0, 0.0, 0.0, 0.0, 1.0]
     assert tool_format_reward([good, plain], require_call=True) == [1.0, 0.0]
+
+
+def test_zoom_demo_data_and_config(tmp_path):
+    """The demo set: rows the data checker accepts, the number inside a red frame at the row's box; the config
+    parses into a tool run."""
+    from vlm_grpo.data.records import read_any_rows
+    from vlm_grpo.data.zoom_in_demo import generate
+
+    path = generate(tmp_path, n=3, size=(320, 240), seed=1)
+    assert path.read_text() == generate(tmp_path / "again", n=3, size=(320, 240), seed=1).read_text()
+    rows, bad = read_any_rows(str(path), str(tmp_path / "images"))
+    assert not bad and len(rows) == 3
+    for row in rows:
+        x1, y1, x2, y2 = json_box(path, row["id"])
+        image = Image.open(row["image_path"][0]).convert("RGB")
+        assert image.getpixel((x1, y1)) == (220, 20, 20) and image.getpixel((x2, y2)) == (220, 20, 20)
+        inside = image.crop((x1 + 2, y1 + 2, x2 - 1, y2 - 1))
+        assert min(sum(c) for c in colors(inside)) < 150  # the digits: dark pixels on the white label
+        assert row["solution"].startswith("<answer>") and row["accu_reward_method"] == "exact"
+    script, training, model = parse_args(["--config", "configs/grpo_zoom_in.yaml"])
+    assert script.tools == ["zoom_in"] and training.max_tool_calling_iterations == 4
+    assert script.reward_funcs == ["deepeyes", "tool_format"] and model.max_pixels == 262144
+
+
+def json_box(path, row_id):
+    import json
+
+    return next(r["mark_box"] for r in map(json.loads, path.read_text().splitlines()) if r["id"] == row_id)

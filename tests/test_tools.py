@@ -204,3 +204,34 @@ def json_box(path, row_id):
     import json
 
     return next(r["mark_box"] for r in map(json.loads, path.read_text().splitlines()) if r["id"] == row_id)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "internvl"])
+def test_checkpoints_without_a_tool_template_get_one(family, tiny_models):
+    """Qwen2.5-VL's released template renders no tools: TRL would refuse it. The replacement renders plain
+    prompts exactly as the released one, and tool conversations as TRL's loop needs."""
+    from transformers import AutoProcessor
+    from trl.chat_template_utils import (
+        is_chat_template_prefix_preserving,
+        qwen2_5_vl_chat_template,
+        supports_tool_calling,
+    )
+
+    from vlm_grpo.tools.rollouts import prepare_for_tools
+
+    processor = AutoProcessor.from_pretrained(tiny_models[family])
+    released = qwen2_5_vl_chat_template
+    if family == "internvl":  # the same turns, InternVL's placeholder, no default system prompt
+        released = released.replace("<|vision_start|><|image_pad|><|vision_end|>", "<IMG_CONTEXT>\n")
+        released = released.replace("{% if loop.first and message['role'] != 'system' %}", "{% if false %}")
+    processor.chat_template = released
+    assert not supports_tool_calling(processor)
+    prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
+    before = processor.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+
+    prepare_for_tools(None, processor)
+    assert supports_tool_calling(processor) and is_chat_template_prefix_preserving(processor)
+    assert processor.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False) == before
+    tools = [build_tool_environment(["zoom_in"])().zoom_in]
+    with_tools = processor.apply_chat_template(prompt, tools=tools, tokenize=False)
+    assert "<tools>" in with_tools and '"name": "zoom_in"' in with_tools

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vlm_grpo.testing.presets import FAMILIES, PRESETS, Preset, get_preset
+from vlm_grpo.tools.templates import INTERNVL_IMAGE, INTERNVL_VIDEO, QWEN_IMAGE, QWEN_VIDEO, tool_chat_template
 
 if TYPE_CHECKING:
     import torch
@@ -61,61 +62,14 @@ INTERNVL_EXTRA_TOKENS = {
 }
 
 # ----------------------------------------------------------------------------- chat templates
-# One renderer for string or list content; list items are emitted in order. Assistant turns are
-# wrapped in {% generation %} (with their <|im_end|>) so SFT can ask for the assistant-token mask.
-# Tools render as Qwen2.5's do (like the real checkpoints): the schemas in a system turn, calls as
-# <tool_call>{"name": ..., "arguments": ...}</tool_call> in the assistant turn, results (text and
-# images) as <tool_response> blocks of one user turn. Prefix-preserving, as TRL's tool loop needs.
-_CHAT_TEMPLATE = (
-    "{%- macro render(content) -%}"
-    "{%- if content is string -%}{{- content -}}"
-    "{%- else -%}{%- for item in content -%}"
-    "{%- if item.type == 'image' or 'image' in item or 'image_url' in item -%}{{- IMAGE -}}"
-    "{%- elif item.type == 'video' or 'video' in item -%}{{- VIDEO -}}"
-    "{%- elif 'text' in item -%}{{- item['text'] -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}{%- endif -%}"
-    "{%- endmacro -%}"
-    "{%- if tools -%}"
-    "{{- '<|im_start|>system\\n' -}}"
-    "{%- if messages[0]['role'] == 'system' -%}{{- render(messages[0]['content']) + '\\n\\n' -}}{%- endif -%}"
-    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' -}}"
-    "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
-    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
-    'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": '
-    "<args-json-object>}\\n</tool_call><|im_end|>\\n' -}}"
-    "{%- endif -%}"
-    "{%- for message in messages -%}"
-    "{%- if tools and loop.first and message['role'] == 'system' -%}"
-    "{%- elif message['role'] == 'assistant' -%}"
-    "{{- '<|im_start|>assistant\\n' -}}"
-    "{%- generation -%}"
-    "{%- set text = render(message['content']) -%}{{- text -}}"
-    "{%- for call in message['tool_calls'] or [] -%}"
-    "{%- set fn = call['function'] if call['function'] is defined else call -%}"
-    "{%- if text or not loop.first -%}{{- '\\n' -}}{%- endif -%}"
-    "{{- '<tool_call>\\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' -}}"
-    "{{- (fn['arguments'] if fn['arguments'] is string else fn['arguments'] | tojson) + '}\\n</tool_call>' -}}"
-    "{%- endfor -%}"
-    "{{- '<|im_end|>' -}}{%- endgeneration -%}"
-    "{{- '\\n' -}}"
-    "{%- elif message['role'] == 'tool' -%}"
-    "{%- if loop.first or loop.previtem['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
-    "{{- '\\n<tool_response>\\n' + render(message['content']) + '\\n</tool_response>' -}}"
-    "{%- if loop.last or loop.nextitem['role'] != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
-    "{%- else -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + render(message['content']) + '<|im_end|>\\n' -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
-QWEN_CHAT_TEMPLATE = _CHAT_TEMPLATE.replace("IMAGE", "'<|vision_start|><|image_pad|><|vision_end|>'").replace(
-    "VIDEO", "'<|vision_start|><|video_pad|><|vision_end|>'"
-)
+# The tool-capable templates of vlm_grpo.tools.templates, without a default system prompt: one renderer
+# for string or list content (list items in order), assistant turns wrapped in {% generation %} (with
+# their <|im_end|>) so SFT can ask for the assistant-token mask, and tools rendered as Qwen2.5's real
+# templates render them (schemas in a system turn, <tool_call> blocks, <tool_response> results).
+QWEN_CHAT_TEMPLATE = tool_chat_template(QWEN_IMAGE, QWEN_VIDEO, default_system=None)
 # Like InternVL3-hf's template: a newline follows each placeholder; the processor expands
 # <IMG_CONTEXT> into <img> + image_seq_length * tiles * <IMG_CONTEXT> + </img>.
-INTERNVL_CHAT_TEMPLATE = _CHAT_TEMPLATE.replace("IMAGE", "'<IMG_CONTEXT>\\n'").replace("VIDEO", "'<video>\\n'")
+INTERNVL_CHAT_TEMPLATE = tool_chat_template(INTERNVL_IMAGE, INTERNVL_VIDEO, default_system=None)
 
 # ----------------------------------------------------------------------------- corpus
 _WORDS = """

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from vlm_grpo.tools.base import CoordSize, ToolEnvironment, make_environment_factory, parse_tool_kwargs
+from vlm_grpo.tools.templates import family_tool_template
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,15 @@ def prepare_for_tools(args: Any, processing_class: Any) -> None:
     the run uses TRL's per-row generation and log-prob passes (correct, slower).
     """
     tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    from trl.chat_template_utils import supports_tool_calling
+
+    if processing_class is not None and not supports_tool_calling(processing_class):
+        template = family_tool_template(tokenizer.get_vocab())
+        if template is not None:  # else TRL says the template does not support tool calling
+            logger.info("The checkpoint's chat template renders no tools: using Qwen2.5's tool format with it")
+            processing_class.chat_template = template
+            if tokenizer is not processing_class:
+                tokenizer.chat_template = template
     if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema", None) is None:
         from trl.chat_template_utils import qwen3_template
 

@@ -75,7 +75,7 @@ def dataset(tmp_path_factory):
     [
         ("qwen2_5_vl", "zoom_in"),
         ("qwen2_5_vl", "python"),
-        ("internvl", "zoom_in"),
+        ("internvl", "zoom_in+beta"),
         ("internvl", "python"),
         ("qwen2_vl", "zoom_in"),
         ("qwen3_vl", "zoom_in"),
@@ -84,9 +84,11 @@ def dataset(tmp_path_factory):
 def test_two_grpo_steps_with_tool_calls(family, tool, tiny_models, dataset, scripted_policy, tmp_path):
     data, plugin = dataset
     calls, seen = scripted_policy
+    tool, _, beta = tool.partition("+")  # +beta: a reference model, whose pass also sees the tool images
     calls += scripted_calls(family, tool)
     model_dir = tiny_models[family]
     argv = short_args(model_dir, data, plugin, tmp_path / "out")
+    argv += ["--beta", "0.04"] if beta else []
     argv += ["--tools", tool, "--max_tool_calling_iterations", "2", "--max_completion_length", "320"]
     argv[argv.index("--reward_funcs") + 1 : argv.index("--reward_funcs") + 3] = [f"{plugin}:text_shape", "tool_use"]
     if tool == "python":

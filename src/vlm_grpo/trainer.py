@@ -38,6 +38,7 @@ from vlm_grpo.trainer_common import CheckpointReloadMixin, prepare_vlm
 from vlm_grpo.utils import is_zero3
 
 logger = logging.getLogger(__name__)
+_TRL_LOGP_PARAMS = frozenset(inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters)
 
 
 class VLMGRPOTrainer(CheckpointReloadMixin, GRPOTrainer):
@@ -182,6 +183,10 @@ class VLMGRPOTrainer(CheckpointReloadMixin, GRPOTrainer):
             )
             if result is not None:
                 return (*result, None)
+        if self.tools:
+            # Tool images reach TRL's old/reference passes as everything the image processor returned; InternVL's
+            # carries ``num_patches``, which TRL's pass does not take (its tile counts come as ``num_tiles``).
+            mm = {k: v for k, v in mm.items() if k in _TRL_LOGP_PARAMS}
         return super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **mm
         )

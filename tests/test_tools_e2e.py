@@ -74,7 +74,7 @@ def dataset(tmp_path_factory):
     ("family", "tool"),
     [
         ("qwen2_5_vl", "zoom_in"),
-        ("qwen2_5_vl", "python"),
+        ("qwen2_5_vl", "python+lora"),
         ("internvl", "zoom_in+beta"),
         ("internvl", "python"),
         ("qwen2_vl", "zoom_in"),
@@ -84,11 +84,11 @@ def dataset(tmp_path_factory):
 def test_two_grpo_steps_with_tool_calls(family, tool, tiny_models, dataset, scripted_policy, tmp_path):
     data, plugin = dataset
     calls, seen = scripted_policy
-    tool, _, beta = tool.partition("+")  # +beta: a reference model, whose pass also sees the tool images
+    tool, _, variant = tool.partition("+")  # beta: a reference pass that also sees the tool images; lora: PEFT
     calls += scripted_calls(family, tool)
     model_dir = tiny_models[family]
     argv = short_args(model_dir, data, plugin, tmp_path / "out")
-    argv += ["--beta", "0.04"] if beta else []
+    argv += {"beta": ["--beta", "0.04"], "lora": ["--use_peft", "true", "--lora_r", "4"], "": []}[variant]
     argv += ["--tools", tool, "--max_tool_calling_iterations", "2", "--max_completion_length", "320"]
     argv[argv.index("--reward_funcs") + 1 : argv.index("--reward_funcs") + 3] = [f"{plugin}:text_shape", "tool_use"]
     if tool == "python":
@@ -108,6 +108,10 @@ def test_two_grpo_steps_with_tool_calls(family, tool, tiny_models, dataset, scri
     assert all(entry["rewards/tool_use/mean"] == pytest.approx(0.5) for entry in logs)
 
     # the language model learned from the multi-turn batch
+    if variant == "lora":
+        lora = [p for n, p in trainer.model.named_parameters() if "lora_B" in n]
+        assert lora and any(p.abs().sum() > 0 for p in lora)
+        return
     before = original_params(model_dir)
     after = {n: p.detach() for n, p in trainer.model.named_parameters()}
     assert any(not torch.equal(before[n], after[n]) for n in before if "layers" in n)

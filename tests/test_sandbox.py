@@ -45,6 +45,7 @@ CONTAINED = {
     "import_trainer": ("import vlm_grpo.trainer", "module 'vlm_grpo.trainer' is not available"),
     "import_torch": ("import torch", "module 'torch' is not available"),
     "memory_bomb": ("b = bytearray(8 * 2**30)", "MemoryError"),
+    "stdin": ("input()", "EOFError"),
     "rlimit_raise": ("import resource; resource.setrlimit(resource.RLIMIT_AS, (-1, -1))", "not allowed"),
 }
 

@@ -235,3 +235,13 @@ def test_checkpoints_without_a_tool_template_get_one(family, tiny_models):
     tools = [build_tool_environment(["zoom_in"])().zoom_in]
     with_tools = processor.apply_chat_template(prompt, tools=tools, tokenize=False)
     assert "<tools>" in with_tools and '"name": "zoom_in"' in with_tools
+
+
+def test_an_unknown_tool_fails_before_the_model_is_loaded(tmp_path):
+    from vlm_grpo.grpo_jsonl import main
+
+    argv = ["--model_name_or_path", str(tmp_path / "no_model"), "--output_dir", str(tmp_path / "out")]
+    with pytest.raises(KeyError, match=r"Unknown tool 'zoom'\. Available: crop, python, rotate, zoom_in"):
+        main(*parse_args([*argv, "--tools", "zoom"]))
+    with pytest.raises(ValueError, match="--tool_kwargs was given without --tools"):
+        main(*parse_args([*argv, "--tool_kwargs", '{"python": {}}']))

@@ -23,6 +23,7 @@ from vlm_grpo.data import to_datasets
 from vlm_grpo.recipe import load_checked_rows, load_model, pick_module
 from vlm_grpo.resume import resolve_resume
 from vlm_grpo.rewards import build_reward_funcs
+from vlm_grpo.tools.rollouts import build_tool_environment
 from vlm_grpo.trainer import VLMGRPOTrainer
 
 logger = logging.getLogger("vlm_grpo")
@@ -57,6 +58,8 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
         is_main_process=is_main,
     )
 
+    if script_args.tools or script_args.tool_kwargs:  # unknown tool, bad option, no sandbox: say so before loading
+        build_tool_environment(script_args.tools or [], script_args.tool_kwargs)
     module, processor = pick_module(model_args, training_args.trust_remote_code)
     rows = load_checked_rows(script_args, module, processor)
     train_dataset, eval_dataset = to_datasets(rows, module, script_args.val_split_ratio, training_args.seed)

@@ -158,3 +158,12 @@ def test_rollouts_run_their_cells_at_the_same_time_and_in_order():
     for env in envs:
         env.reset()  # closes the rollout's interpreter
         assert not env._prefetched and not env.state
+
+
+def test_cpu_limit_kills_a_busy_session_with_a_clear_message():
+    sandbox = Sandbox(SandboxLimits(timeout=20.0, cpu_seconds=1))
+    try:
+        result = sandbox.run("while True:\n    pass")
+        assert not result.timed_out and "CPU limit of 1 s" in result.error and not sandbox.alive
+    finally:
+        sandbox.close()

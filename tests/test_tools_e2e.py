@@ -65,6 +65,20 @@ def scripted_policy(monkeypatch):
     return calls, seen
 
 
+def with_released_template(model_dir, family: str, out):
+    """A copy of the tiny checkpoint whose processor carries the family's released chat template."""
+    import shutil
+
+    from transformers import AutoProcessor
+    from trl.chat_template_utils import qwen2_5_vl_chat_template, qwen3_vl_chat_template
+
+    shutil.copytree(model_dir, out)
+    processor = AutoProcessor.from_pretrained(out)
+    processor.chat_template = {"qwen3_vl": qwen3_vl_chat_template, "qwen2_5_vl": qwen2_5_vl_chat_template}[family]
+    processor.save_pretrained(out)
+    return out
+
+
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
     return make_dataset(tmp_path_factory.mktemp("tools_data"), kinds=("single",))
@@ -79,6 +93,8 @@ def dataset(tmp_path_factory):
         ("internvl", "python"),
         ("qwen2_vl", "zoom_in"),
         ("qwen3_vl", "zoom_in"),
+        ("qwen3_vl", "zoom_in+released"),  # the released Qwen3-VL template (it renders tools)
+        ("qwen2_5_vl", "zoom_in+released"),  # the released Qwen2.5-VL template (no tools: ours replaces it)
     ],
 )
 def test_two_grpo_steps_with_tool_calls(family, tool, tiny_models, dataset, scripted_policy, tmp_path):
@@ -87,14 +103,21 @@ def test_two_grpo_steps_with_tool_calls(family, tool, tiny_models, dataset, scri
     tool, _, variant = tool.partition("+")  # beta: a reference pass that also sees the tool images; lora: PEFT
     calls += scripted_calls(family, tool)
     model_dir = tiny_models[family]
+    if variant == "released":
+        model_dir = with_released_template(model_dir, family, tmp_path / "model")
     argv = short_args(model_dir, data, plugin, tmp_path / "out")
-    argv += {"beta": ["--beta", "0.04"], "lora": ["--use_peft", "true", "--lora_r", "4"], "": []}[variant]
+    argv += {"beta": ["--beta", "0.04"], "lora": ["--use_peft", "true", "--lora_r", "4"]}.get(variant, [])
     argv += ["--tools", tool, "--max_tool_calling_iterations", "2", "--max_completion_length", "320"]
     argv[argv.index("--reward_funcs") + 1 : argv.index("--reward_funcs") + 3] = [f"{plugin}:text_shape", "tool_use"]
     if tool == "python":
         argv += ["--tool_kwargs", '{"python": {"timeout": 20, "pool_size": 1}}']
     trainer = main(*parse_args(argv))
     assert trainer.state.global_step == 2
+    if variant == "released":  # Qwen3-VL's own template kept; Qwen2.5-VL's replaced by one that renders tools
+        from trl.chat_template_utils import qwen3_vl_chat_template
+
+        template = trainer.processing_class.chat_template
+        assert (template == qwen3_vl_chat_template) == (family == "qwen3_vl") and "<tool_response>" in template
 
     # Tools were called, half of the calls failed with an error message, images came back into the conversation.
     logs = [entry for entry in trainer.state.log_history if "tools/calls_per_rollout" in entry]

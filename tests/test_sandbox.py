@@ -133,28 +133,36 @@ def test_cli_prints_the_json_record_last(tmp_path):
 
 
 def test_rollouts_run_their_cells_at_the_same_time_and_in_order():
-    """TRL asks the rollouts' tools one after another; prefetching starts every rollout's cells at once."""
+    """TRL asks the rollouts' tools one after another, round after round; the trainer's ToolBatch starts every
+    rollout's cells of a round at once (in order within a rollout)."""
     import time
 
-    from vlm_grpo.tools.rollouts import build_tool_environment, prefetch_tool_calls
+    from vlm_grpo.tools.rollouts import ToolBatch, build_tool_environment
 
     env_class = build_tool_environment(["python"], {"python": {"timeout": 20, "pool_size": 4}})
     envs = [env_class() for _ in range(4)]
     for env in envs:
         env.reset(images=[Image.new("RGB", (8, 8))])
 
-    def call(code):
-        return {"type": "function", "function": {"name": "python", "arguments": {"code": code}}}
+    def turn(*codes):
+        calls = [{"type": "function", "function": {"name": "python", "arguments": {"code": c}}} for c in codes]
+        return {"role": "assistant", "content": "", "tool_calls": calls}
 
-    cells = ["import time\ntime.sleep(1.5)\nx = 41", "x += 1\nprint(x)"]
-    completions = [[{"role": "assistant", "content": "", "tool_calls": [call(c) for c in cells]}] for _ in envs]
+    slow = "import time\ntime.sleep(1.5)\n"
+    first = [slow + "x = 41", "x += 1\nprint(x)"]
+    completions = [[turn(*first)] for _ in envs]
     start = time.monotonic()
-    assert prefetch_tool_calls(envs, completions) == 4
-    outputs = [[env.python(code=c)[0]["text"] for c in cells] for env in envs]  # in TRL's order
+    with ToolBatch(envs, completions):
+        outputs = [[env.python(code=c)[0]["text"] for c in first] for env in envs]  # in TRL's order
+        assert outputs == [["(no output)", "42\n"]] * 4
+        for turns in completions:  # what TRL appends before its next round
+            turns += [{"role": "tool", "content": "..."}, turn(slow + "print(x * 2)")]
+        second = [env.python(code=slow + "print(x * 2)")[0]["text"] for env in envs]
     elapsed = time.monotonic() - start
-    assert outputs == [["(no output)", "42\n"]] * 4
-    assert elapsed < 4.5, f"4 rollouts x 1.5 s took {elapsed:.1f} s: not run at the same time"
-    assert [(env.calls, env.successes) for env in envs] == [(2, 2)] * 4  # each cell ran once
+    assert second == ["84\n"] * 4
+    assert elapsed < 7.5, f"2 rounds x 4 rollouts x 1.5 s took {elapsed:.1f} s: not run at the same time"
+    assert [(env.calls, env.successes) for env in envs] == [(3, 3)] * 4  # each cell ran once
+    assert all(env._batch is None for env in envs)
     for env in envs:
         env.reset()  # closes the rollout's interpreter
         assert not env._prefetched and not env.state

@@ -27,10 +27,10 @@ from vlm_grpo.modules import VLMModule
 from vlm_grpo.rewards import build_reward_funcs
 from vlm_grpo.tools.rollouts import (
     MALFORMED_CALL,
+    ToolBatch,
     answer_malformed_call,
     build_tool_environment,
     mark_malformed_call,
-    prefetch_tool_calls,
     prepare_for_tools,
     rollout_tool_stats,
 )
@@ -221,10 +221,10 @@ class VLMGRPOTrainer(CheckpointReloadMixin, GRPOTrainer):
         for i, turns in enumerate(completions):
             if mark_malformed_call(turns[-1]):
                 self._sync_tool_dicts[i][MALFORMED_CALL] = answer_malformed_call
-        prefetch_tool_calls(self.environments, completions)  # first round: sandbox cells of all rollouts at once
-        result = super()._tool_call_loop(
-            prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields
-        )
+        with ToolBatch(self.environments, completions):  # the rollouts' sandbox cells run together, per round
+            result = super()._tool_call_loop(
+                prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields
+            )
         mode = "train" if self.model.training else "eval"
         stats = rollout_tool_stats(result[1], self.environments)
         for name, values in stats.items():

@@ -62,6 +62,7 @@ class ToolEnvironment:
         self.successes = 0
         self.timeouts = 0
         self._prefetched: dict[str, list[Future]] = {}
+        self._batch: Any = None  # the trainer's ToolBatch while TRL's tool loop runs
 
     def reset(self, **row: Any) -> None:
         """Start a rollout: drop the previous rollout's state, take this row's images."""
@@ -165,7 +166,10 @@ def _as_method(fn: ToolFunc) -> Callable[..., Any]:
             if len(args) > len(positional):
                 raise ToolError(f"{name} takes {len(positional)} arguments, got {len(args)}")
             kwargs = {**dict(zip(positional, args, strict=False)), **kwargs}
-        pending = self._prefetched.get(call_key(name, kwargs))
+        key = call_key(name, kwargs)
+        if not self._prefetched.get(key) and self._batch is not None and getattr(fn, "parallel", False):
+            self._batch.prefetch()  # a new round of TRL's loop: start every rollout's calls together
+        pending = self._prefetched.get(key)
         if pending:
             return pending.pop(0).result()
         return run_tool(self, fn, kwargs)

@@ -73,16 +73,25 @@ MALFORMED_CALL = "malformed_tool_call"
 _EXECUTOR: ThreadPoolExecutor | None = None
 
 
-def prefetch_tool_calls(environments: Sequence[Any] | None, completions: Sequence[Any]) -> int:
+def prefetch_tool_calls(
+    environments: Sequence[Any] | None, completions: Sequence[Any], seen: set[int] | None = None
+) -> int:
     """Start the pending calls of parallel tools (``fn.parallel = True``: the python sandbox) of every rollout
-    at once, before TRL's tool loop asks for them one rollout after another. Returns the rollouts started."""
+    at once, before TRL's tool loop asks for them one rollout after another. A rollout's pending calls are
+    those of its last message when that is an assistant turn not started before (``seen``: message ids).
+    Returns the rollouts started."""
     global _EXECUTOR
     started = 0
     for env, turns in zip(environments or [], completions, strict=False):
-        if not isinstance(env, ToolEnvironment) or not turns:
+        if not isinstance(env, ToolEnvironment) or not turns or not isinstance(turns[-1], dict):
             continue
+        last = turns[-1]
+        if last.get("role") != "assistant" or (seen is not None and id(last) in seen):
+            continue
+        if seen is not None:
+            seen.add(id(last))
         calls = []
-        for call in turns[-1].get("tool_calls") or []:
+        for call in last.get("tool_calls") or []:
             function = call.get("function") if isinstance(call, dict) else None
             if not isinstance(function, dict) or not isinstance(function.get("arguments", {}), dict):
                 break
@@ -95,6 +104,33 @@ def prefetch_tool_calls(environments: Sequence[Any] | None, completions: Sequenc
                 _EXECUTOR = ThreadPoolExecutor(max_workers=64, thread_name_prefix="vlm-grpo-tools")
             started += env._prefetch(calls, _EXECUTOR)
     return started
+
+
+class ToolBatch:
+    """The rollouts of one tool loop: their parallel tool calls start together, round after round.
+
+    On entry the first round's calls start; in later rounds the first parallel call TRL makes starts every
+    rollout's pending calls (TRL has appended the new assistant turns to ``completions`` by then).
+    """
+
+    def __init__(self, environments: Sequence[Any] | None, completions: Sequence[Any]) -> None:
+        self.environments = [e for e in environments or [] if isinstance(e, ToolEnvironment)]
+        self.all_environments = environments
+        self.completions = completions
+        self.seen: set[int] = set()
+
+    def prefetch(self) -> int:
+        return prefetch_tool_calls(self.all_environments, self.completions, self.seen)
+
+    def __enter__(self) -> ToolBatch:
+        self.prefetch()
+        for env in self.environments:
+            env._batch = self
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for env in self.environments:
+            env._batch = None
 
 
 def mark_malformed_call(message: dict[str, Any]) -> bool:

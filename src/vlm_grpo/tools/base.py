@@ -13,7 +13,7 @@ import inspect
 import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor, Future, wait
 from typing import Any, ClassVar
 
 logger = logging.getLogger(__name__)
@@ -66,6 +66,7 @@ class ToolEnvironment:
 
     def reset(self, **row: Any) -> None:
         """Start a rollout: drop the previous rollout's state, take this row's images."""
+        wait([f for futures in self._prefetched.values() for f in futures])  # calls TRL never collected
         self._close_state()
         self.row = row
         self.images = list(row.get("images") or [])

@@ -170,16 +170,20 @@ class Sandbox:
         start = time.monotonic()
         reply = self._request({"code": code}, self.limits.timeout)
         if reply is None:
-            elapsed = time.monotonic() - start
-            died = self.proc.poll()
-            self._kill()
-            if died is None or elapsed >= self.limits.timeout:
+            if time.monotonic() - start >= self.limits.timeout:
+                self._kill()
                 message = (
                     f"timed out after {self.limits.timeout:g} s: the code was stopped and the interpreter restarted, "
                     "so earlier variables are gone"
                 )
                 return SandboxResult("", [], message, timed_out=True)
-            return SandboxResult("", [], f"the interpreter was killed ({_death(died, self.limits)})")
+            try:  # the channel closed early: the process died (its exit status may lag behind the EOF)
+                died = self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                died = None
+            self._kill()
+            why = _death(died, self.limits) if died is not None else "it stopped answering"
+            return SandboxResult("", [], f"the interpreter was killed ({why}); earlier variables are gone")
         images = []
         for path in reply.get("images", []):
             try:

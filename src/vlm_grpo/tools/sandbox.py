@@ -243,9 +243,13 @@ class Sandbox:
                     pass
 
     def close(self) -> None:
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
         self._kill()
         shutil.rmtree(self.tmp, ignore_errors=True)
-        _LIVE.discard(self)
+        if _LIVE is not None:  # None while the interpreter shuts down
+            _LIVE.discard(self)
 
     def __del__(self) -> None:
         if hasattr(self, "proc"):

@@ -118,6 +118,9 @@ ROWS: dict[str, tuple[Any, dict[str, Any]]] = {
     "repetition": (_text_rows, {}),
     "overlong": (_text_rows, {"max_len": 100, "cache_len": 20}),
     "accuracy_format": (_accuracy_rows, {}),
+    "tool_use": (_text_rows, {}),
+    "deepeyes": (_accuracy_rows, {}),
+    "tool_format": (_text_rows, {}),
 }
 
 HUGE = 300_000

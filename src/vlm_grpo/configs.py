@@ -187,6 +187,23 @@ class GRPOScriptArguments(ScriptArguments):
         },
     )
 
+    # Tools: multi-turn rollouts (TRL's tool loop; --max_tool_calling_iterations caps the tool rounds)
+    tools: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Tools the policy may call during a rollout, by registered name (zoom_in, crop, rotate, python) or "
+            "as plugins 'path/to/file.py:fn' / 'package.module:fn'. Their results (text and images) are appended to "
+            "the conversation and masked out of the loss."
+        },
+    )
+    tool_kwargs: str | None = field(
+        default=None,
+        metadata={
+            "help": "Options per tool, as JSON (or a mapping in the YAML config): "
+            '\'{"python": {"timeout": 10, "memory_mb": 2048}, "zoom_in": {"size": 448}}\'.'
+        },
+    )
+
 
 @dataclass
 class VLMModelConfig(ModelConfig):

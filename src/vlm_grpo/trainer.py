@@ -10,8 +10,9 @@ text-only and image prompts. Losses, logging, DeepSpeed and the rest are TRL's, 
 
 from __future__ import annotations
 
+import inspect
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,10 +29,20 @@ from vlm_grpo.fastpath.vision_sync import install_vision_sync, needs_vision_sync
 from vlm_grpo.modules import VLMModule
 from vlm_grpo.rewards import build_reward_funcs
 from vlm_grpo.rollout_log import RolloutLogMixin
+from vlm_grpo.tools.rollouts import (
+    MALFORMED_CALL,
+    ToolBatch,
+    answer_malformed_call,
+    build_tool_environment,
+    mark_malformed_call,
+    prepare_for_tools,
+    rollout_tool_stats,
+)
 from vlm_grpo.trainer_common import CheckpointReloadMixin, CompleteCheckpointMixin, as_vlm_config, prepare_vlm
-from vlm_grpo.utils import is_zero3
+from vlm_grpo.utils import is_zero3, peft_base
 
 logger = logging.getLogger(__name__)
+_TRL_LOGP_PARAMS = frozenset(inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters)
 
 
 class VLMGRPOTrainer(
@@ -46,6 +57,9 @@ class VLMGRPOTrainer(
         is_reward_customized_from_vlm_module: the adapter's own reward variants replace registered ones of the
             same name (VLM-R1's flag name, used by the CLI and the trainer alike).
         reward_funcs: callables as in TRL, or registered reward names / ``file.py:fn`` plugins.
+        tools: registered tool names / ``file.py:fn`` plugins (they see the row's images, see
+            :mod:`vlm_grpo.tools`), and/or plain callables passed to TRL as they are.
+        tool_kwargs: options per named tool, ``{"python": {"timeout": 10}}`` (JSON text or a mapping).
         args: a ``VLMGRPOConfig``; a plain ``trl.GRPOConfig`` keeps its values and gets ``VLMGRPOConfig``'s
             defaults for the speed options (``share_prompt``, ``fast_decode``, ...); None: all defaults.
     """
@@ -62,6 +76,8 @@ class VLMGRPOTrainer(
         is_reward_customized_from_vlm_module: bool = False,
         processing_class: Any = None,
         peft_config: Any = None,
+        tools: Sequence[str | Callable] | None = None,
+        tool_kwargs: str | Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         args = as_vlm_config(args, VLMGRPOConfig, model, "GRPO")
@@ -84,12 +100,31 @@ class VLMGRPOTrainer(
             for f in reward_funcs
         ]
 
+        tools = list(tools or [])
+        named = [t for t in tools if isinstance(t, str)]
+        if named or tool_kwargs:
+            # Registered tools get the row's images and per-rollout state: one environment per rollout.
+            if kwargs.get("environment_factory") is not None:
+                raise ValueError("Pass tools by name (--tools) or an environment_factory, not both")
+            module = vlm_module
+
+            def coord_size(width: int, height: int) -> tuple[int, int]:
+                return module.coord_size(processing_class, width, height)
+
+            kwargs["environment_factory"] = build_tool_environment(named, tool_kwargs, coord_size)
+            tools = [t for t in tools if not isinstance(t, str)]
+        if tools or kwargs.get("environment_factory") is not None:
+            prepare_for_tools(args, processing_class)
+        elif getattr(args, "max_tool_calling_iterations", None) is not None:
+            logger.warning("max_tool_calling_iterations has no effect without tools (--tools)")
+
         super().__init__(
             model=model,
             reward_funcs=reward_funcs,
             args=args,
             processing_class=processing_class,
             peft_config=peft_config,
+            tools=tools or None,
             **kwargs,
         )
         self._warn_if_groups_split()
@@ -168,6 +203,10 @@ class VLMGRPOTrainer(
             )
             if result is not None:
                 return (*result, None)
+        if self.tools:
+            # Tool images reach TRL's old/reference passes as everything the image processor returned; InternVL's
+            # carries ``num_patches``, which TRL's pass does not take (its tile counts come as ``num_tiles``).
+            mm = {k: v for k, v in mm.items() if k in _TRL_LOGP_PARAMS}
         return super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **mm
         )
@@ -177,14 +216,48 @@ class VLMGRPOTrainer(
     ) -> tuple[list[list[int]], Any]:
         """Prefill each unique prompt once and decode its G samples from the shared cache (``share_prefill``).
 
-        Generations the shared path cannot honour (beam search, stop strings, a wrapped ``generate``, ...) go
-        through TRL's path whole; see :mod:`vlm_grpo.fastpath.route`.
+        Generations the shared path cannot honour (beam search, stop strings, a wrapped ``generate``, tools, ...)
+        go through TRL's path whole; see :mod:`vlm_grpo.fastpath.route`.
         """
+        if has_tool_images:
+            # TRL's tool-image path passes everything the image processor returned, and adds token type ids for
+            # models whose forward does not take them (InternVL): keep what the model accepts.
+            accepted = self._forward_parameters()
+            multimodal_fields = {k: v for k, v in multimodal_fields.items() if k in accepted}
+            has_tool_images = bool({"mm_token_type_ids", "token_type_ids"} & accepted)
         if trl_generation_reason(self, has_tool_images) is None:
             completion_ids = shared_prefill_generate(self, prompt_ids, images, multimodal_fields)
             if completion_ids is not None:
                 return completion_ids, None
         return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+
+    def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
+        """TRL's tool loop, plus per-rollout metrics: tool calls, errors, turns, images, sandbox timeouts.
+
+        A first turn whose ``<tool_call>`` block did not parse (TRL then reads it as a plain answer) is answered
+        with an error message instead, so the model sees what was wrong and goes on.
+        """
+        for i, turns in enumerate(completions):
+            if mark_malformed_call(turns[-1]):
+                self._sync_tool_dicts[i][MALFORMED_CALL] = answer_malformed_call
+        with ToolBatch(self.environments, completions):  # the rollouts' sandbox cells run together, per round
+            result = super()._tool_call_loop(
+                prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields
+            )
+        mode = "train" if self.model.training else "eval"
+        stats = rollout_tool_stats(result[1], self.environments)
+        for name, values in stats.items():
+            local = torch.tensor(values, dtype=torch.float32, device=self.accelerator.device)
+            gathered = self.accelerator.gather(local)
+            self._metrics[mode][f"tools/{name}"].append(gathered.mean().item())
+        return result
+
+    def _forward_parameters(self) -> set[str]:
+        """Names the model's forward accepts (the base model's, under PEFT)."""
+        if getattr(self, "_forward_params", None) is None:
+            model = peft_base(self.accelerator.unwrap_model(self.model))
+            self._forward_params = set(inspect.signature(type(model).forward).parameters)
+        return self._forward_params
 
     def _tokenize_prompts(self, prompts: list) -> tuple:
         """Text-only prompts get ``[]`` rather than ``None`` images, so mixed batches reach the processor whole.

@@ -93,6 +93,19 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("transformers.integrations.sdpa_attention", "sdpa_attention_forward", ("module", "query", "key")),
     PrivateName("transformers.masking_utils", "sdpa_mask", why="the block kernel's fallback mask"),
     PrivateName("torch._dynamo.exc", "TorchDynamoException", why="compile_layers falls back to eager on it"),
+    # Tool rollouts (vlm_grpo.tools; not the speed path, but the same kind of dependency)
+    PrivateName(
+        "trl:GRPOTrainer",
+        "_tool_call_loop",
+        ("prompts", "prompt_ids", "completion_ids", "completions", "logprobs", "images", "multimodal_fields"),
+        why="tool metrics, malformed first calls answered, sandbox cells prefetched",
+    ),
+    PrivateName(
+        "trl:GRPOTrainer",
+        "_sync_tool_dicts",
+        source="trl:GRPOTrainer._generate_and_score_completions",
+        why="a malformed first call is answered through a hidden per-rollout tool",
+    ),
 )
 
 

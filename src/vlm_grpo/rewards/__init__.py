@@ -19,6 +19,11 @@ from vlm_grpo.rewards.base import (
 )
 from vlm_grpo.rewards.catalog import REWARDS, build_reward_funcs, register_reward
 
+# tool-using rollouts
+REWARDS.register("tool_use", "vlm_grpo.rewards.tools:tool_use_reward")
+REWARDS.register("deepeyes", "vlm_grpo.rewards.tools:deepeyes_reward")
+REWARDS.register("tool_format", "vlm_grpo.rewards.tools:tool_format_reward")
+
 __all__ = [
     "REWARDS",
     "RewardFunc",

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vlm_grpo.testing.presets import FAMILIES, PRESETS, Preset, get_preset
+from vlm_grpo.tools.templates import INTERNVL_IMAGE, INTERNVL_VIDEO, QWEN_IMAGE, QWEN_VIDEO, tool_chat_template
 
 if TYPE_CHECKING:
     import torch
@@ -61,35 +62,14 @@ INTERNVL_EXTRA_TOKENS = {
 }
 
 # ----------------------------------------------------------------------------- chat templates
-# One renderer for string or list content; list items are emitted in order. Assistant turns are
-# wrapped in {% generation %} (with their <|im_end|>) so SFT can ask for the assistant-token mask.
-_CHAT_TEMPLATE = (
-    "{%- macro render(content) -%}"
-    "{%- if content is string -%}{{- content -}}"
-    "{%- else -%}{%- for item in content -%}"
-    "{%- if item.type == 'image' or 'image' in item or 'image_url' in item -%}{{- IMAGE -}}"
-    "{%- elif item.type == 'video' or 'video' in item -%}{{- VIDEO -}}"
-    "{%- elif 'text' in item -%}{{- item['text'] -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}{%- endif -%}"
-    "{%- endmacro -%}"
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
-    "{%- if message['role'] == 'assistant' -%}"
-    "{%- generation -%}{{- render(message['content']) + '<|im_end|>' -}}{%- endgeneration -%}"
-    "{{- '\\n' -}}"
-    "{%- else -%}"
-    "{{- render(message['content']) + '<|im_end|>\\n' -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
-QWEN_CHAT_TEMPLATE = _CHAT_TEMPLATE.replace("IMAGE", "'<|vision_start|><|image_pad|><|vision_end|>'").replace(
-    "VIDEO", "'<|vision_start|><|video_pad|><|vision_end|>'"
-)
+# The tool-capable templates of vlm_grpo.tools.templates, without a default system prompt: one renderer
+# for string or list content (list items in order), assistant turns wrapped in {% generation %} (with
+# their <|im_end|>) so SFT can ask for the assistant-token mask, and tools rendered as Qwen2.5's real
+# templates render them (schemas in a system turn, <tool_call> blocks, <tool_response> results).
+QWEN_CHAT_TEMPLATE = tool_chat_template(QWEN_IMAGE, QWEN_VIDEO, default_system=None)
 # Like InternVL3-hf's template: a newline follows each placeholder; the processor expands
 # <IMG_CONTEXT> into <img> + image_seq_length * tiles * <IMG_CONTEXT> + </img>.
-INTERNVL_CHAT_TEMPLATE = _CHAT_TEMPLATE.replace("IMAGE", "'<IMG_CONTEXT>\\n'").replace("VIDEO", "'<video>\\n'")
+INTERNVL_CHAT_TEMPLATE = tool_chat_template(INTERNVL_IMAGE, INTERNVL_VIDEO, default_system=None)
 
 # ----------------------------------------------------------------------------- corpus
 _WORDS = """

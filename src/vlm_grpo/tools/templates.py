@@ -1,0 +1,90 @@
+"""A tool-capable chat template for checkpoints whose own template cannot render tools.
+
+Qwen2-VL's and Qwen2.5-VL's released templates (and InternVL ``-hf`` ones) render no tools, tool calls or
+tool results, so TRL refuses them for tool runs. This one renders messages as those templates do (same
+turns, image placeholders and, for Qwen, the default system prompt) and adds Qwen2.5's tool format: the
+schemas in the system turn, ``<tool_call>`` blocks in assistant turns, results as ``<tool_response>`` blocks
+of one user turn (their images rendered with the family's placeholder). It is prefix-preserving, as TRL's
+tool loop needs.
+"""
+
+from __future__ import annotations
+
+QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+QWEN_VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
+QWEN_SYSTEM = "You are a helpful assistant."
+INTERNVL_IMAGE = "<IMG_CONTEXT>\n"
+INTERNVL_VIDEO = "<video>\n"
+
+_TOOLS_HEADER = (
+    "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>"
+)
+_TOOLS_FOOTER = (
+    "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
+    '<tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": '
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n"
+)
+
+
+def tool_chat_template(image: str, video: str, default_system: str | None) -> str:
+    """The template, with the family's image / video placeholders and default system prompt (None: none)."""
+    default = "" if default_system is None else default_system
+    return (
+        (
+            "{%- macro render(content) -%}"
+            "{%- if content is string -%}{{- content -}}"
+            "{%- else -%}{%- for item in content -%}"
+            "{%- if item.type == 'image' or 'image' in item or 'image_url' in item -%}{{- IMAGE -}}"
+            "{%- elif item.type == 'video' or 'video' in item -%}{{- VIDEO -}}"
+            "{%- elif 'text' in item -%}{{- item['text'] -}}"
+            "{%- endif -%}"
+            "{%- endfor -%}{%- endif -%}"
+            "{%- endmacro -%}"
+            "{%- set has_system = messages and messages[0]['role'] == 'system' -%}"
+            "{%- if tools -%}"
+            "{{- '<|im_start|>system\\n' -}}"
+            "{%- if has_system -%}{{- render(messages[0]['content']) -}}{%- else -%}{{- DEFAULT -}}{%- endif -%}"
+            "{%- if has_system or DEFAULT -%}{{- '\\n\\n' -}}{%- endif -%}"
+            f"{{{{- '{_TOOLS_HEADER}' -}}}}"
+            "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
+            f"{{{{- '{_TOOLS_FOOTER}' -}}}}"
+            "{%- elif not has_system and DEFAULT -%}{{- '<|im_start|>system\\n' + DEFAULT + '<|im_end|>\\n' -}}"
+            "{%- endif -%}"
+            "{%- for message in messages -%}"
+            "{%- if tools and loop.first and message['role'] == 'system' -%}"
+            "{%- elif message['role'] == 'assistant' -%}"
+            "{{- '<|im_start|>assistant\\n' -}}"
+            "{%- generation -%}"
+            "{%- set text = render(message['content']) -%}{{- text -}}"
+            "{%- for call in message['tool_calls'] or [] -%}"
+            "{%- set fn = call['function'] if call['function'] is defined else call -%}"
+            "{%- if text or not loop.first -%}{{- '\\n' -}}{%- endif -%}"
+            "{{- '<tool_call>\\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' -}}"
+            "{{- (fn['arguments'] if fn['arguments'] is string else fn['arguments'] | tojson) + '}\\n</tool_call>' -}}"
+            "{%- endfor -%}"
+            "{{- '<|im_end|>' -}}{%- endgeneration -%}"
+            "{{- '\\n' -}}"
+            "{%- elif message['role'] == 'tool' -%}"
+            "{%- if loop.first or loop.previtem['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
+            "{{- '\\n<tool_response>\\n' + render(message['content']) + '\\n</tool_response>' -}}"
+            "{%- if loop.last or loop.nextitem['role'] != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+            "{%- else -%}"
+            "{{- '<|im_start|>' + message['role'] + '\\n' + render(message['content']) + '<|im_end|>\\n' -}}"
+            "{%- endif -%}"
+            "{%- endfor -%}"
+            "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+        )
+        .replace("IMAGE", repr(image))
+        .replace("VIDEO", repr(video))
+        .replace("DEFAULT", repr(default))
+    )
+
+
+def family_tool_template(vocab: dict[str, int]) -> str | None:
+    """The tool template for a tokenizer's family, told by its image token (None: unknown family)."""
+    if "<|image_pad|>" in vocab:
+        return tool_chat_template(QWEN_IMAGE, QWEN_VIDEO, QWEN_SYSTEM)
+    if "<IMG_CONTEXT>" in vocab:
+        return tool_chat_template(INTERNVL_IMAGE, INTERNVL_VIDEO, None)
+    return None

@@ -210,6 +210,8 @@ def test_parquet_bytes_save_to_disk_and_hub_cache_train_two_steps(tiny_models, t
     argv = base_args(tiny_models["qwen2_5_vl"], tmp_path / "train.parquet", plugin, tmp_path / "out")
     sources = f"{tmp_path / 'train.parquet'}:{tmp_path / 'disk'}:testorg/colors@train"
     argv[argv.index("--data_file_paths") + 1] = sources
+    i = argv.index("--image_folders")
+    del argv[i : i + 2]  # the images are embedded: no folder (a folder that does not exist would be refused)
     argv += ["--prompt_key", "question", "--answer_key", "gt", "--image_key", "pics"]
     argv += ["--eval_file_paths", str(tmp_path / "eval.parquet")]
     argv += ["--format_prompt", str(REPO / "configs" / "templates" / "r1v.jinja")]

@@ -115,7 +115,7 @@ def test_constant_groups_never_reach_the_loss_and_the_loss_is_the_kept_groups_ow
         rounds.append({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in out.items()})
         return out
 
-    import vlm_grpo.grpo_jsonl as recipe
+    import vlm_grpo.trainer as recipe  # the recipe imports the trainer class when it runs
 
     class Recording(recipe.VLMGRPOTrainer):
         def _generate_and_score_completions(self, inputs):
@@ -253,7 +253,7 @@ def test_two_gloo_ranks_agree_on_the_filtered_batch(tiny_models, tmp_path):
 
 def test_gradient_accumulation_fills_every_micro_batch_from_kept_groups(tiny_models, tmp_path, monkeypatch):
     data, plugin = make_data(tmp_path)
-    import vlm_grpo.grpo_jsonl as recipe
+    import vlm_grpo.trainer as recipe  # the recipe imports the trainer class when it runs
 
     seen: list[dict] = []
 

@@ -60,7 +60,8 @@ def test_format_tags_are_configurable_through_reward_kwargs():
 
 
 def test_format_bad_tags_kwarg_fails_the_batch_not_the_run():
-    (reward,) = build_reward_funcs(["format"], reward_kwargs={"format": {"tags": ["a>b"]}})
+    # max_failed_batches=0: keep training; by default such a reward stops the run (tests/test_reward_kinds.py)
+    (reward,) = build_reward_funcs(["format"], reward_kwargs={"format": {"tags": ["a>b"]}}, max_failed_batches=0)
     assert reward(["<think>a</think><answer>b</answer>"]) == [None]
     assert reward.failures == 1
 

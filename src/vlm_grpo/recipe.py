@@ -13,7 +13,7 @@ from typing import Any
 from vlm_grpo.cli_errors import UserError
 from vlm_grpo.configs import GRPOScriptArguments, VLMModelConfig
 from vlm_grpo.data import prepare_rows, split_paths, to_datasets
-from vlm_grpo.data.sources import ColumnKeys, read_sources
+from vlm_grpo.data.sources import ColumnKeys, check_source, read_sources, split_sources
 from vlm_grpo.data.video import VideoOptions
 from vlm_grpo.modules import ImageLimits, VLMModule, get_vlm_module
 
@@ -63,10 +63,12 @@ def preflight(script_args: GRPOScriptArguments, training_args: Any) -> None:
                 f"--report_to {name}: the '{modules[0]}' package is not installed; "
                 f"pip install {modules[0]}{extra}, or pass --report_to none"
             )
-    paths = [p for p in (script_args.data_file_paths or "").split(":") if p]
-    for path in paths:
-        if not Path(path).exists():
-            raise UserError(f"--data_file_paths: data file '{path}' does not exist")
+    for flag, value in (
+        ("--data_file_paths", script_args.data_file_paths),
+        ("--eval_file_paths", script_args.eval_file_paths),
+    ):
+        for spec in split_sources(value):
+            check_source(spec, flag)
     for folder in [f for f in (script_args.image_folders or "").split(":") if f]:
         if not Path(folder).is_dir():
             raise UserError(f"--image_folders: '{folder}' is not a folder")

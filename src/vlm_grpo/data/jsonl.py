@@ -251,7 +251,8 @@ class LazyImageTransform:
         out["prompt"] = [build_messages(r, question_template(r, self.module)) for r, _ in decoded]
         out["images"] = [images for _, images in decoded]
         if "image_grids" in batch:  # VLM-R1's reward kwarg: [t, h, w] for a one-image row, else one per image
-            out["image_grid_thw"] = [g[0] if len(g) == 1 else (g or None) for g in out["image_grids"]]
+            grids = [g or [] for g in out["image_grids"]]  # None for rows read before the column existed
+            out["image_grid_thw"] = [g[0] if len(g) == 1 else (g or None) for g in grids]
         return out
 
     def _images(self, row: dict) -> list:

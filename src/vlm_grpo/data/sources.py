@@ -28,6 +28,7 @@ from typing import Any
 
 from PIL import Image
 
+from vlm_grpo.cli_errors import UserError
 from vlm_grpo.data.formats import IMAGE_TOKEN, RowError, count_placeholders, normalise_row
 from vlm_grpo.data.images import pixel_limit
 from vlm_grpo.data.jsonl import BadRow, _check_images, _resolve_image, _source_order, read_rows, split_paths
@@ -47,7 +48,7 @@ RESERVED_COLUMNS = frozenset(
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
 
 
-class SourceError(ValueError):
+class SourceError(UserError, ValueError):
     """A data source that cannot be opened (absent file, dataset not in the cache, unknown split)."""
 
 
@@ -83,20 +84,32 @@ def _hub_cache_dir() -> str:
     return constants.HF_HUB_CACHE
 
 
-def _load_hub(spec: str) -> Any:
-    """``name@split`` from the local HF hub cache, never the network."""
+def _hub_folder(spec: str) -> str:
+    """The local snapshot folder of ``name@split`` (the HF hub cache, never the network)."""
     from huggingface_hub import snapshot_download
 
     name, _, split = spec.rpartition("@")
     try:
-        folder = snapshot_download(name, repo_type="dataset", local_files_only=True)
+        return snapshot_download(name, repo_type="dataset", local_files_only=True)
     except Exception as exc:  # LocalEntryNotFoundError, HFValidationError (a malformed name), ...
         raise SourceError(
             f"dataset '{name}' (split '{split}') is not in the local Hugging Face cache ({_hub_cache_dir()}); "
             f"download it first on a machine with network access: hf download {name} --repo-type dataset "
             f"(and copy the cache folder here, or set HF_HOME)"
         ) from exc
-    return _load_split(folder, split, spec)
+
+
+def _load_hub(spec: str) -> Any:
+    """``name@split`` from the local HF hub cache, never the network."""
+    return _load_split(_hub_folder(spec), spec.rpartition("@")[2], spec)
+
+
+def check_source(spec: str, flag: str = "--data_file_paths") -> None:
+    """Milliseconds, before anything loads: a local file or folder exists, a ``name@split`` is in the cache."""
+    if is_hub_spec(spec):
+        _hub_folder(spec)
+    elif not os.path.exists(spec) and not ("@" in spec and os.path.isdir(spec.rpartition("@")[0])):
+        raise SourceError(f"{flag}: data file '{spec}' does not exist")
 
 
 def _load_split(folder: str, split: str, spec: str) -> Any:

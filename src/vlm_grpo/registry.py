@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from vlm_grpo.cli_errors import UserError
 
@@ -129,3 +130,18 @@ class Registry(Generic[T]):
             entry = load_object(entry)  # type: ignore[assignment]
             self._entries[name] = entry
         return entry  # type: ignore[return-value]
+
+
+def parse_kwargs_by_name(value: str | Mapping[str, Any] | None, flag: str, example: str) -> dict[str, dict[str, Any]]:
+    """``--reward_kwargs`` / ``--tool_kwargs``: JSON text (command line) or a mapping (YAML), entry name ->
+    keyword arguments; ``example`` shows the shape in the error."""
+    if value is None or value == "":
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{flag} is not valid JSON ({exc.msg}): {value!r}") from None
+    if not isinstance(value, Mapping) or not all(isinstance(v, Mapping) for v in value.values()):
+        raise ValueError(f"{flag} must map names to keyword arguments, e.g. {example}")
+    return {str(k): dict(v) for k, v in value.items()}

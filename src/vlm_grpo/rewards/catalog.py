@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import json
 import logging
 import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from vlm_grpo.registry import Registry, load_object
+from vlm_grpo.registry import Registry, load_object, parse_kwargs_by_name
 from vlm_grpo.rewards.base import RewardFunc, SafeReward
 
 logger = logging.getLogger(__name__)
@@ -67,17 +66,8 @@ def check_requirements(name: str, fn: Callable) -> None:
 
 
 def parse_reward_kwargs(value: str | Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
-    """``--reward_kwargs`` as JSON text (command line) or a mapping (YAML): reward name -> keyword arguments."""
-    if value is None or value == "":
-        return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--reward_kwargs is not valid JSON ({exc.msg}): {value!r}") from None
-    if not isinstance(value, Mapping) or not all(isinstance(v, Mapping) for v in value.values()):
-        raise ValueError('--reward_kwargs must map reward names to keyword arguments, e.g. {"iou": {"threshold": 0.5}}')
-    return {str(k): dict(v) for k, v in value.items()}
+    """``--reward_kwargs``: reward label (or entry) -> keyword arguments."""
+    return parse_kwargs_by_name(value, "--reward_kwargs", '{"iou": {"threshold": 0.5}}')
 
 
 # The reward names of our users' own systems, where they mean something else here. Used only when asked for

@@ -16,6 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, Future, wait
 from typing import Any, ClassVar
 
+from vlm_grpo.registry import parse_kwargs_by_name
+
 logger = logging.getLogger(__name__)
 
 ToolFunc = Callable[..., Any]
@@ -29,17 +31,8 @@ class ToolError(Exception):
 
 
 def parse_tool_kwargs(value: str | Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
-    """``--tool_kwargs`` as JSON text (command line) or a mapping (YAML): tool name -> options."""
-    if value is None or value == "":
-        return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--tool_kwargs is not valid JSON ({exc.msg}): {value!r}") from None
-    if not isinstance(value, Mapping) or not all(isinstance(v, Mapping) for v in value.values()):
-        raise ValueError('--tool_kwargs must map tool names to options, e.g. {"python": {"timeout": 10}}')
-    return {str(k): dict(v) for k, v in value.items()}
+    """``--tool_kwargs``: tool name -> options."""
+    return parse_kwargs_by_name(value, "--tool_kwargs", '{"python": {"timeout": 10}}')
 
 
 class ToolEnvironment:

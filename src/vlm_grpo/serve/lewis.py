@@ -38,6 +38,19 @@ SPEAKER_PROMPT = (
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
 
+def _game_row(i: int, target: str, answer: dict) -> dict:
+    """One game as a speaker row: the target image, and the candidates / target index as the solution."""
+    return {
+        "id": f"lewis-{i:04d}",
+        "image": target,
+        "task_type": "raw",
+        "conversations": [
+            {"from": "human", "value": SPEAKER_PROMPT},
+            {"from": "gpt", "value": json.dumps(answer)},
+        ],
+    }
+
+
 def make_lewis_rows(image_names: Sequence[str], rows: int = 16, k: int = 3, seed: int = 0) -> list[dict]:
     """``rows`` games over ``image_names`` (sorted first, so the result depends only on the names and the seed)."""
     names = sorted(image_names)
@@ -53,17 +66,7 @@ def make_lewis_rows(image_names: Sequence[str], rows: int = 16, k: int = 3, seed
         candidates = [*distractors]
         position = rng.randrange(k)
         candidates.insert(position, target)
-        out.append(
-            {
-                "id": f"lewis-{i:04d}",
-                "image": target,
-                "task_type": "raw",
-                "conversations": [
-                    {"from": "human", "value": SPEAKER_PROMPT},
-                    {"from": "gpt", "value": json.dumps({"candidates": candidates, "target": position})},
-                ],
-            }
-        )
+        out.append(_game_row(i, target, {"candidates": candidates, "target": position}))
     return out
 
 
@@ -151,17 +154,7 @@ def make_concept_games(
         position = rng.randrange(k)
         candidates.insert(position, target)
         answer = {"candidates": candidates, "target": position, "concept": concept}
-        out.append(
-            {
-                "id": f"lewis-{i:04d}",
-                "image": target,
-                "task_type": "raw",
-                "conversations": [
-                    {"from": "human", "value": SPEAKER_PROMPT},
-                    {"from": "gpt", "value": json.dumps(answer)},
-                ],
-            }
-        )
+        out.append(_game_row(i, target, answer))
     return out
 
 

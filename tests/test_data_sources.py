@@ -222,3 +222,29 @@ def test_parquet_bytes_save_to_disk_and_hub_cache_train_two_steps(tiny_models, t
     assert prompt[1]["text"].startswith("Which colour is this? (0) A conversation between User and Assistant.")
     assert len(trainer.train_dataset) == 7 and len(trainer.eval_dataset) == 1
     assert trainer.train_dataset[0]["level"] == 0  # an unmapped column reaches the rewards
+
+
+def test_the_data_check_reads_what_training_reads(tmp_path):
+    """vlm-grpo-data check on a parquet with embedded image bytes and on verl rows (RynnBrain's RL parquet)."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    from vlm_grpo.data.cli import main as data_main
+
+    png = io.BytesIO()
+    Image.new("RGB", (32, 32), (0, 200, 0)).save(png, "PNG")
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": "<image>Where is the cup?"}],
+            "images": [{"bytes": png.getvalue(), "path": None}],
+            "reward_model": {"ground_truth": "<answer>left</answer>", "style": "rule"},
+            "extra_info": {"split": "train", "index": 0},
+            "data_source": "rynnbrain_rl",
+        }
+    ]
+    path = tmp_path / "rl.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    assert data_main(["check", str(path)]) == 0

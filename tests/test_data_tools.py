@@ -557,3 +557,16 @@ def test_every_command_has_help(capsys):
             data_main([command, "--help"])
         assert exc.value.code == 0
         assert "usage: vlm-grpo-data " + command in capsys.readouterr().out
+
+
+def test_preprocess_rl_stage_needs_no_thinking_turn(tmp_path):
+    """RynnBrain's own single-image example has no Thinking turn: the RL stage is written, the CoT stage refuses."""
+    raw = tmp_path / "raw.jsonl"
+    raw.write_text(" ".join(RAW["affordance"].split("\n")) + "\n")
+    out = tmp_path / "out"
+    argv = ["preprocess", "-i", str(raw), "-o", str(out), "--task_type", "affordance"]
+    assert data_main([*argv, "--stage", "rl"]) == 0
+    (row,) = _rows(out / "train" / "affordance_rl_train.jsonl")
+    assert row["conversations"][-1]["value"] == "<answer><affordance><frame 1> (325, 480)</affordance></answer>"
+    assert not (out / "train" / "affordance_cot_train.jsonl").exists()
+    assert data_main([*argv, "-o", str(tmp_path / "cot"), "--stage", "cot"]) == 1  # the CoT stage needs one

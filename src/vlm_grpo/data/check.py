@@ -23,6 +23,7 @@ from vlm_grpo.data.images import ImageError, decode_rgb, pixel_limit
 from vlm_grpo.data.jsonl import BadRow, _source_order, prompt_lengths, validate_rows
 from vlm_grpo.data.preprocess import TASK_TAGS, canonical_task, coordinate_problem
 from vlm_grpo.data.records import iter_records, read_any_rows, sft_messages, vlm_r1_row, write_rows
+from vlm_grpo.data.sources import read_sources
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +205,8 @@ def check(
 ) -> CheckReport:
     files = [str(p) for p in data_file_paths]
     report = CheckReport(files=files, model=model)
-    rows, bad = read_any_rows(
+    # the same reader as training: JSONL / JSON / parquet (embedded image bytes), saved datasets, verl rows
+    rows, bad = read_sources(
         files, image_folders or None, task_type=task_type, num_threads=num_threads, max_pixels=max_pixels
     )
     rows, damaged = decode_problems(rows, pixel_limit(max_pixels), num_threads)

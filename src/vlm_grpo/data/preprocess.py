@@ -203,7 +203,7 @@ def wrap_answer(body: str) -> str:
 class Converted:
     task: str
     rl: dict
-    cot: dict
+    cot: dict | None  # None when only the RL stage is written
 
 
 @dataclass
@@ -244,8 +244,12 @@ def convert_record(
     system_prompt: str | None = None,
     format_hint: bool = True,
     cot_layout: str = "auto",
+    need_cot: bool = True,
 ) -> Converted:
     """One raw record -> (GRPO row, SFT row). Raises :class:`RowError` naming what is wrong.
+
+    ``need_cot=False`` (only the RL stage is written): no SFT row is built, so a record without a ``Thinking``
+    turn is fine -- the RL stage needs no chain of thought.
 
     ``cot_layout``: ``rynnbrain`` = ``{Thinking}\\n#### {solution}``, ``think`` =
     ``<think>{Thinking}</think>{solution}``; ``auto`` = ``rynnbrain`` for converted RynnBrain records,
@@ -276,8 +280,10 @@ def convert_record(
         }
         thinking = _thinking_text(conversation) if isinstance(conversation, list) else raw.get("thinking")
         layout = "think" if cot_layout == "auto" else cot_layout
-        cot_answer = _cot_answer(row["solution"], thinking, simple, layout)
         rl = vlm_r1_row(row["question"], row["solution"], row["image_path"], **common)
+        if not need_cot:
+            return Converted(task, rl, None)
+        cot_answer = _cot_answer(row["solution"], thinking, simple, layout)
         return Converted(task, rl, vlm_r1_row(row["question"], cot_answer, row["image_path"], **common))
 
     user = next((t for t in conversation if isinstance(t, dict) and _role(t) == "user"), None)
@@ -317,6 +323,8 @@ def convert_record(
     layout = "rynnbrain" if cot_layout == "auto" else cot_layout
     common = {"system": system_text or None, "row_id": row_id, "task_type": task, "data_source": data_source}
     rl = vlm_r1_row(row["question"], solution, row["image_path"], **common)
+    if not need_cot:
+        return Converted(task, rl, None)
     cot = vlm_r1_row(row["question"], _cot_answer(solution, thinking, simple, layout), row["image_path"], **common)
     return Converted(task, rl, cot)
 
@@ -390,6 +398,7 @@ def preprocess(
                     system_prompt=system_prompt,
                     format_hint=format_hint,
                     cot_layout=cot_layout,
+                    need_cot="cot" in stages,
                 )
             )
         except RowError as exc:

@@ -29,7 +29,7 @@ from typing import Any
 from PIL import Image
 
 from vlm_grpo.cli_errors import UserError
-from vlm_grpo.data.formats import IMAGE_TOKEN, RowError, count_placeholders, normalise_row
+from vlm_grpo.data.formats import IMAGE_TOKEN, DataError, RowError, count_placeholders, normalise_row
 from vlm_grpo.data.images import pixel_limit
 from vlm_grpo.data.jsonl import BadRow, _check_images, _resolve_image, _source_order, read_rows, split_paths
 from vlm_grpo.data.records import Record, iter_records, read_any_rows
@@ -158,7 +158,11 @@ def _parquet_records(path: str) -> Iterator[Record]:
     import pyarrow.parquet as pq
 
     index = 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=256):
+    try:
+        table = pq.ParquetFile(path)
+    except Exception as exc:  # pyarrow's errors (ArrowInvalid, OSError) for a damaged or non-parquet file
+        raise DataError(f"not a readable parquet file: {exc}", str(path)) from None
+    for batch in table.iter_batches(batch_size=256):
         for row in batch.to_pylist():
             index += 1
             yield Record(f"{path}:{index}", value=row)
@@ -172,7 +176,9 @@ def iter_source(spec: str) -> Iterator[Record]:
     path, _, split = spec.rpartition("@") if "@" in spec and not os.path.exists(spec) else (spec, "", "")
     if os.path.isdir(path):
         if not _is_saved_dataset(path):
-            raise SourceError(f"{spec}: a folder, but not one written by datasets' save_to_disk")
+            raise SourceError(
+                f"{spec}: is a directory, not a data file (nor a folder written by datasets' save_to_disk)"
+            )
         yield from _arrow_records(_load_disk(path, split or None, spec), spec)
         return
     if not os.path.isfile(path):

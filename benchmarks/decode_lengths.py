@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--unique", type=int, default=2, help="unique prompts per call")
     p.add_argument("--group", type=int, default=8, help="rows per unique prompt (G)")
     p.add_argument("--compile", type=lambda s: s.lower() in ("1", "true", "yes"), default=None)
+    p.add_argument("--profile", default=None, help="profile the last call; its top kernels are written here")
     p.add_argument("--out", default="decode_lengths.json")
     args = p.parse_args(argv)
     if args.preset == "tiny":
@@ -104,7 +105,19 @@ def main(argv: list[str] | None = None) -> dict:
     seen: set[int] = set()
     for n, length in enumerate(args.prompt_lengths):
         before = counters["stats"]["unique_graphs"]
+        profiler = None
+        if args.profile and n == len(args.prompt_lengths) - 1:
+            kinds = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * (
+                device.type == "cuda"
+            )
+            profiler = torch.profiler.profile(activities=kinds)
+            profiler.__enter__()
         seconds, tokens = one_call(model, gen_config, length, args.unique, args.group, device, compile, n)
+        if profiler is not None:
+            profiler.__exit__(None, None, None)
+            sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+            table = profiler.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=90)
+            Path(args.profile).write_text(table)
         calls.append(
             {
                 "prompt_len": length, "seconds": seconds, "tokens": tokens, "new_length": length not in seen,

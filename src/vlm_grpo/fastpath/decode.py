@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from vlm_grpo.fastpath.block_attention import as_sdpa
+from vlm_grpo.fastpath.decode_attention import decode_attention
 from vlm_grpo.fastpath.fallback import EagerOnFailure
 from vlm_grpo.utils import peft_base
 
@@ -108,7 +109,8 @@ class _Step:
         return isinstance(self._fn, EagerOnFailure) and self._fn.compiled
 
     def _forward(self) -> torch.Tensor:
-        return self._fn(self.decoder, self.head, self.tokens, self.positions, self.mask, self._cache_kwarg)
+        with decode_attention(self.decoder.config):  # grouped K/V not copied per query head (sdpa)
+            return self._fn(self.decoder, self.head, self.tokens, self.positions, self.mask, self._cache_kwarg)
 
     def _capture(self) -> None:
         # Warm-up on a side stream (compilation, lazy cuBLAS / kernel selection), then capture. Both write

@@ -1,14 +1,20 @@
-"""fast_decode's static cache lengths come in buckets: a new prompt length in a bucket already seen
-reuses the compiled decode step (a new compilation costs tens of seconds at 3B on a GPU), and the
-extra cache slots change no token."""
+"""Speed features of fast_decode that must not change a token.
+
+Static cache lengths come in buckets: a new prompt length in a bucket already seen reuses the compiled
+decode step (a new compilation costs tens of seconds at 3B on a GPU), and the extra cache slots change
+no token. The decode step's attention reads grouped K/V without copying it per query head.
+"""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 
-from vlm_grpo.fastpath import decode
+from vlm_grpo.fastpath import decode, decode_attention
 from vlm_grpo.fastpath.sharing import _generation_positions, _next_positions
 from vlm_grpo.modules import get_vlm_module
 
@@ -70,3 +76,48 @@ def test_a_new_prompt_length_in_a_seen_bucket_compiles_nothing(bucket, tiny_mode
         assert compiled[-1] == compiled[0], compiled  # 20, 23 and 31 tokens share one cache length
     else:
         assert compiled[-1] > compiled[0], compiled  # without buckets the second length recompiles
+
+
+def _tiny_qwen(tiny_models):
+    module = get_vlm_module(str(tiny_models["qwen2_5_vl"]))
+    model = module.load_model(str(tiny_models["qwen2_5_vl"]), dtype=torch.float32, attn_implementation="sdpa")
+    return model.eval()
+
+
+def test_decode_attention_reads_grouped_kv_uncopied_and_keeps_generates_tokens(tiny_models, monkeypatch):
+    """4 query heads share 2 K/V heads in the tiny model: the step's sdpa gets the 2-head cache as it is."""
+    shapes = []
+
+    def spy(q, k, v, **kwargs):
+        shapes.append((tuple(q.shape), tuple(k.shape)))
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+    monkeypatch.setattr(decode_attention, "F", SimpleNamespace(scaled_dot_product_attention=spy))
+    model = _tiny_qwen(tiny_models)
+    ours, plain = _decode(model, 20, compile=False)
+    assert ours == plain and len({t for row in ours for t in row}) > 2
+    rows, kv_heads = 2 * G, model.config.text_config.num_key_value_heads
+    group = model.config.text_config.num_attention_heads // kv_heads
+    assert shapes and all(q[:3] == (rows, kv_heads, group) and k[1] == kv_heads for q, k in shapes), shapes
+    assert model.config.text_config._attn_implementation == "sdpa"  # restored after the decode
+
+
+def test_decode_attention_equals_transformers_sdpa_with_repeated_kv(monkeypatch):
+    """The function against transformers' own sdpa path (which expands K/V per query head), on a padded
+    mask; the negative control pairs query heads with the wrong K/V head and must differ."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, h, n, 8, generator=g) for h, n in ((6, 1), (2, 40), (2, 40)))
+    mask = torch.rand(3, 1, 1, 40, generator=g) > 0.3
+    layer = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)
+    ref, _ = sdpa_attention_forward(layer, q, k, v, mask, scaling=0.3)
+    ours, _ = decode_attention.decode_sdpa(layer, q, k, v, mask, scaling=0.3)
+    torch.testing.assert_close(ours, ref, rtol=0, atol=1e-6)
+
+    def misgrouped(q, k, v, **kwargs):  # query head h to K/V head h % 2 instead of h // 3
+        return F.scaled_dot_product_attention(q.transpose(1, 2).reshape(q.shape), k, v, **kwargs)
+
+    monkeypatch.setattr(decode_attention, "F", SimpleNamespace(scaled_dot_product_attention=misgrouped))
+    wrong, _ = decode_attention.decode_sdpa(layer, q, k, v, mask, scaling=0.3)
+    assert (wrong - ref).abs().max() > 1e-2

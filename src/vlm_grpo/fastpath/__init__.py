@@ -6,6 +6,7 @@ What it does (every piece behind a ``VLMGRPOConfig`` flag, parity-tested against
   reference and policy log-probs) and ``share_prefill`` (prefill each unique prompt once, decode its G samples
   from the repeated cache);
 * ``decode``: ``fast_decode`` / ``compile_decode`` (static cache, CUDA-graph decode step);
+* ``decode_attention``: the decode step's sdpa over grouped K/V heads without per-head copies;
 * ``block_attention``: the packed pass's attention kernel (``packed_attention=blocks``);
 * ``compiled_layers``: ``compile_layers``; ``fallback``: compiled-with-eager-fallback;
 * ``vision_attention``: ``batch_vision_attention``; ``vision_sync``: vision passes kept in step across ranks.

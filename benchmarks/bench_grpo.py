@@ -8,7 +8,10 @@ same steps; generation is forced to the full completion length (``min_new_tokens
 the same work. Per phase (generation, old/ref log-probs, loss forward, backward, optimizer) it
 reports seconds per step, plus samples/s, tokens/s (prompt + completion tokens of the samples, the
 same work for both), peak GPU memory, training-phase MFU (6 x parameters x tokens the loss pass
-really executes / its time / the card's dense bf16 peak) and the ratio ours/vanilla.
+really executes / its time / the card's dense bf16 peak) and the ratio ours/vanilla; the time of every
+step (the first pays compilations); decode ms/token (fast_decode's time per decoded token for ours, the
+generation phase per completion token otherwise) and its ratio to the HBM floor (the weights one decode
+step reads / the card's memory bandwidth).
 ``VLMGRPOTrainer`` runs as users run it: JSONL rows with image paths on disk, checked and lazily
 decoded by the package's data pipeline.
 """
@@ -37,9 +40,12 @@ from transformers import TrainerCallback
 
 # "prepare_other" is the rest of input preparation (processor, rewards, advantages); "vision" is the
 # vision tower's share, already counted inside the other phases.
-PHASES = ("generation", "old_ref_logps", "prepare_other", "loss_forward", "backward", "optimizer", "vision")
+# "decode" is fast_decode's share of generation (ours only).
+PHASES = ("generation", "decode", "old_ref_logps", "prepare_other", "loss_forward", "backward", "optimizer", "vision")
 # Dense bf16 peak of the card, TFLOP/s (for MFU).
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+# Peak HBM bandwidth of the card, bytes/s (datasheet), for the decode floor.
+HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.04e12}
 
 
 @dataclass
@@ -65,6 +71,11 @@ class Result:
     phases_s: dict[str, float] = field(default_factory=dict)
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    step_times_s: list[float] = field(default_factory=list)  # every step, warm-up included, in order
+    gen_ms_per_token: float = 0.0  # generation phase / completion length (prefill included)
+    decode_ms_per_token: float | None = None  # fast_decode's time / tokens it decoded (ours)
+    floor_ms_per_token: float | None = None  # decode weights / HBM bandwidth
+    floor_ratio: float | None = None  # decode (else generation) ms/token / floor
 
 
 # --------------------------------------------------------------------------- timing
@@ -143,7 +154,9 @@ def timed_trainer_class(base: type) -> type:
             with torch.profiler.record_function("phase:training_step"):
                 out = super().training_step(model, inputs, num_items_in_batch)
             self.timer.sync()
-            inner = sum(self.timer.totals[k] - before.get(k, 0.0) for k in PHASES if k not in ("vision", "backward"))
+            inner = sum(
+                self.timer.totals[k] - before.get(k, 0.0) for k in PHASES if k not in ("vision", "decode", "backward")
+            )
             self.timer.totals["backward"] += max(0.0, time.perf_counter() - start - inner)
             return out
 
@@ -345,6 +358,11 @@ def length_reward(completions, **kwargs):
 # --------------------------------------------------------------------------- runs
 
 
+def is_vanilla(kind: str) -> bool:
+    """``vanilla`` and its variants (``vanilla_static:cache_implementation=static``) run plain TRL."""
+    return kind.partition(":")[0].startswith("vanilla")
+
+
 def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
     """``name`` or ``name:key=value,key=value`` -> (name, VLMGRPOConfig overrides).
 
@@ -396,7 +414,7 @@ def grpo_config(
 
     from vlm_grpo.configs import VLMGRPOConfig
 
-    overrides = extra | ({} if kind == "vanilla" else parse_variant(kind)[1])
+    overrides = extra | parse_variant(kind)[1]
     generation_kwargs = {"min_new_tokens": scenario.completion_length}
     if "cache_implementation" in overrides:
         generation_kwargs["cache_implementation"] = overrides.pop("cache_implementation")
@@ -418,7 +436,7 @@ def grpo_config(
         "seed": args.seed,
         "dataloader_num_workers": 0,
     }
-    return (GRPOConfig if kind == "vanilla" else VLMGRPOConfig)(**(fields | overrides))
+    return (GRPOConfig if is_vanilla(kind) else VLMGRPOConfig)(**(fields | overrides))
 
 
 def grpo_trainer(
@@ -439,7 +457,7 @@ def grpo_trainer(
 
     from vlm_grpo.trainer import VLMGRPOTrainer
 
-    if kind == "vanilla":
+    if is_vanilla(kind):
         cls = cls or GRPOTrainer
         dataset = vanilla_dataset(paths, vary_prompts)
     else:
@@ -469,7 +487,7 @@ def run_one(kind: str, args: argparse.Namespace, scenario: Scenario, workdir: Pa
     config = grpo_config(kind, args, scenario, workdir, measured_steps + bool(args.profile_dir))
     timer = PhaseTimer(device)
     time_vision(model, module, timer)
-    cls = timed_trainer_class(GRPOTrainer if kind == "vanilla" else VLMGRPOTrainer)
+    cls = timed_trainer_class(GRPOTrainer if is_vanilla(kind) else VLMGRPOTrainer)
     cls.timer = timer
     callbacks = [OptimizerTimer(timer)]
     if args.profile_dir:
@@ -481,7 +499,8 @@ def run_one(kind: str, args: argparse.Namespace, scenario: Scenario, workdir: Pa
     )  # fmt: skip
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    trainer.train()
+    with timed_fast_decode(timer):
+        trainer.train()
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     measured = timer.per_step[args.warmup : measured_steps] or timer.per_step
 
@@ -489,6 +508,10 @@ def run_one(kind: str, args: argparse.Namespace, scenario: Scenario, workdir: Pa
         return statistics.median(step.get(key, 0.0) for step in measured)
 
     step_s = median("_wall")
+    gen_ms = 1e3 * median("generation") / scenario.completion_length
+    decode_ms = 1e3 * median("decode") / median("_decode_tokens") if median("_decode_tokens") else None
+    bandwidth = hbm_bandwidth(args.device)
+    floor_ms = 1e3 * decode_weight_bytes(model) / bandwidth if bandwidth else None
     samples = args.prompts_per_step * args.num_generations
     tokens = median("_prompt_tokens") + median("_completion_tokens")
     train_s = median("loss_forward") + median("backward")
@@ -506,12 +529,56 @@ def run_one(kind: str, args: argparse.Namespace, scenario: Scenario, workdir: Pa
         phases_s={p: median(p) for p in PHASES},
         prompt_tokens=int(median("_prompt_tokens")),
         completion_tokens=int(median("_completion_tokens")),
+        step_times_s=[step["_wall"] for step in timer.per_step],
+        gen_ms_per_token=gen_ms,
+        decode_ms_per_token=decode_ms,
+        floor_ms_per_token=floor_ms,
+        floor_ratio=(decode_ms or gen_ms) / floor_ms if floor_ms else None,
     )
     del trainer, model
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+@contextmanager
+def timed_fast_decode(timer: PhaseTimer):
+    """Times ``fast_decode`` (the "decode" phase) and counts the tokens it decodes, for the duration of a run."""
+    from vlm_grpo.fastpath import decode
+
+    real = decode.fast_decode
+
+    def timed(*args, **kwargs):
+        with timer.phase("decode"):
+            out = real(*args, **kwargs)
+        timer.totals["_decode_tokens"] += out.size(1)
+        return out
+
+    decode.fast_decode = timed
+    try:
+        yield
+    finally:
+        decode.fast_decode = real
+
+
+def hbm_bandwidth(device: str) -> float | None:
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in HBM_BYTES_PER_S.items() if k in name), None)
+
+
+def decode_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one decode step reads: the text decoder's layers and final norm plus the LM head
+    (the input embedding is a lookup of a few rows; the vision tower does not run)."""
+    from vlm_grpo.utils import peft_base
+
+    base = peft_base(model)
+    decoder, head = base.get_decoder(), base.get_output_embeddings()
+    lookup_only = {id(p) for p in decoder.get_input_embeddings().parameters()} - {id(p) for p in head.parameters()}
+    params = {id(p): p for p in [*decoder.parameters(), *head.parameters()] if id(p) not in lookup_only}
+    return sum(p.numel() * p.element_size() for p in params.values())
 
 
 def card_peak_tflops(device: str) -> float | None:
@@ -523,9 +590,9 @@ def card_peak_tflops(device: str) -> float | None:
 
 def format_table(results: list[Result]) -> str:
     header = (
-        f"{'scenario':<20} {'trainer':<8} {'s/step':>7} {'samp/s':>7} {'tok/s':>8} {'peakGiB':>8} {'MFU':>6} "
+        f"{'scenario':<20} {'trainer':<14} {'s/step':>7} {'samp/s':>7} {'tok/s':>8} {'peakGiB':>8} {'MFU':>6} "
         + " ".join(f"{p[:8]:>8}" for p in PHASES)
-        + f" {'x vanilla':>9}"
+        + f" {'first s':>7} {'ms/tok':>7} {'x floor':>7} {'x vanilla':>9}"
     )
     lines = [header, "-" * len(header)]
     vanilla = {r.scenario: r for r in results if r.trainer == "vanilla"}
@@ -535,9 +602,11 @@ def format_table(results: list[Result]) -> str:
         mem = f"{r.peak_mem_gib:8.1f}" if r.peak_mem_gib is not None else f"{'-':>8}"
         mfu = f"{100 * r.mfu:5.1f}%" if r.mfu is not None else f"{'-':>6}"
         phases = " ".join(f"{r.phases_s[p]:8.3f}" for p in PHASES)
+        first = r.step_times_s[0] if r.step_times_s else float("nan")
+        floor = f"{r.floor_ratio:7.2f}" if r.floor_ratio is not None else f"{'-':>7}"
         lines.append(
-            f"{r.scenario:<20} {r.trainer:<8} {r.step_s:7.3f} {r.samples_per_s:7.2f} {r.tokens_per_s:8.0f} "
-            f"{mem} {mfu} {phases} {ratio}"
+            f"{r.scenario:<20} {r.trainer:<14} {r.step_s:7.3f} {r.samples_per_s:7.2f} {r.tokens_per_s:8.0f} "
+            f"{mem} {mfu} {phases} {first:7.2f} {r.decode_ms_per_token or r.gen_ms_per_token:7.2f} {floor} {ratio}"
         )
     return "\n".join(lines)
 
@@ -563,8 +632,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--trainers",
         nargs="+",
         default=["vanilla", "ours"],
-        help="vanilla, and variants of ours as name[:key=value,...] over VLMGRPOConfig, e.g. "
-        "'ours' 'noshare:share_prompt=false' 'static:cache_implementation=static'",
+        help="vanilla, and variants as name[:key=value,...] over VLMGRPOConfig (GRPOConfig for names starting with "
+        "'vanilla'), e.g. 'ours' 'noshare:share_prompt=false' 'vanilla_static:cache_implementation=static'",
     )
     p.add_argument("--peak_tflops", type=float, default=None, help="card's dense bf16 peak (default: by name)")
     p.add_argument("--seed", type=int, default=0)

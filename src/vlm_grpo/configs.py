@@ -261,9 +261,10 @@ class VLMGRPOConfig(GRPOConfig):
         metadata={
             "help": "With fast_decode: run the decode step through torch.compile before the CUDA graph captures "
             "it, fusing the hundreds of small norm / rotary / elementwise kernels of a decoder step. None "
-            "(default): on GPU only. The first generation call pays the compilation once, and a new cache "
-            "length recompiles once with that size dynamic. Greedy outputs equal generate's (tested); a "
-            "failed compilation warns and decodes eagerly."
+            "(default): on GPU only. The first generation call pays the compilation once. Cache lengths are "
+            "rounded up to a multiple of 256, so a new prompt length in a bucket already seen compiles nothing; "
+            "the first call in another bucket recompiles once with the length dynamic, and later ones compile "
+            "nothing. Greedy outputs equal generate's (tested); a failed compilation warns and decodes eagerly."
         },
     )
     compile_layers: bool = field(

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from vlm_grpo.fastpath.block_attention import as_sdpa
+from vlm_grpo.fastpath.decode_attention import decode_attention
 from vlm_grpo.fastpath.fallback import EagerOnFailure
 from vlm_grpo.utils import peft_base
 
@@ -27,6 +28,10 @@ logger = logging.getLogger(__name__)
 
 _ATTENTION = ("sdpa", "eager")
 _CHECK_EVERY = 8  # decode steps between host checks for "every row has ended"
+# Static cache lengths are rounded up to a multiple of this. Prompt lengths change every step; an unseen
+# cache length would otherwise cost a new compilation of the decode step (tens of seconds at 3B on an
+# H100), and a repeated length costs nothing. The extra slots are masked out: tokens are unchanged.
+CACHE_BUCKET = 256
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -53,12 +58,21 @@ def _decode_forward(decoder: Any, head: Any, tokens, positions, mask, cache_kw: 
     return head(out.last_hidden_state[:, -1, :])
 
 
+def cache_length(needed: int, bucket: int | None = None) -> int:
+    """The static cache length for ``needed`` slots: the next multiple of ``bucket`` (default
+    ``CACHE_BUCKET``), so that nearby prompt lengths share one cache shape, hence one compiled decode step."""
+    bucket = bucket or CACHE_BUCKET
+    return -(-needed // bucket) * bucket
+
+
 _compiled_forward: Any = None
 
 
 def _compiled() -> Any:
-    """One compiled step per process: dynamo caches by code object, so later generation calls (new caches,
-    other lengths) reuse it; a changed cache length recompiles once with that dimension dynamic."""
+    """One compiled step per process: dynamo caches by code object, so later generation calls (new caches)
+    reuse it. The first cache length compiles static kernels; the first call in another bucket recompiles
+    once with the length dynamic, which then serves every later bucket (measured on an H100, 3B: static
+    kernels were not measurably faster, and a static compilation per bucket costs 13-48 s each)."""
     global _compiled_forward
     if _compiled_forward is None:
         _compiled_forward = torch.compile(_decode_forward)
@@ -91,7 +105,8 @@ class _Step:
         return isinstance(self._fn, EagerOnFailure) and self._fn.compiled
 
     def _forward(self) -> torch.Tensor:
-        return self._fn(self.decoder, self.head, self.tokens, self.positions, self.mask, self._cache_kwarg)
+        with decode_attention(self.decoder.config):  # grouped K/V not copied per query head (sdpa)
+            return self._fn(self.decoder, self.head, self.tokens, self.positions, self.mask, self._cache_kwarg)
 
     def _capture(self) -> None:
         # Warm-up on a side stream (compilation, lazy cuBLAS / kernel selection), then capture. Both write
@@ -160,20 +175,22 @@ def fast_decode(
         prefix_allowed_tokens_fn=None, logits_processor=LogitsProcessorList(), device=device, model_kwargs={},
     )  # fmt: skip
 
-    # Static cache of the expanded batch: the prompt's KV plus room for every decode step.
+    # Static cache of the expanded batch: the prompt's KV plus room for every decode step, rounded up to a
+    # bucket (the slots past prefix + steps stay masked).
     prefix = prompt_len - 1
+    size = cache_length(prefix + steps)
     layers = prefill_cache.layers
-    cache = StaticCache(config=base.config, max_cache_len=prefix + steps)
+    cache = StaticCache(config=base.config, max_cache_len=size)
     kv_dtype = layers[0].keys.dtype
     cache.early_initialization(
         rows, [layer.keys.size(1) for layer in layers], [layer.keys.size(-1) for layer in layers], kv_dtype, device
     )
     attn = as_sdpa(base.config.get_text_config(decoder=True)._attn_implementation)
     if attn == "sdpa":
-        mask = torch.ones(rows, 1, 1, prefix + steps, dtype=torch.bool, device=device)
+        mask = torch.ones(rows, 1, 1, size, dtype=torch.bool, device=device)
         attend, blocked = True, False
     else:  # eager adds the mask to the scores
-        mask = torch.zeros(rows, 1, 1, prefix + steps, dtype=kv_dtype, device=device)
+        mask = torch.zeros(rows, 1, 1, size, dtype=kv_dtype, device=device)
         attend, blocked = 0.0, torch.finfo(kv_dtype).min
     tokens = input_ids[:, -1:].clone()
     positions = next_positions[..., index].clone().unsqueeze(-1)  # (rows, 1) or (3, rows, 1)

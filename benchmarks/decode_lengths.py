@@ -1,0 +1,152 @@
+"""Time ``fast_decode`` over a sequence of prompt lengths: what a new length costs, what a repeat costs.
+
+    python benchmarks/decode_lengths.py --preset qwen2_5_vl_3b --device cuda --mode bucket_static
+    python benchmarks/decode_lengths.py --preset tiny --device cpu --new_tokens 4     # smoke test
+
+Each call prefills ``--unique`` random text prompts of one length (no padding), then decodes
+``--unique`` x G rows for ``--new_tokens`` forced tokens through ``fast_decode`` (the path the trainer
+uses), and records its wall time and the compilations dynamo made during it. ``--mode``:
+``old`` cache length = prompt + new tokens (the code before cache buckets); ``bucket_dynamic`` bucketed
+cache lengths, default ``torch.compile``: a second bucket recompiles once with dynamic shapes (the
+package's default); ``bucket_static`` bucketed lengths, ``dynamic=False``: one compilation per bucket.
+Run each mode in its own process: dynamo's caches are per process. Also reports the decode time per
+token of the repeat calls and its ratio to the HBM floor (language-model weights read once per token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from bench_grpo import decode_weight_bytes, hbm_bandwidth
+
+
+def configure(mode: str) -> None:
+    import vlm_grpo.fastpath.decode as decode
+
+    if mode == "old":
+        decode.CACHE_BUCKET = 1
+    if mode == "bucket_static":
+        decode._compiled_forward = torch.compile(decode._decode_forward, dynamic=False)
+
+
+def one_call(model, gen_config, prompt_len: int, unique: int, group: int, device, compile: bool, seed: int):
+    """Prefill ``unique`` prompts of ``prompt_len`` tokens, decode ``unique * group`` rows; (seconds, tokens)."""
+    from transformers import DynamicCache
+
+    from vlm_grpo.fastpath import decode
+    from vlm_grpo.fastpath.sharing import _generation_positions, _next_positions
+    from vlm_grpo.utils import peft_base
+
+    base = peft_base(model)
+    backbone = getattr(base, "model", base)
+    g = torch.Generator().manual_seed(seed + prompt_len)
+    ids = torch.randint(100, 1000, (unique, prompt_len), generator=g).to(device)
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        prefill = {"attention_mask": mask[:, :-1]}
+        positions = _generation_positions(base, ids[:, :-1], prefill)
+        if positions is not None:
+            prefill["position_ids"] = positions
+        model(input_ids=ids[:, :-1], **decode.cache_kwarg(model, cache), use_cache=True, **prefill)
+        next_pos = _next_positions(positions, getattr(backbone, "rope_deltas", None))
+        index = torch.arange(unique, device=device).repeat_interleave(group)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = decode.fast_decode(
+            model, cache, index, ids[index], mask[index], next_pos, gen_config,
+            use_graph=device.type == "cuda", compile=compile,
+        )  # fmt: skip
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    return time.perf_counter() - start, out.size(1)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--mode", default="bucket_dynamic", choices=["old", "bucket_dynamic", "bucket_static"])
+    p.add_argument(
+        "--prompt_lengths", type=int, nargs="+", default=[300, 307, 313, 300, 322, 331, 600, 606, 300, 611],
+        help="prompt length of each call, in order",
+    )  # fmt: skip
+    p.add_argument("--new_tokens", type=int, default=128)
+    p.add_argument("--unique", type=int, default=2, help="unique prompts per call")
+    p.add_argument("--group", type=int, default=8, help="rows per unique prompt (G)")
+    p.add_argument("--compile", type=lambda s: s.lower() in ("1", "true", "yes"), default=None)
+    p.add_argument("--profile", default=None, help="profile the last call; its top kernels are written here")
+    p.add_argument("--out", default="decode_lengths.json")
+    args = p.parse_args(argv)
+    if args.preset == "tiny":
+        args.preset = "tiny_qwen2_5_vl"
+    device = torch.device(args.device)
+    compile = device.type == "cuda" if args.compile is None else args.compile
+    configure(args.mode)
+
+    from torch._dynamo.utils import counters
+
+    from vlm_grpo.testing.tiny import build_model
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model, _ = build_model(args.preset, dtype=dtype, device=device)
+    model.eval()
+    gen_config = model.generation_config
+    gen_config.max_new_tokens = gen_config.min_new_tokens = args.new_tokens
+    gen_config.do_sample, gen_config.temperature, gen_config.top_p, gen_config.top_k = True, 1.0, 1.0, 0
+
+    calls = []
+    seen: set[int] = set()
+    for n, length in enumerate(args.prompt_lengths):
+        before = counters["stats"]["unique_graphs"]
+        profiler = None
+        if args.profile and n == len(args.prompt_lengths) - 1:
+            kinds = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * (
+                device.type == "cuda"
+            )
+            profiler = torch.profiler.profile(activities=kinds)
+            profiler.__enter__()
+        seconds, tokens = one_call(model, gen_config, length, args.unique, args.group, device, compile, n)
+        if profiler is not None:
+            profiler.__exit__(None, None, None)
+            sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+            table = profiler.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=90)
+            Path(args.profile).write_text(table)
+        calls.append(
+            {
+                "prompt_len": length, "seconds": seconds, "tokens": tokens, "new_length": length not in seen,
+                "graphs_compiled": counters["stats"]["unique_graphs"] - before,
+            }
+        )  # fmt: skip
+        seen.add(length)
+        print(f"[call] {json.dumps(calls[-1])}", flush=True)
+    repeats = [c for c in calls[1:] if c["graphs_compiled"] == 0]
+    ms_per_token = 1e3 * statistics.median(c["seconds"] / c["tokens"] for c in repeats) if repeats else None
+    weights = decode_weight_bytes(model)
+    bandwidth = hbm_bandwidth(args.device)
+    floor_ms = 1e3 * weights / bandwidth if bandwidth else None
+    summary = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "versions": {"torch": torch.__version__},
+        "args": vars(args),
+        "calls": calls,
+        "first_call_s": calls[0]["seconds"],
+        "total_s": sum(c["seconds"] for c in calls),
+        "decode_ms_per_token": ms_per_token,
+        "decode_weight_gb": weights / 1e9,
+        "hbm_floor_ms_per_token": floor_ms,
+        "floor_ratio": ms_per_token / floor_ms if ms_per_token and floor_ms else None,
+    }
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("calls", "args")}), flush=True)
+    Path(args.out).write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Speed features of fast_decode that must not change a token.
+
+Static cache lengths come in buckets: a new prompt length in a bucket already seen reuses the compiled
+decode step (a new compilation costs tens of seconds at 3B on a GPU), and the extra cache slots change
+no token. The decode step's attention reads grouped K/V without copying it per query head.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from vlm_grpo.fastpath import decode, decode_attention
+from vlm_grpo.fastpath.sharing import _generation_positions, _next_positions
+from vlm_grpo.modules import get_vlm_module
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+G = 2
+NEW_TOKENS = 5
+
+
+def test_cache_lengths_round_up_to_the_bucket():
+    assert [decode.cache_length(n, 256) for n in (1, 255, 256, 257, 600)] == [256, 256, 256, 512, 768]
+    assert decode.cache_length(427) == decode.cache_length(458) == 512  # 300..331-token prompts, 128 new
+
+
+def _decode(model, prompt_len: int, compile: bool):
+    """Prefill two random text prompts of ``prompt_len`` tokens and decode G rows each, greedily;
+    returns fast_decode's tokens and generate's on the same rows."""
+    g = torch.Generator().manual_seed(prompt_len)
+    ids = torch.randint(100, 1000, (2, prompt_len), generator=g)
+    mask = torch.ones_like(ids)
+    index = torch.arange(2).repeat_interleave(G)
+    config = model.generation_config
+    config.do_sample, config.max_new_tokens, config.min_new_tokens = False, NEW_TOKENS, NEW_TOKENS
+    config.repetition_penalty = 5.0  # tiny random models repeat one token otherwise
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        prefill = {"attention_mask": mask[:, :-1]}
+        positions = _generation_positions(model, ids[:, :-1], prefill)
+        prefill["position_ids"] = positions
+        model(input_ids=ids[:, :-1], **decode.cache_kwarg(model, cache), use_cache=True, **prefill)
+        nxt = _next_positions(positions, model.model.rope_deltas)
+        ours = decode.fast_decode(
+            model, cache, index, ids[index], mask[index], nxt, config, use_graph=False, compile=compile
+        )
+        plain = model.generate(input_ids=ids[index], attention_mask=mask[index], generation_config=config)
+    return ours.tolist(), plain[:, prompt_len:].tolist()
+
+
+@pytest.mark.parametrize("bucket", [None, 1], ids=["buckets", "control_no_buckets"])
+def test_a_new_prompt_length_in_a_seen_bucket_compiles_nothing(bucket, tiny_models, monkeypatch):
+    from torch._dynamo.utils import counters
+
+    if bucket is not None:
+        monkeypatch.setattr(decode, "CACHE_BUCKET", bucket)
+    monkeypatch.setattr(decode, "_compiled_forward", None)  # a fresh compiled step, no shapes seen
+    torch._dynamo.reset()
+    module = get_vlm_module(str(tiny_models["qwen2_5_vl"]))
+    model = module.load_model(str(tiny_models["qwen2_5_vl"]), dtype=torch.float32, attn_implementation="sdpa")
+    model.eval()
+    counters.clear()
+    compiled = []
+    for length in (20, 23, 31):
+        ours, plain = _decode(model, length, compile=True)
+        assert ours == plain, length  # the masked extra slots change no token
+        assert len({t for row in ours for t in row}) > 2
+        compiled.append(counters["stats"]["unique_graphs"])
+    assert compiled[0] >= 1, "dynamo compiled nothing"
+    if bucket is None:
+        assert compiled[-1] == compiled[0], compiled  # 20, 23 and 31 tokens share one cache length
+    else:
+        assert compiled[-1] > compiled[0], compiled  # without buckets the second length recompiles
+
+
+def _tiny_qwen(tiny_models):
+    module = get_vlm_module(str(tiny_models["qwen2_5_vl"]))
+    model = module.load_model(str(tiny_models["qwen2_5_vl"]), dtype=torch.float32, attn_implementation="sdpa")
+    return model.eval()
+
+
+def test_decode_attention_reads_grouped_kv_uncopied_and_keeps_generates_tokens(tiny_models, monkeypatch):
+    """4 query heads share 2 K/V heads in the tiny model: the step's sdpa gets the 2-head cache as it is."""
+    shapes = []
+
+    def spy(q, k, v, **kwargs):
+        shapes.append((tuple(q.shape), tuple(k.shape)))
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+    monkeypatch.setattr(decode_attention, "F", SimpleNamespace(scaled_dot_product_attention=spy))
+    model = _tiny_qwen(tiny_models)
+    ours, plain = _decode(model, 20, compile=False)
+    assert ours == plain and len({t for row in ours for t in row}) > 2
+    rows, kv_heads = 2 * G, model.config.text_config.num_key_value_heads
+    group = model.config.text_config.num_attention_heads // kv_heads
+    assert shapes and all(q[:3] == (rows, kv_heads, group) and k[1] == kv_heads for q, k in shapes), shapes
+    assert model.config.text_config._attn_implementation == "sdpa"  # restored after the decode
+
+
+def test_decode_attention_equals_transformers_sdpa_with_repeated_kv(monkeypatch):
+    """The function against transformers' own sdpa path (which expands K/V per query head), on a padded
+    mask; the negative control pairs query heads with the wrong K/V head and must differ."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, h, n, 8, generator=g) for h, n in ((6, 1), (2, 40), (2, 40)))
+    mask = torch.rand(3, 1, 1, 40, generator=g) > 0.3
+    layer = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)
+    ref, _ = sdpa_attention_forward(layer, q, k, v, mask, scaling=0.3)
+    ours, _ = decode_attention.decode_sdpa(layer, q, k, v, mask, scaling=0.3)
+    torch.testing.assert_close(ours, ref, rtol=0, atol=1e-6)
+
+    def misgrouped(q, k, v, **kwargs):  # query head h to K/V head h % 2 instead of h // 3
+        return F.scaled_dot_product_attention(q.transpose(1, 2).reshape(q.shape), k, v, **kwargs)
+
+    monkeypatch.setattr(decode_attention, "F", SimpleNamespace(scaled_dot_product_attention=misgrouped))
+    wrong, _ = decode_attention.decode_sdpa(layer, q, k, v, mask, scaling=0.3)
+    assert (wrong - ref).abs().max() > 1e-2

@@ -4,11 +4,18 @@
 #   PYTHON     default: the repo's .venv/bin/python when present, else python3
 #   DEEPSPEED  a config file, or none / "" for no DeepSpeed. Without a GPU DeepSpeed is left out (its CPU
 #              path compiles a C++ op for minutes); DEEPSPEED_ON_CPU=1 keeps it.
+#   NPROC      processes (GPUs) per node [1]
+#   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT   several machines [1, 0, 127.0.0.1, 29500]: run the same
+#              script on every node with its own NODE_RANK and node 0's address as MASTER_ADDR
+#   RDZV_ENDPOINT  host:port of a c10d rendezvous instead (elastic: no NODE_RANK needed; RDZV_ID names the job)
 set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO_ROOT"
 
 NPROC="${NPROC:-1}"
+NNODES="${NNODES:-1}"
+NODE_RANK="${NODE_RANK:-0}"
+MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
 MASTER_PORT="${MASTER_PORT:-29500}"
 if [ -z "${PYTHON:-}" ]; then
   if [ -x "$REPO_ROOT/.venv/bin/python" ]; then PYTHON="$REPO_ROOT/.venv/bin/python"; else PYTHON=python3; fi
@@ -32,27 +39,39 @@ deepspeed_args() {
   printf '%s\n' --deepspeed "$ds"
 }
 
+# torchrun's placement flags: one node, several nodes (static ranks), or a c10d rendezvous.
+torchrun_args() {
+  printf '%s\n' --nproc_per_node "$NPROC" --nnodes "$NNODES"
+  if [ -n "${RDZV_ENDPOINT:-}" ]; then
+    printf '%s\n' --rdzv_backend c10d --rdzv_endpoint "$RDZV_ENDPOINT" --rdzv_id "${RDZV_ID:-vlm-grpo}"
+  else
+    printf '%s\n' --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT"
+  fi
+}
+
 show_and_run() {
   echo "+ $(printf '%q ' "$@")"
   "$@"
 }
 
 launch() {
-  local ds_args=()
+  local ds_args=() run_args=()
   mapfile -t ds_args < <(deepspeed_args)
+  mapfile -t run_args < <(torchrun_args)
   echo "================ vlm-grpo run: $EXP_NAME ================"
   echo "PYTHON       = $PYTHON"
   echo "MODEL        = $MODEL"
   echo "DATA         = $DATA"
   echo "IMAGES       = $IMAGES"
   echo "NPROC        = $NPROC"
+  echo "NODES        = $NNODES (this node: $NODE_RANK; ${RDZV_ENDPOINT:+rendezvous $RDZV_ENDPOINT}${RDZV_ENDPOINT:-master $MASTER_ADDR:$MASTER_PORT})"
   echo "OUTPUT_DIR   = $OUTPUT_DIR"
   echo "DEEPSPEED    = ${ds_args[1]:-none}"
   echo "RESUME       = ${RESUME:-false}"
   echo "extra args   = $*"
   echo "========================================================="
   mkdir -p "$OUTPUT_DIR"
-  show_and_run "$PYTHON" -m torch.distributed.run --nproc_per_node "$NPROC" --master_port "$MASTER_PORT" \
+  show_and_run "$PYTHON" -m torch.distributed.run "${run_args[@]}" \
     src/vlm_grpo/grpo_jsonl.py \
     --model_name_or_path "$MODEL" \
     --data_file_paths "$DATA" \

@@ -63,14 +63,15 @@ step "2/5 check: the data against the images and the model's processor"
   --image_folders "$IMAGES" --model "$MODEL" --max_prompt_length "$MAX_PROMPT_LENGTH" --report "$OUTPUT_DIR/check.json"
 
 step "3/5 SFT on the chain-of-thought rows"
-show_and_run "$PYTHON" -m torch.distributed.run --nproc_per_node "$NPROC" --master_port "$MASTER_PORT" src/vlm_grpo/sft_jsonl.py \
+mapfile -t RUN_ARGS < <(torchrun_args)
+show_and_run "$PYTHON" -m torch.distributed.run "${RUN_ARGS[@]}" src/vlm_grpo/sft_jsonl.py \
   --config "$SFT_CONFIG" --model_name_or_path "$MODEL" \
   --data_file_paths "$DATA_DIR/cot/train.jsonl" --image_folders "$IMAGES" \
   --max_prompt_length "$MAX_PROMPT_LENGTH" --output_dir "$OUTPUT_DIR/sft" --max_steps "$SFT_STEPS" --seed "$SEED" \
   "${ds_args[@]}" "${SFT_EXTRA[@]}" 2>&1 | tee "$OUTPUT_DIR/sft.log"
 
 step "4/5 GRPO from the SFT model"
-show_and_run "$PYTHON" -m torch.distributed.run --nproc_per_node "$NPROC" --master_port "$MASTER_PORT" src/vlm_grpo/grpo_jsonl.py \
+show_and_run "$PYTHON" -m torch.distributed.run "${RUN_ARGS[@]}" src/vlm_grpo/grpo_jsonl.py \
   --config "$GRPO_CONFIG" --model_name_or_path "$OUTPUT_DIR/sft" \
   --data_file_paths "$DATA_DIR/rl/train.jsonl" --image_folders "$IMAGES" --reward_funcs "${REWARD_LIST[@]}" \
   --max_prompt_length "$MAX_PROMPT_LENGTH" --output_dir "$OUTPUT_DIR/grpo" --overwrite_output_dir true \

@@ -148,3 +148,56 @@ def test_deepspeed_mixed_text_and_image_ranks_train_the_vision_tower(stage, tiny
     losses = json.loads((out / "losses0.json").read_text())
     for step, ref_step in zip(losses, json.loads((reference / "losses0.json").read_text()), strict=True):
         assert step == pytest.approx(ref_step, rel=1e-4, abs=1e-6)
+
+
+def _script_torchrun_args(**env: str) -> list[str]:
+    """The torchrun flags run_scripts/_common.sh builds from NPROC / NNODES / NODE_RANK / MASTER_* / RDZV_*."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("NNODES", "NODE_RANK", "MASTER_ADDR", "RDZV_ENDPOINT")}
+    result = subprocess.run(
+        ["bash", "-c", "source run_scripts/_common.sh && torchrun_args"],
+        cwd=REPO, env={**clean, "PYTHON": sys.executable, **env}, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return result.stdout.split()
+
+
+def test_the_run_scripts_place_nodes_and_rendezvous():
+    assert _script_torchrun_args() == [
+        "--nproc_per_node", "1", "--nnodes", "1", "--node_rank", "0", "--master_addr", "127.0.0.1",
+        "--master_port", "29500",
+    ]  # fmt: skip
+    assert _script_torchrun_args(RDZV_ENDPOINT="head:29400", NNODES="4", NPROC="8") == [
+        "--nproc_per_node", "8", "--nnodes", "4", "--rdzv_backend", "c10d", "--rdzv_endpoint", "head:29400",
+        "--rdzv_id", "vlm-grpo",
+    ]  # fmt: skip
+
+
+def test_two_nodes_on_loopback_train_like_one_node_with_two_processes(tiny_models, dataset, tmp_path):
+    """Two torchrun launchers (--nnodes 2, one process each, gloo over loopback), placed by the run scripts'
+    own flags: both nodes end with the same weights, equal to a one-node run of two processes."""
+    data, plugin = dataset
+    model_dir = tiny_models["qwen2_5_vl"]
+    one_node = tmp_path / "one_node"
+    torchrun(base_args(model_dir, data, plugin, one_node))
+
+    two_nodes = tmp_path / "two_nodes"
+    port = str(_free_port())
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
+    launchers = []
+    for node in ("0", "1"):
+        flags = _script_torchrun_args(NNODES="2", NODE_RANK=node, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        cmd = [sys.executable, "-m", "torch.distributed.run", *flags, str(REPO / "tests" / "dist_entry.py")]
+        cmd += base_args(model_dir, data, plugin, two_nodes)
+        launchers.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    for launcher in launchers:
+        output, _ = launcher.communicate(timeout=600)
+        assert launcher.returncode == 0, output[-4000:]
+
+    for rank in (0, 1):
+        assert json.loads((two_nodes / f"rank{rank}.json").read_text()) == {"world_size": 2, "step": 2}
+    node0, node1 = torch.load(two_nodes / "rank0.pt"), torch.load(two_nodes / "rank1.pt")
+    single = torch.load(one_node / "rank0.pt")
+    assert all(torch.equal(node0[k], node1[k]) for k in node0)
+    assert all(torch.equal(node0[k], single[k]) for k in node0)
+    before = original_params(model_dir)
+    assert any(not torch.equal(before[k], node0[k]) for k in before)  # it trained

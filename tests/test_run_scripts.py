@@ -73,3 +73,14 @@ def test_the_repo_venv_is_preferred_and_the_command_is_printed(tmp_path):
     assert result.returncode == 0, result.stderr
     assert f"PYTHON={tmp_path}/.venv/bin/python" in result.stdout
     assert "+ echo two\\ words" in result.stdout and "\ntwo words" in result.stdout
+
+
+def test_a_failed_run_fails_the_script(tmp_path):
+    """VLM-R1's scripts end in `echo`, so a failed run exits 0; ours exit with the trainer's status."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DEEPSPEED", "DEEPSPEED_ON_CPU")}
+    env.update(PYTHON=sys.executable, OUTPUT_DIR=str(tmp_path / "out"), DATA=str(tmp_path / "missing.jsonl"))
+    result = subprocess.run(
+        ["bash", "run_scripts/run_grpo_demo.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode != 0, result.stdout[-2000:] + result.stderr[-2000:]  # torchrun: 1 when a rank fails
+    assert "missing.jsonl' does not exist" in result.stdout + result.stderr

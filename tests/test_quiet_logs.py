@@ -41,3 +41,16 @@ def test_without_it_the_same_warning_repeats():  # negative control: what users 
     shown = _shown(quiet=False)
     assert shown.count("`reduce_scatter_tensor` is deprecated") == 3
     assert any("gradient_checkpointing" in m for m in shown)
+
+
+def test_deepspeeds_cpu_accelerator_line_is_dropped(capfd):
+    """DeepSpeed logs "Setting accelerator to CPU" at every import on a machine without a GPU."""
+    import subprocess
+    import sys
+
+    accelerator = "import deepspeed.accelerator as a; a.get_accelerator()"
+    quiet_code = f"from vlm_grpo.utils import quiet_warnings; quiet_warnings(); {accelerator}"
+    quiet = subprocess.run([sys.executable, "-c", quiet_code], capture_output=True, text=True, timeout=300)
+    loud = subprocess.run([sys.executable, "-c", accelerator], capture_output=True, text=True, timeout=300)
+    assert "Setting accelerator to CPU" in loud.stdout + loud.stderr  # the control: DeepSpeed does say it
+    assert "Setting accelerator to CPU" not in quiet.stdout + quiet.stderr

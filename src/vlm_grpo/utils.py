@@ -61,6 +61,18 @@ _OWN_DEPRECATIONS = r"`\w*gradient_checkpointing\w*` is deprecated"
 _shown_warnings: set[tuple[str, type]] = set()
 
 
+class _DropMessages(logging.Filter):
+    """Drops a library's log records that start with ``prefix`` (a logger-level filter survives its handlers
+    being replaced)."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
 def quiet_warnings() -> None:
     """Each warning at most once per run: once per process whatever its source line, and only on rank 0;
     the known deprecations of our own config use hidden.
@@ -71,6 +83,10 @@ def quiet_warnings() -> None:
     how warnings are shown; ours drops repeats and hands the rest on.
     """
     warnings.filterwarnings("ignore", message=_OWN_DEPRECATIONS, category=FutureWarning)
+    # DeepSpeed logs "Setting accelerator to CPU" on every import when there is no GPU: nothing to act on.
+    deepspeed = logging.getLogger("DeepSpeed")
+    if not any(isinstance(f, _DropMessages) for f in deepspeed.filters):
+        deepspeed.addFilter(_DropMessages("Setting accelerator to CPU"))
     if int(os.environ.get("RANK", "0")) > 0:  # under torchrun the other ranks repeat rank 0's warnings
         warnings.simplefilter("ignore")
     if getattr(warnings.showwarning, "shows_once", False):

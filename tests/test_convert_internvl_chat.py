@@ -122,7 +122,9 @@ def test_bad_sources_are_clear_errors(chat_checkpoint, tmp_path, capsys):
 
 def test_grpo_recipe_on_an_internvl_chat_checkpoint_prints_the_command(chat_checkpoint, tmp_path):
     _, chat = chat_checkpoint
-    argv = ["--model_name_or_path", str(chat), "--data_file_paths", "x.jsonl", "--output_dir", str(tmp_path / "o")]
+    data = tmp_path / "x.jsonl"  # present: the cheap checks (data files first) pass, the model family does not
+    data.write_text('{"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "hi"}]}\n')
+    argv = ["--model_name_or_path", str(chat), "--data_file_paths", str(data), "--output_dir", str(tmp_path / "o")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     result = subprocess.run(
         [sys.executable, "-m", "vlm_grpo.grpo_jsonl", *argv], capture_output=True, text=True, env=env, timeout=300

@@ -1,4 +1,5 @@
-"""The private TRL / transformers / torch names the speed path relies on, and a check that they still exist.
+"""The private TRL / transformers / torch names the speed path and the trainers' hooks rely on, and a check
+that they still exist.
 
 Each entry names an owner (``module:qualname``), the private attribute we use, and either the parameters
 we call or override it with, or ``source`` (for attributes set at run time: the owner's source must mention
@@ -37,6 +38,24 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("trl:GRPOTrainer", "_tokenize_prompts", ("prompts",), why="mixed text/image batches"),
     PrivateName(
         "trl:GRPOTrainer", "_get_train_sampler", ("dataset",), why="the epoch-seeded sampler (resume across epochs)"
+    ),
+    PrivateName(
+        "trl:GRPOTrainer",
+        "_generate_and_score_completions",
+        ("inputs",),
+        why="dynamic sampling (extra rounds, kept groups) and the rollout log",
+    ),
+    PrivateName(
+        "trl:GRPOTrainer",
+        "_calculate_rewards",
+        ("inputs", "prompts", "completions", "completion_ids_list"),
+        why="dynamic sampling's filter metric and the rollout log's per-reward values",
+    ),
+    PrivateName(
+        "transformers:Trainer",
+        "_load_optimizer_and_scheduler",
+        ("checkpoint",),
+        why="dynamic sampling restores its prompt stream's position on resume",
     ),
     PrivateName(
         "transformers:Trainer",

@@ -13,7 +13,7 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 T = TypeVar("T")
 
@@ -67,8 +67,3 @@ def run_cli(entry: Callable[[list[str]], T], argv: Sequence[str] | None = None) 
         # On a line of its own: an error raised mid-training finds the progress bar's line unfinished.
         print(f"\nerror: {error_message(exc)}", file=sys.stderr, flush=True)
         raise SystemExit(USER_ERROR_EXIT) from None
-
-
-def exit_code(result: Any) -> int:
-    """``sys.exit`` value for an entry returning an int status, or None for success."""
-    return result if isinstance(result, int) else 0

@@ -36,11 +36,11 @@ def is_zero3(accelerator: Any) -> bool:
 _warned: set[str] = set()
 
 
-def warn_once(log: logging.Logger, message: str) -> None:
-    """Log ``message`` once per process: the paths that call this run every step."""
+def warn_once(log: logging.Logger, message: str, level: int = logging.WARNING) -> None:
+    """Log ``message`` once per process (at ``level``): the paths that call this run every step."""
     if message not in _warned:
         _warned.add(message)
-        log.warning(message)
+        log.log(level, message)
 
 
 def is_loopback_host(host: str) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +30,9 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from vlm_grpo.utils import model_base
+from vlm_grpo.utils import model_base, warn_once
+
+logger = logging.getLogger(__name__)
 
 NAME = "vlm_grpo_sdpa"
 LAYOUT_KWARG = "vlm_grpo_layout"
@@ -135,16 +138,28 @@ def use_block_attention(model: Any, mode: str) -> bool:
     forwards can pass a layout instead of a dense mask.
 
     Only sdpa decoders with full attention in every layer switch: eager stays the dense reference, and
-    flash / sliding-window layers keep their own path. The decoder layers and the mask builder read the
+    sliding-window layers keep the dense mask. A decoder on any other kernel (flash_attention_2, flex, ...)
+    would be handed a dense 4-D mask it ignores, so it is moved to sdpa first (flash / memory-efficient
+    kernels on GPU), with one info line: for good, not just around packed passes, so the recomputation of
+    gradient checkpointing runs the kernel the forward ran. The decoder layers and the mask builder read the
     text config, so that is what changes (it is not saved with checkpoints).
     """
     config = model_base(model).config.get_text_config(decoder=True)
+    if mode not in ("blocks", "dense"):
+        raise ValueError(f"packed_attention must be 'blocks' or 'dense', got {mode!r}")
+    if config._attn_implementation not in ("sdpa", "eager", NAME):
+        warn_once(
+            logger,
+            f"share_prompt: the text decoder's {config._attn_implementation!r} attention cannot take the packed "
+            "layout (it would ignore the block mask); the text decoder runs on sdpa's kernels instead (flash / "
+            "memory-efficient on GPU). The vision tower keeps its kernel.",
+            level=logging.INFO,
+        )
+        config._attn_implementation = "sdpa"
     if mode == "dense":
         if config._attn_implementation == NAME:
             config._attn_implementation = "sdpa"
         return False
-    if mode != "blocks":
-        raise ValueError(f"packed_attention must be 'blocks' or 'dense', got {mode!r}")
     full = all(t == "full_attention" for t in getattr(config, "layer_types", None) or ["full_attention"])
     if config._attn_implementation == "sdpa" and full:
         config._attn_implementation = NAME

@@ -252,9 +252,9 @@ class VLMGRPOConfig(GRPOConfig):
             "help": "Attention kernel of the share_prompt pass. 'blocks': the prefix attends causally and the G "
             "blocks attend to [prefix, own block] with a lower-right causal bias (flash / memory-efficient sdpa "
             "on GPU, no (P+G*C)^2 mask); used for sdpa models with full attention in every layer. 'dense': sdpa "
-            "or eager with a dense block mask (the reference; eager models always use it). A text decoder loaded with a "
-            "kernel that ignores dense masks (flash_attention_2, flex, ...) is moved to sdpa's kernels, with one info "
-            "line, so the packed passes never hand it a mask it would ignore.",
+            "or eager with a dense block mask (the reference; eager models always use it). A text decoder "
+            "loaded with a kernel that ignores dense masks (flash_attention_2, flex, ...) is moved to sdpa's "
+            "kernels, with one info line, so the packed passes never hand it a mask it would ignore.",
             "choices": ["blocks", "dense"],
         },
     )

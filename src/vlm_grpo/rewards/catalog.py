@@ -164,7 +164,8 @@ def build_reward_funcs(
         bound.setdefault(keys[key], {}).update(kwargs)
     context = {}
     if processing_class is not None:
-        context = {"processing_class": processing_class, "tokenizer": getattr(processing_class, "tokenizer", None)}
+        tokenizer = getattr(processing_class, "tokenizer", processing_class)  # a text-only run passes the tokenizer
+        context = {"processing_class": processing_class, "tokenizer": tokenizer}
     funcs = []
     for i, (label, spec) in enumerate(labels):
         fn = (overrides or {}).get(spec) or REWARDS.get(spec)

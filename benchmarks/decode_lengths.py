@@ -24,17 +24,32 @@ from pathlib import Path
 import torch
 from bench_grpo import decode_weight_bytes, hbm_bandwidth
 
+CAPTURES: list[float] = []  # seconds of each CUDA-graph warm-up + capture (once per fast_decode call)
 
-def configure(mode: str) -> None:
+
+def configure(mode: str, compile_mode: str | None = None) -> None:
     import vlm_grpo.fastpath.decode as decode
 
     if mode == "old":
         decode.CACHE_BUCKET = 1
-    if mode == "bucket_static":
-        decode._compiled_forward = torch.compile(decode._decode_forward, dynamic=False)
+    if mode == "bucket_static" or compile_mode:
+        dynamic = False if mode == "bucket_static" else None
+        decode._compiled_forward = torch.compile(decode._decode_forward, dynamic=dynamic, mode=compile_mode)
+    capture = decode._Step._capture
+
+    def timed_capture(self) -> None:  # the fixed cost of a call, measured here rather than in the package
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        capture(self)
+        torch.cuda.synchronize()
+        CAPTURES.append(time.perf_counter() - start)
+
+    decode._Step._capture = timed_capture
 
 
-def one_call(model, gen_config, prompt_len: int, unique: int, group: int, device, compile: bool, seed: int):
+def one_call(
+    model, gen_config, prompt_len: int, unique: int, group: int, device, compile: bool, seed: int, fuse: bool = True
+):
     """Prefill ``unique`` prompts of ``prompt_len`` tokens, decode ``unique * group`` rows; (seconds, tokens)."""
     from transformers import DynamicCache
 
@@ -61,7 +76,7 @@ def one_call(model, gen_config, prompt_len: int, unique: int, group: int, device
         start = time.perf_counter()
         out = decode.fast_decode(
             model, cache, index, ids[index], mask[index], next_pos, gen_config,
-            use_graph=device.type == "cuda", compile=compile,
+            use_graph=device.type == "cuda", compile=compile, fuse=fuse,
         )  # fmt: skip
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -81,6 +96,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--unique", type=int, default=2, help="unique prompts per call")
     p.add_argument("--group", type=int, default=8, help="rows per unique prompt (G)")
     p.add_argument("--compile", type=lambda s: s.lower() in ("1", "true", "yes"), default=None)
+    p.add_argument("--fuse", type=lambda s: s.lower() in ("1", "true", "yes"), default=True, help="fuse q|k|v, gate|up")
+    p.add_argument("--compile_mode", default=None, help="torch.compile mode of the decode step, e.g. max-autotune")
     p.add_argument("--profile", default=None, help="profile the last call; its top kernels are written here")
     p.add_argument("--out", default="decode_lengths.json")
     args = p.parse_args(argv)
@@ -88,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.preset = "tiny_qwen2_5_vl"
     device = torch.device(args.device)
     compile = device.type == "cuda" if args.compile is None else args.compile
-    configure(args.mode)
+    configure(args.mode, args.compile_mode)
 
     from torch._dynamo.utils import counters
 
@@ -112,7 +129,8 @@ def main(argv: list[str] | None = None) -> dict:
             )
             profiler = torch.profiler.profile(activities=kinds)
             profiler.__enter__()
-        seconds, tokens = one_call(model, gen_config, length, args.unique, args.group, device, compile, n)
+        captured = len(CAPTURES)
+        seconds, tokens = one_call(model, gen_config, length, args.unique, args.group, device, compile, n, args.fuse)
         if profiler is not None:
             profiler.__exit__(None, None, None)
             sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
@@ -122,12 +140,17 @@ def main(argv: list[str] | None = None) -> dict:
             {
                 "prompt_len": length, "seconds": seconds, "tokens": tokens, "new_length": length not in seen,
                 "graphs_compiled": counters["stats"]["unique_graphs"] - before,
+                "capture_s": sum(CAPTURES[captured:]),
             }
         )  # fmt: skip
         seen.add(length)
         print(f"[call] {json.dumps(calls[-1])}", flush=True)
     repeats = [c for c in calls[1:] if c["graphs_compiled"] == 0]
     ms_per_token = 1e3 * statistics.median(c["seconds"] / c["tokens"] for c in repeats) if repeats else None
+    # The same without the per-call graph warm-up and capture: the decode loop alone.
+    loop_ms = (
+        1e3 * statistics.median((c["seconds"] - c["capture_s"]) / c["tokens"] for c in repeats) if repeats else None
+    )
     weights = decode_weight_bytes(model)
     bandwidth = hbm_bandwidth(args.device)
     floor_ms = 1e3 * weights / bandwidth if bandwidth else None
@@ -139,9 +162,12 @@ def main(argv: list[str] | None = None) -> dict:
         "first_call_s": calls[0]["seconds"],
         "total_s": sum(c["seconds"] for c in calls),
         "decode_ms_per_token": ms_per_token,
+        "loop_ms_per_token": loop_ms,
+        "capture_s_median": statistics.median(c["capture_s"] for c in repeats) if repeats else None,
         "decode_weight_gb": weights / 1e9,
         "hbm_floor_ms_per_token": floor_ms,
         "floor_ratio": ms_per_token / floor_ms if ms_per_token and floor_ms else None,
+        "loop_floor_ratio": loop_ms / floor_ms if loop_ms and floor_ms else None,
     }
     print(json.dumps({k: v for k, v in summary.items() if k not in ("calls", "args")}), flush=True)
     Path(args.out).write_text(json.dumps(summary, indent=2))

@@ -17,6 +17,7 @@ from transformers import DynamicCache
 from vlm_grpo.fastpath import decode, decode_attention
 from vlm_grpo.fastpath.sharing import _generation_positions, _next_positions
 from vlm_grpo.modules import get_vlm_module
+from vlm_grpo.utils import peft_base
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -36,16 +37,17 @@ def _decode(model, prompt_len: int, compile: bool):
     ids = torch.randint(100, 1000, (2, prompt_len), generator=g)
     mask = torch.ones_like(ids)
     index = torch.arange(2).repeat_interleave(G)
-    config = model.generation_config
+    config = peft_base(model).generation_config
     config.do_sample, config.max_new_tokens, config.min_new_tokens = False, NEW_TOKENS, NEW_TOKENS
     config.repetition_penalty = 5.0  # tiny random models repeat one token otherwise
+    base = peft_base(model)
     with torch.no_grad():
-        cache = DynamicCache(config=model.config)
+        cache = DynamicCache(config=base.config)
         prefill = {"attention_mask": mask[:, :-1]}
-        positions = _generation_positions(model, ids[:, :-1], prefill)
+        positions = _generation_positions(base, ids[:, :-1], prefill)
         prefill["position_ids"] = positions
         model(input_ids=ids[:, :-1], **decode.cache_kwarg(model, cache), use_cache=True, **prefill)
-        nxt = _next_positions(positions, model.model.rope_deltas)
+        nxt = _next_positions(positions, base.model.rope_deltas)
         ours = decode.fast_decode(
             model, cache, index, ids[index], mask[index], nxt, config, use_graph=False, compile=compile
         )
@@ -121,3 +123,68 @@ def test_decode_attention_equals_transformers_sdpa_with_repeated_kv(monkeypatch)
     monkeypatch.setattr(decode_attention, "F", SimpleNamespace(scaled_dot_product_attention=misgrouped))
     wrong, _ = decode_attention.decode_sdpa(layer, q, k, v, mask, scaling=0.3)
     assert (wrong - ref).abs().max() > 1e-2
+
+
+def _count_gemms(monkeypatch) -> list[int]:
+    """Spy on the GEMMs of the fused groups: the output width of each call."""
+    from vlm_grpo.fastpath import decode_fusion
+
+    widths: list[int] = []
+
+    def linear(x, weight, bias=None):
+        widths.append(weight.size(0))
+        return F.linear(x, weight, bias)
+
+    monkeypatch.setattr(decode_fusion, "F", SimpleNamespace(linear=linear))
+    return widths
+
+
+def test_fused_projections_run_one_gemm_per_group_and_keep_generates_tokens(tiny_models, monkeypatch):
+    """q|k|v and gate|up: one GEMM each per layer and token; the tokens stay generate's; the modules are the
+    model's own again after the call."""
+    model = _tiny_qwen(tiny_models)
+    text = model.config.text_config
+    before = {name: module for name, module in model.named_modules()}
+    widths = _count_gemms(monkeypatch)
+    ours, plain = _decode(model, 20, compile=False)
+    assert ours == plain and len({t for row in ours for t in row}) > 2
+    qkv = (text.num_attention_heads + 2 * text.num_key_value_heads) * (text.hidden_size // text.num_attention_heads)
+    gate_up = 2 * text.intermediate_size
+    layers = text.num_hidden_layers
+    # Every decode step: one q|k|v and one gate|up GEMM per layer (the step's last token is not fed back).
+    steps = len(widths) // (2 * layers)
+    assert steps >= NEW_TOKENS - 1 and sorted(set(widths)) == sorted({qkv, gate_up}), (widths[:4], qkv, gate_up)
+    assert widths.count(qkv) == widths.count(gate_up) == steps * layers
+    assert {name: module for name, module in model.named_modules()} == before
+
+
+def _lora_model(tiny_models):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    config = LoraConfig(
+        r=4, lora_alpha=64, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False
+    )  # random A and B: the adapter changes the tokens
+    return get_peft_model(_tiny_qwen(tiny_models), config).eval()
+
+
+def test_fused_projections_keep_the_lora_terms(tiny_models, monkeypatch):
+    """Under PEFT only the base Linear is fused; the adapter still adds its term, so the tokens are generate's
+    with the adapter. The negative control fuses the LoRA layer away and must change the tokens."""
+    from vlm_grpo.fastpath import decode_fusion
+
+    model = _lora_model(tiny_models)
+    widths = _count_gemms(monkeypatch)
+    ours, plain = _decode(model, 20, compile=False)
+    assert widths and ours == plain
+
+    innermost = decode_fusion._innermost_linear
+
+    def whole_lora_layer(module):  # control: swap out the LoRA wrapper itself, dropping its term
+        found = innermost(module)
+        return None if found is None else (None, None, found[2])
+
+    monkeypatch.setattr(decode_fusion, "_innermost_linear", whole_lora_layer)
+    decode_fusion._PLANS.clear()
+    control, plain_again = _decode(model, 20, compile=False)
+    assert plain_again == plain and control != plain

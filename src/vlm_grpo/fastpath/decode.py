@@ -12,6 +12,7 @@ where the same loop runs without the graph).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import logging
@@ -21,6 +22,7 @@ import torch
 
 from vlm_grpo.fastpath.block_attention import as_sdpa
 from vlm_grpo.fastpath.decode_attention import decode_attention
+from vlm_grpo.fastpath.decode_fusion import fused_projections
 from vlm_grpo.fastpath.fallback import EagerOnFailure
 from vlm_grpo.utils import peft_base
 
@@ -154,14 +156,28 @@ def fast_decode(
     generation_config: Any,
     use_graph: bool,
     compile: bool = False,
+    fuse: bool = True,
 ) -> torch.Tensor:
     """Tokens generated after ``input_ids`` (rows expanded by ``index``); their last token is not in the cache.
 
     ``prefill_cache`` holds the KV of ``input_ids[:, :-1]`` for the unique prompts; ``index[k]`` is the
     unique prompt of row k. ``next_positions`` are the rotary positions of each unique prompt's last
     token: ``(U,)`` for 1-D models, ``(3, U)`` for mrope. Returns ``(rows, steps)`` token ids, pad after
-    EOS, like ``generate(...)[:, prompt_len:]``.
+    EOS, like ``generate(...)[:, prompt_len:]``. ``fuse``: q|k|v and gate|up run as one GEMM each
+    (:mod:`vlm_grpo.fastpath.decode_fusion`).
     """
+    decoder = peft_base(model).get_decoder()
+    with fused_projections(decoder) if fuse else contextlib.nullcontext():
+        return _fast_decode(
+            model, prefill_cache, index, input_ids, attention_mask, next_positions, generation_config,
+            use_graph, compile,
+        )  # fmt: skip
+
+
+def _fast_decode(
+    model: Any, prefill_cache: Any, index, input_ids, attention_mask, next_positions, generation_config: Any,
+    use_graph: bool, compile: bool,
+) -> torch.Tensor:  # fmt: skip
     from transformers import LogitsProcessorList, StaticCache
 
     base = peft_base(model)

@@ -320,6 +320,7 @@ def shared_prefill_generate(
                 unwrapped, cache, index, lead_ids[index], lead_mask[index], decode_positions,
                 trainer.generation_config, use_graph=device.type == "cuda",
                 compile=device.type == "cuda" if compile_decode is None else compile_decode,
+                fuse=trainer.args.fuse_decode_projections,
             )  # fmt: skip
         else:
             if trainer.args.fast_decode:

@@ -245,3 +245,92 @@ def test_an_unknown_tool_fails_before_the_model_is_loaded(tmp_path):
         main(*parse_args([*argv, "--tools", "zoom"]))
     with pytest.raises(ValueError, match="--tool_kwargs was given without --tools"):
         main(*parse_args([*argv, "--tool_kwargs", '{"python": {}}']))
+
+
+@pytest.fixture(scope="module")
+def tool_tokenizer():
+    from trl.chat_template_utils import qwen3_template
+
+    from vlm_grpo.testing.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer("qwen2_5_vl")
+    tokenizer.response_template = qwen3_template  # as prepare_for_tools sets it
+    return tokenizer
+
+
+@pytest.mark.parametrize(
+    ("text", "malformed"),
+    [
+        ("<tool_call>{not json</tool_call><|im_end|>", True),
+        ('<tool_call>\n{"name": "zoom_in", "arguments": [1, 2}\n</tool_call><|im_end|>', True),
+        ('<tool_call>\n{"arguments": {}}\n</tool_call><|im_end|>', True),  # parses; TRL's checks reject it
+        ('I will zoom. <tool_call>\n{"name": "zoom_in"', True),  # cut off by the length limit
+        ('<tool_call>\n{"name": "zoom_in", "arguments": {"bbox_2d": [1, 2, 3, 4]}}\n</tool_call><|im_end|>', False),
+        ("<answer>4</answer><|im_end|>", False),
+    ],
+)
+def test_the_tool_loops_parser_marks_malformed_calls(tool_tokenizer, text, malformed):
+    """TRL's tool loop parses later turns with ``parse_response(trainer._tokenizer, ...)``: with the wrapper in
+    place a malformed call becomes a call of the hidden tool, its text as TRL's fallback decodes it; anything
+    else parses exactly as without the wrapper (which reads the malformed ones as plain answers)."""
+    from trl.chat_template_utils import parse_response
+
+    from vlm_grpo.tools.rollouts import MALFORMED_CALL, MalformedCallParser
+
+    ids = tool_tokenizer.encode(text, add_special_tokens=False)
+    prefix = tool_tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    plain = parse_response(tool_tokenizer, ids, prefix=prefix, tools=None)
+    parsed = parse_response(MalformedCallParser(tool_tokenizer), ids, prefix=prefix, tools=None)
+    if not malformed:
+        assert parsed == plain
+        return
+    assert "tool_calls" not in plain  # TRL alone: a plain answer, the rollout would end here
+    assert parsed == {
+        **plain,
+        "tool_calls": [{"type": "function", "function": {"name": MALFORMED_CALL, "arguments": {}}}],
+    }
+    assert parsed["content"] == tool_tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_the_parser_is_the_tokenizer_otherwise_and_is_put_back():
+    from vlm_grpo.tools.rollouts import MalformedCallParser, parse_malformed_calls
+
+    class Tokenizer:
+        pad_token_id = 0
+
+        def __len__(self):
+            return 7
+
+        def __call__(self, text):
+            return {"input_ids": [len(text)]}
+
+        def parse_response(self, response, schema=None, **kwargs):
+            return {"raw": response, **kwargs}
+
+    class Trainer:
+        _tokenizer = Tokenizer()
+
+    trainer, tokenizer = Trainer(), Trainer._tokenizer
+    with pytest.raises(RuntimeError), parse_malformed_calls(trainer):
+        parser = trainer._tokenizer
+        assert isinstance(parser, MalformedCallParser)
+        assert parser.pad_token_id == 0 and len(parser) == 7 and parser("abc") == {"input_ids": [3]}
+        parser.pad_token_id = 5  # a write reaches the tokenizer
+        # Calls other than the tool loop's (one turn's token ids) are the tokenizer's own
+        assert parser.parse_response("text") == {"raw": "text"}
+        assert parser.parse_response([[1], [2]], prefix=[0]) == {"raw": [[1], [2]], "prefix": [0]}
+        raise RuntimeError
+    assert trainer._tokenizer is tokenizer and tokenizer.pad_token_id == 5
+
+
+def test_the_hidden_tool_answers_with_an_error_counted_as_a_failed_call():
+    from vlm_grpo.tools.rollouts import MALFORMED_CALL, malformed_call_tool
+
+    env = env_with()
+    tool = malformed_call_tool(env)
+    assert tool.__name__ == MALFORMED_CALL
+    with pytest.raises(ValueError, match="the <tool_call> block could not be read"):
+        tool()
+    assert (env.calls, env.errors, env.successes) == (1, 1, 0)
+    with pytest.raises(ValueError):
+        malformed_call_tool(None)()  # plain callables as tools: no environment to count in

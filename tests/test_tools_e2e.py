@@ -46,10 +46,15 @@ def scripted_calls(family: str, tool: str) -> list[str]:
 def scripted_policy(monkeypatch):
     """Replace only the first generation of each rollout (num_generations > 1) by tool-call text."""
     calls: list[str] = []
-    seen = {"first_turns": 0, "tool_turns": 0, "tool_images": 0}
+    seen = {"first_turns": 0, "tool_turns": 0, "tool_images": 0, "tool_rounds": 0}
     original = VLMGRPOTrainer._generate_single_turn
 
     def generate(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if num_generations == 1 and seen.get("later_turns"):  # scripted turns after tool results, one per round
+            text = seen["later_turns"][seen["tool_rounds"]]
+            seen["tool_rounds"] += 1
+            seen["tool_turns"] += len(prompt_ids)
+            return [self._tokenizer.encode(text, add_special_tokens=False) for _ in prompt_ids], None
         if num_generations == 1 and seen.get("always_call"):  # a policy that never stops calling tools
             seen["tool_turns"] += len(prompt_ids)
             return [self._tokenizer.encode(calls[0], add_special_tokens=False) for _ in prompt_ids], None
@@ -236,6 +241,74 @@ def test_a_malformed_first_call_is_answered_with_an_error(tiny_models, dataset, 
         assert turns[1]["content"].startswith("{'error': 'the <tool_call> block could not be read")
     log = trainer.state.log_history[0]
     assert log["tools/failure_frequency"] == 1.0 and log["rewards/tool_format/mean"] == 0.0
+    assert log["tools/calls_per_rollout"] == 1.0 and log["tools/errors_per_rollout"] == 1.0
+
+
+@pytest.mark.parametrize("wrapper", [True, False])
+def test_a_malformed_later_call_is_answered_with_an_error(wrapper, tiny_models, dataset, scripted_policy, tmp_path):
+    """Call, tool result, a malformed call, the error message, an answer: TRL parses the turns after a tool
+    result inside its own loop. Negative control: without the parser that marks them (``wrapper=False``) the
+    malformed call ends the rollout as a plain answer."""
+    import contextlib
+
+    import vlm_grpo.trainer
+    from vlm_grpo.tools.rollouts import MALFORMED_CALL
+
+    data, plugin = dataset
+    calls, seen = scripted_policy
+    calls += scripted_calls("qwen2_5_vl", "zoom_in")[:1]
+    seen["later_turns"] = ["<tool_call>{not json</tool_call><|im_end|>", "<answer>4</answer><|im_end|>"]
+    argv = short_args(tiny_models["qwen2_5_vl"], data, plugin, tmp_path / "out", steps=1)
+    argv += ["--tools", "zoom_in", "--max_tool_calling_iterations", "3", "--max_completion_length", "300"]
+    rollouts, batches = [], []
+    loop, score = VLMGRPOTrainer._tool_call_loop, VLMGRPOTrainer._generate_and_score_completions
+
+    def keep_rollouts(self, *args):
+        out = loop(self, *args)
+        rollouts.extend(out[1])
+        return out
+
+    def keep_batch(self, inputs):
+        batches.append(score(self, inputs))
+        return batches[-1]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(VLMGRPOTrainer, "_tool_call_loop", keep_rollouts)
+        mp.setattr(VLMGRPOTrainer, "_generate_and_score_completions", keep_batch)
+        if not wrapper:
+            mp.setattr(vlm_grpo.trainer, "parse_malformed_calls", lambda trainer: contextlib.nullcontext())
+        trainer = main(*parse_args(argv))
+    log = trainer.state.log_history[0]
+    assert len(rollouts) == 4
+    if not wrapper:  # the malformed call is read as the answer: the rollout ends at its second turn
+        assert all([m["role"] for m in turns] == ["assistant", "tool", "assistant"] for turns in rollouts)
+        assert all("tool_calls" not in turns[-1] for turns in rollouts)
+        assert seen["tool_rounds"] == 1 and log["tools/errors_per_rollout"] == 0.0
+        return
+    assert seen["tool_rounds"] == 2  # the answer came after the error message, not by the iteration limit
+    marker = [{"type": "function", "function": {"name": MALFORMED_CALL, "arguments": {}}}]
+    for turns in rollouts:
+        assert [m["role"] for m in turns] == ["assistant", "tool", "assistant", "tool", "assistant"]
+        assert turns[0]["tool_calls"][0]["function"]["name"] == "zoom_in" and turns[1]["name"] == "zoom_in"
+        assert turns[2]["content"] == "<tool_call>{not json</tool_call>" and turns[2]["tool_calls"] == marker
+        assert turns[3]["name"] == MALFORMED_CALL
+        assert turns[3]["content"].startswith("{'error': 'the <tool_call> block could not be read")
+        assert turns[4] == {"role": "assistant", "content": "<answer>4</answer>"}
+    # Both calls counted, the malformed one as a failure, by TRL and per rollout
+    assert log["tools/call_frequency"] == 2.0 and log["tools/failure_frequency"] == 0.5
+    assert log["tools/calls_per_rollout"] == 2.0 and log["tools/errors_per_rollout"] == 1.0
+    assert log["tools/turns"] == 3.0
+
+    # The loss sees the model's three turns; both tool results, the error message included, are masked.
+    batch = batches[0]
+    tokenizer = trainer._tokenizer
+    assert type(tokenizer).__name__ != "MalformedCallParser"  # the tokenizer is back after the loop
+    ids, mask, kept = batch["completion_ids"], batch["tool_mask"], batch["completion_mask"]
+    for row in range(ids.size(0)):
+        model_text = tokenizer.decode(ids[row][(mask[row] == 1) & (kept[row] == 1)])
+        tool_text = tokenizer.decode(ids[row][(mask[row] == 0) & (kept[row] == 1)])
+        assert "{not json" in model_text and "<answer>4</answer>" in model_text and "zoom_in" in model_text
+        assert "could not be read" not in model_text and "could not be read" in tool_text
 
 
 @pytest.mark.parametrize("case", ["never_stops", "overflow"])

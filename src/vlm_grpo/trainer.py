@@ -32,9 +32,10 @@ from vlm_grpo.rollout_log import RolloutLogMixin
 from vlm_grpo.tools.rollouts import (
     MALFORMED_CALL,
     ToolBatch,
-    answer_malformed_call,
     build_tool_environment,
+    malformed_call_tool,
     mark_malformed_call,
+    parse_malformed_calls,
     prepare_for_tools,
     rollout_tool_stats,
 )
@@ -234,13 +235,18 @@ class VLMGRPOTrainer(
     def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
         """TRL's tool loop, plus per-rollout metrics: tool calls, errors, turns, images, sandbox timeouts.
 
-        A first turn whose ``<tool_call>`` block did not parse (TRL then reads it as a plain answer) is answered
-        with an error message instead, so the model sees what was wrong and goes on.
+        A turn whose ``<tool_call>`` block did not parse (TRL then reads it as a plain answer) is answered with an
+        error message instead, so the model sees what was wrong and goes on: the first turn's here, later turns'
+        as TRL's loop parses them (:class:`~vlm_grpo.tools.rollouts.MalformedCallParser`). Every rollout's tool
+        dict holds the hidden tool that answers them.
         """
+        environments = self.environments or []
         for i, turns in enumerate(completions):
-            if mark_malformed_call(turns[-1]):
-                self._sync_tool_dicts[i][MALFORMED_CALL] = answer_malformed_call
-        with ToolBatch(self.environments, completions):  # the rollouts' sandbox cells run together, per round
+            env = environments[i] if i < len(environments) else None
+            self._sync_tool_dicts[i][MALFORMED_CALL] = malformed_call_tool(env)
+            mark_malformed_call(turns[-1])
+        # The rollouts' sandbox cells run together, per round; later turns' malformed calls are marked as parsed.
+        with ToolBatch(self.environments, completions), parse_malformed_calls(self):
             result = super()._tool_call_loop(
                 prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields
             )

@@ -117,13 +117,31 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "trl:GRPOTrainer",
         "_tool_call_loop",
         ("prompts", "prompt_ids", "completion_ids", "completions", "logprobs", "images", "multimodal_fields"),
-        why="tool metrics, malformed first calls answered, sandbox cells prefetched",
+        why="tool metrics, malformed calls answered, sandbox cells prefetched",
     ),
     PrivateName(
         "trl:GRPOTrainer",
         "_sync_tool_dicts",
         source="trl:GRPOTrainer._generate_and_score_completions",
-        why="a malformed first call is answered through a hidden per-rollout tool",
+        why="a malformed call is answered through a hidden tool in every rollout's tool dict",
+    ),
+    PrivateName(
+        "trl:GRPOTrainer",
+        "_tokenizer",
+        source="trl:GRPOTrainer._tool_call_loop",
+        why="the tool loop parses later turns with parse_response(self._tokenizer, ...): a wrapper stands in there",
+    ),
+    PrivateName(
+        "trl.trainer.grpo_trainer",
+        "parse_response",
+        source="trl:GRPOTrainer._tool_call_loop",
+        why="later turns are parsed in the loop through the tokenizer, so the wrapper sees their malformed calls",
+    ),
+    PrivateName(
+        "trl.chat_template_utils",
+        "parse_response",
+        ("tokenizer", "ids", "prefix", "tools"),
+        why="the wrapper runs it on the real tokenizer: TRL's fallback to text and its tool-call checks",
     ),
 )
 

@@ -112,7 +112,7 @@ def deepeyes_reward(
 
 def tool_format_reward(completions: Sequence[Any], require_call: bool = False, **kwargs: Any) -> list[float]:
     """1 when every ``<tool_call>`` the model wrote was a closed block holding ``{"name": str, "arguments": {}}``
-    JSON (TRL turns such blocks into calls; a malformed one ends the rollout as plain text), else 0.
+    JSON (TRL turns such blocks into calls; a malformed one is answered with an error message), else 0.
     With ``require_call``, a rollout without any tool call also scores 0."""
     out = []
     for completion in completions:

@@ -8,8 +8,9 @@ chat format and are given the same one), parsed by TRL's Qwen response template.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 from vlm_grpo.tools.base import CoordSize, ToolEnvironment, make_environment_factory, parse_tool_kwargs
@@ -151,6 +152,70 @@ def answer_malformed_call() -> str:
         'the <tool_call> block could not be read: write <tool_call>{"name": "<tool name>", "arguments": {...}}'
         "</tool_call> with valid JSON"
     )
+
+
+def malformed_call_tool(environment: Any = None) -> Callable[[], str]:
+    """The hidden :data:`MALFORMED_CALL` tool of one rollout, for its entry in TRL's per-rollout tool dict: it
+    answers with :func:`answer_malformed_call`'s error, counted as a failed call of the rollout's environment
+    (``tools/calls_per_rollout``, ``tools/errors_per_rollout``) as TRL counts it in ``tools/failure_frequency``."""
+
+    def malformed_tool_call() -> str:
+        if isinstance(environment, ToolEnvironment):
+            environment.calls += 1
+            environment.errors += 1
+        return answer_malformed_call()
+
+    return malformed_tool_call
+
+
+class MalformedCallParser:
+    """Stands in for the trainer's tokenizer (``trainer._tokenizer``) while TRL's tool loop runs.
+
+    The loop parses every post-tool turn with ``trl.chat_template_utils.parse_response(trainer._tokenizer, ...)``,
+    which calls ``tokenizer.parse_response`` and reads a turn whose call does not parse as plain text, ending the
+    rollout. Here ``parse_response`` runs TRL's own ``parse_response`` on the real tokenizer (its fallback to
+    text, its tool-call checks) and marks such a turn as a call of the hidden :data:`MALFORMED_CALL` tool
+    (:func:`mark_malformed_call`), so the loop answers it like a first turn's. Everything else is the tokenizer's.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        object.__setattr__(self, "_wrapped", tokenizer)
+
+    def parse_response(self, response: Any, schema: Any = None, **kwargs: Any) -> Any:
+        one_turn = isinstance(response, list) and all(isinstance(t, int) for t in response)
+        if not one_turn or schema is not None or set(kwargs) - {"prefix", "tools"}:  # not the tool loop's call
+            return self._wrapped.parse_response(response, schema, **kwargs)
+        from trl.chat_template_utils import parse_response
+
+        parsed = parse_response(self._wrapped, response, prefix=kwargs.get("prefix"), tools=kwargs.get("tools"))
+        mark_malformed_call(parsed)
+        return parsed
+
+    def __getattr__(self, name: str) -> Any:  # only for names the instance lacks: everything but _wrapped
+        if name == "_wrapped":
+            raise AttributeError(name)
+        return getattr(self._wrapped, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._wrapped, name, value)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._wrapped(*args, **kwargs)
+
+    def __len__(self) -> int:
+        return len(self._wrapped)
+
+
+@contextmanager
+def parse_malformed_calls(trainer: Any) -> Iterator[None]:
+    """``trainer._tokenizer`` is a :class:`MalformedCallParser` inside the block, the tokenizer again after it
+    (exceptions included)."""
+    tokenizer = trainer._tokenizer
+    trainer._tokenizer = MalformedCallParser(tokenizer)
+    try:
+        yield
+    finally:
+        trainer._tokenizer = tokenizer
 
 
 def rollout_tool_stats(completions: Sequence[Any], environments: Sequence[Any] | None) -> dict[str, list[float]]:

@@ -334,10 +334,8 @@ def vanilla_dataset(paths: list[list[Path]], vary: int = 0):
     return dataset.with_transform(transform)
 
 
-def ours_dataset(paths: list[list[Path]], root: Path, module: Any, processor: Any, vary: int = 0):
-    from vlm_grpo.data import prepare_rows, read_rows, to_datasets
-
-    jsonl = root / "rows.jsonl"
+def write_rows(paths: list[list[Path]], jsonl: Path, vary: int = 0) -> Path:
+    """The prompts as the package's JSONL rows (image paths on disk, ``question(i, vary)``), one per prompt."""
     with open(jsonl, "w") as f:
         for i, row in enumerate(paths):
             conversations = [
@@ -345,6 +343,13 @@ def ours_dataset(paths: list[list[Path]], root: Path, module: Any, processor: An
                 {"from": "gpt", "value": "<answer>none</answer>"},
             ]
             f.write(json.dumps({"id": i, "image": [str(p) for p in row], "conversations": conversations}) + "\n")
+    return jsonl
+
+
+def ours_dataset(paths: list[list[Path]], root: Path, module: Any, processor: Any, vary: int = 0):
+    from vlm_grpo.data import prepare_rows, read_rows, to_datasets
+
+    jsonl = write_rows(paths, root / "rows.jsonl", vary)
     rows, bad = read_rows([str(jsonl)], task_type="raw")
     rows = prepare_rows(rows, bad, module, processor)
     return to_datasets(rows, module)[0]

@@ -6,6 +6,12 @@ export PYTHONPATH=/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 python3 - <<'PY'
 import torch, transformers, trl, peft, accelerate, datasets
-print("versions:", {m.__name__: m.__version__ for m in (torch, transformers, trl, peft, accelerate, datasets)})
+from importlib.metadata import PackageNotFoundError, version
+versions = {m.__name__: m.__version__ for m in (torch, transformers, trl, peft, accelerate, datasets)}
+try:
+    versions["deepspeed"] = version("deepspeed")  # not imported here: it is slow; scale_out.py uses it
+except PackageNotFoundError:
+    versions["deepspeed"] = None
+print("versions:", versions)
 print("gpus:", [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
 PY

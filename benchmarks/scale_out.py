@@ -1,0 +1,814 @@
+"""Weak scaling of ``VLMGRPOTrainer`` over 1, 2 and 4 GPUs with DeepSpeed ZeRO-2 / ZeRO-3 (issue 20, item 4).
+
+    source benchmarks/device_env.sh && python3 benchmarks/scale_out.py --plan zero2      # 3B, ZeRO-2, 1/4/2 GPUs
+    source benchmarks/device_env.sh && python3 benchmarks/scale_out.py --plan zero3      # 7B, ZeRO-3
+    python benchmarks/scale_out.py --plan cpu                                             # wiring check, gloo
+
+Every run is the CLI users run, ``src/vlm_grpo/grpo_jsonl.py``, under ``torch.distributed.run`` with the same work
+per device: ``--prompts_per_device`` prompts x G samples (2 x 8), one random ``--image_size`` image per prompt,
+generation forced to ``--completion_length`` tokens (``min_new_tokens``), full fine-tuning, bf16, sdpa, gradient
+checkpointing, ``local_scripts/zero{2,3}.json``, the package's speed options at their defaults, no checkpoint.
+The model is a preset of ``vlm_grpo.testing.presets`` with random weights, built once per machine.
+
+This file is also the worker torchrun starts (``SCALE_OUT_WORKER`` set): it runs ``grpo_jsonl.main`` with
+``bench_grpo``'s phase timers and two callbacks (``Recorder``: the time of every step, peak memory, which speed
+features ran; rank 0 also profiles one extra step after the measured ones and sums the CUDA time of its NCCL
+kernels, the time in collectives). The model is never saved (``save_model`` is a no-op here).
+
+Per run, one JSON file under ``--out`` (default ``$OUT``): median seconds per step after the warm-up, global
+samples/s, weak-scaling efficiency against the fewest GPUs that ran (ideally 1: ``t_step(base) / t_step(N)``), peak
+GPU memory of every rank, generation's share of the step, fast_decode's ms per token, the collectives, and the
+features that stayed on, with the package's own log lines saying why one is off. One line per run as it ends
+(``[scale] {...}``) and a markdown table at the end.
+
+A run that cannot fit the card is not started: the model states need ``--plan``'s bytes per parameter (bf16
+weights and gradients, fp32 master weights and Adam moments: ZeRO-2 ``2 + 18/N`` with the fp32 gradient partition
+of the step, ZeRO-3 ``16/N + 2`` with the weights gathered once per generation call, no DeepSpeed ``8``: bf16 AdamW
+states) plus ``--headroom_gib``. ZeRO-3 on one GPU at 7B (8.3 B parameters: ~139 GiB) is replaced by a run without
+DeepSpeed, the only way one 80 GB card trains it (the baseline's numerics differ: no fp32 master weights), and so is a
+1-GPU run that runs out of memory; ``--no_fallback`` skips both. ``--force`` starts everything. Runs go in
+``--nproc`` order (default 1 4 2: baseline and the 4-GPU point first), each under a time-out that also keeps the whole
+command within ``--budget_s`` (a run cut short after its measured steps still reports them).
+
+Phases (seconds per step, rank 0) are bench_grpo's; under DeepSpeed the optimizer step (and ZeRO's gradient
+reduction) runs inside ``accelerator.backward``, so it is counted in ``backward``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import struct
+import subprocess
+import sys
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+WORKER_ENV = "SCALE_OUT_WORKER"
+
+PLANS: dict[str, dict[str, Any]] = {
+    "zero2": {"preset": "qwen2_5_vl_3b", "ds": "zero2"},
+    "zero3": {"preset": "qwen2_5_vl_7b", "ds": "zero3"},
+    "zero3_3b": {"preset": "qwen2_5_vl_3b", "ds": "zero3"},
+    "cpu": {
+        "preset": "tiny_qwen2_5_vl",
+        "ds": "none",
+        "device": "cpu",
+        "nproc": [1, 2],
+        "image_size": 56,
+        "completion_length": 8,
+        "steps": 2,
+    },
+}
+# Rough seconds for a run (launch, load, first step with its compilation, 7 steps, exit), for the budget.
+RUN_ESTIMATE_S = {"qwen2_5_vl_3b": 120, "qwen2_5_vl_7b": 210}
+PHASES = ("generation", "decode", "old_ref_logps", "prepare_other", "loss_forward", "backward", "optimizer")
+
+
+# =========================================================================== worker (one per rank, under torchrun)
+
+
+class Probe:
+    """Counts what the fast path really did: shared prefills, fast_decode calls (CUDA graph, compiled step),
+    packed log-prob passes; keeps the package's info/warning lines (why a feature is off)."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self.lines: list[str] = []
+
+    def install(self) -> None:
+        import logging
+
+        import vlm_grpo.trainer as trainer_module
+        from vlm_grpo.fastpath import decode
+
+        counts = self.counts
+        real_packed, real_shared = trainer_module.packed_logps, trainer_module.shared_prefill_generate
+
+        def packed_logps(*args: Any, **kwargs: Any) -> Any:
+            out = real_packed(*args, **kwargs)
+            counts["packed_calls"] += 1
+            counts["packed_used"] += out is not None
+            return out
+
+        def shared_prefill_generate(*args: Any, **kwargs: Any) -> Any:
+            out = real_shared(*args, **kwargs)
+            counts["shared_prefill_calls"] += 1
+            counts["shared_prefill_used"] += out is not None
+            return out
+
+        trainer_module.packed_logps = packed_logps
+        trainer_module.shared_prefill_generate = shared_prefill_generate
+
+        class Step(decode._Step):  # one per fast_decode call: its CUDA graph and compiled step
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, **kwargs)
+                counts["decode_steps"] += 1
+                counts["decode_graphs"] += self.graph is not None
+                counts["decode_compiled"] += bool(self.compiled)
+
+        decode._Step = Step
+        lines = self.lines
+
+        class Capture(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                fast = record.name.startswith(("vlm_grpo.fastpath", "vlm_grpo.trainer"))
+                if (fast and record.levelno >= logging.INFO) or record.levelno >= logging.WARNING:
+                    line = f"{record.levelname} {record.name}: {record.getMessage()}"[:400]
+                    if line not in lines and len(lines) < 40:
+                        lines.append(line)
+
+        logging.getLogger("vlm_grpo").addHandler(Capture())
+
+
+def static_features(trainer: Any) -> dict[str, Any]:
+    """The speed options as configured, and the attention kernels the model ended up with."""
+    from vlm_grpo.utils import model_base
+
+    a = trainer.args
+    base = model_base(trainer.model)
+    vision = getattr(base.config, "vision_config", None)
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    return {
+        "zero_stage": plugin.zero_stage if plugin is not None else None,
+        "world_size": trainer.accelerator.num_processes,
+        **{
+            k: getattr(a, k, None)
+            for k in (
+                "share_prompt",
+                "share_prefill",
+                "fast_decode",
+                "compile_decode",
+                "compile_layers",
+                "packed_attention",
+                "batch_vision_attention",
+                "cudnn_attention",
+                "ds3_gather_for_generation",
+                "gradient_checkpointing",
+                "bf16",
+            )
+        },
+        "text_attention": base.config.get_text_config(decoder=True)._attn_implementation,
+        "vision_attention": getattr(vision, "_attn_implementation", None),
+        "vision_sync": bool(getattr(trainer, "_vision_syncs", None)),
+    }
+
+
+_COLLECTIVE = re.compile(r"(AllGather|ReduceScatter|AllReduce|Broadcast|SendRecv|AllToAll|Reduce|Send|Recv)", re.I)
+
+
+def profiled_spans(prof: Any) -> list[tuple[str, bool, float, float]]:
+    """(name, on the GPU, start us, end us) of every event of a finished ``torch.profiler`` run: from the raw
+    kineto events (building torch's event tree for a ZeRO-3 step costs many seconds), else from ``events()``."""
+    from torch.autograd import DeviceType
+
+    try:
+        return [
+            (e.name(), e.device_type() == DeviceType.CUDA, e.start_ns() / 1e3, (e.start_ns() + e.duration_ns()) / 1e3)
+            for e in prof.profiler.kineto_results.events()
+        ]
+    except AttributeError:
+        return [(e.name, e.device_type == DeviceType.CUDA, e.time_range.start, e.time_range.end) for e in prof.events()]
+
+
+def collective_summary(spans: list[tuple[str, bool, float, float]], step_s: float) -> dict[str, Any]:
+    """Time in collectives of one profiled step: the GPU time of NCCL kernels (on CPU: the c10d ops' host time),
+    by kind, and how many ran inside generation and inside fast_decode (phase windows of bench_grpo's timer).
+    An NCCL kernel's time includes waiting for the other ranks to reach it; the profiled rank (0) is the slowest
+    one (the profiler's overhead), so it waits least."""
+    gpu = [e for e in spans if e[1]]
+    if gpu:
+        comm = [e for e in gpu if "nccl" in e[0].lower()]
+        kernels = [e for e in gpu if not e[0].startswith("phase:")]
+    else:  # gloo on CPU: the c10d ops (host time; the wiring check)
+        comm = [e for e in spans if e[0].startswith("c10d::")]
+        kernels = []
+
+    def windows(name: str) -> list[tuple[float, float]]:
+        named = [e for e in spans if e[0] == name]
+        device = [e for e in named if e[1]]  # the phase's range on the GPU timeline, where there is one
+        return [(e[2], e[3]) for e in (device or named)]
+
+    def within(windows: list[tuple[float, float]]) -> dict[str, float]:
+        hits = [e for e in comm if any(s <= e[2] < t for s, t in windows)]
+        return {"count": len(hits), "s": sum(e[3] - e[2] for e in hits) / 1e6}
+
+    by_kind: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for name, _, start, end in comm:
+        m = _COLLECTIVE.search(name)
+        kind = m.group(1) if m else name[:40]
+        by_kind[kind][0] += 1
+        by_kind[kind][1] += (end - start) / 1e6
+    total = sum(e[3] - e[2] for e in comm) / 1e6
+    busy, reach = 0.0, float("-inf")
+    for _, _, start, end in sorted(kernels, key=lambda e: e[2]):  # union of kernel intervals
+        busy += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    generation, decode = windows("phase:generation"), windows("phase:decode")
+    return {
+        "source": "nccl kernels (GPU time, rank 0)" if gpu else "c10d ops (host time, rank 0)",
+        "step_s": step_s,
+        "collective_s": total,
+        "share_of_step": total / step_s if step_s else None,
+        "count": len(comm),
+        "by_kind": {k: {"count": int(c), "s": round(s, 6)} for k, (c, s) in sorted(by_kind.items())},
+        "gpu_busy_s": busy / 1e6 if kernels else None,
+        "generation_calls": len(generation),
+        "in_generation": within(generation),
+        "fast_decode_calls": len(decode),
+        "in_decode": within(decode),
+    }
+
+
+def make_recorder(spec: dict[str, Any], timer: Any, probe: Probe, rank: int, device: Any) -> Any:
+    import torch
+    from transformers import TrainerCallback
+
+    class Recorder(TrainerCallback):
+        """Writes this rank's results after the measured steps (a later crash or time-out keeps them), again after
+        the profiled step (rank 0) and at the end of training."""
+
+        def __init__(self) -> None:
+            self.trainer: Any = None
+            self.measured_end = spec["warmup"] + spec["steps"]
+            self.profile = bool(spec["profile"]) and rank == 0
+            self.prof: Any = None
+            self.data: dict[str, Any] = {"rank": rank, "counts": {}, "collectives": None}
+            self.path = Path(spec["dir"]) / f"rank{rank}.json"
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.data["train_begin_s"] = time.time() - float(spec["t0"])
+            if self.trainer is not None:
+                self.data["features"] = static_features(self.trainer)
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if self.profile and state.global_step == self.measured_end:
+                activities = [torch.profiler.ProfilerActivity.CPU]
+                if device.type == "cuda":
+                    activities.append(torch.profiler.ProfilerActivity.CUDA)
+                self.prof = torch.profiler.profile(activities=activities)
+                self.prof.__enter__()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == self.measured_end:
+                self.write(peak=True)
+            if self.prof is not None and state.global_step == self.measured_end + 1:
+                self.prof.__exit__(None, None, None)
+                try:
+                    step_s = timer.per_step[-1].get("_wall", 0.0) if timer.per_step else 0.0
+                    start = time.time()
+                    self.data["collectives"] = collective_summary(profiled_spans(self.prof), step_s)
+                    self.data["collectives"]["analysis_s"] = time.time() - start
+                except Exception as err:  # the measured numbers are written already; say what failed
+                    self.data["collectives"] = {"error": f"{type(err).__name__}: {err}"}
+                self.prof = None
+                self.write()
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self.write(peak="peak_alloc_gib" not in self.data)
+
+        def write(self, peak: bool = False) -> None:
+            cuda = device.type == "cuda"
+            if peak and cuda:
+                self.data["peak_alloc_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+                self.data["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
+            if cuda:
+                self.data["peak_alloc_gib_end"] = torch.cuda.max_memory_allocated(device) / 2**30
+            self.data["steps"] = [{k: round(v, 6) for k, v in step.items()} for step in timer.per_step]
+            self.data["counts"] = dict(probe.counts)
+            self.data["log_lines"] = probe.lines
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.data))
+            tmp.replace(self.path)
+
+    return Recorder()
+
+
+def worker(spec: dict[str, Any], argv: list[str]) -> None:
+    import torch
+
+    sys.path.insert(0, str(HERE))
+    from bench_grpo import OptimizerTimer, PhaseTimer, timed_fast_decode, timed_trainer_class
+
+    import vlm_grpo.trainer as trainer_module
+    from vlm_grpo import grpo_jsonl
+
+    rank, local = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    cuda = spec["device"] == "cuda" and torch.cuda.is_available()
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    timer = PhaseTimer(device)
+    probe = Probe()
+    probe.install()
+    recorder = make_recorder(spec, timer, probe, rank, device)
+
+    class Bench(timed_trainer_class(trainer_module.VLMGRPOTrainer)):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            # OptimizerTimer closes each step's record before the Recorder reads it.
+            kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), OptimizerTimer(timer), recorder]
+            super().__init__(*args, **kwargs)
+            recorder.trainer = self
+
+        def _generate_single_turn(self, *args: Any, **kwargs: Any) -> Any:
+            probe.counts["generate_calls"] += 1
+            return super()._generate_single_turn(*args, **kwargs)
+
+        def save_model(self, *args: Any, **kwargs: Any) -> None:
+            """No weights kept: a ZeRO-3 save at 7B gathers and writes 16 GB."""
+
+    Bench.timer = timer
+    trainer_module.VLMGRPOTrainer = Bench  # grpo_jsonl.main imports it from there when it runs
+    with timed_fast_decode(timer):
+        grpo_jsonl.main(*grpo_jsonl.parse_args(argv))
+
+
+# =========================================================================== orchestrator
+
+
+def safetensors_params(model_dir: Path) -> int:
+    """Parameters stored in a checkpoint folder (from the safetensors headers; nothing is loaded)."""
+    total = 0
+    for path in model_dir.glob("*.safetensors"):
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        for name, info in header.items():
+            if name != "__metadata__":
+                n = 1
+                for d in info["shape"]:
+                    n *= d
+                total += n
+    return total
+
+
+def predicted_gib(ds: str, nproc: int, params: int) -> float:
+    """Model-state memory per rank for full fine-tuning with Adam in bf16 mixed precision (see the module doc)."""
+    per_param = {"none": 8.0, "zero2": 2 + 18 / nproc, "zero3": 16 / nproc + 2}[ds]
+    return per_param * params / 2**30
+
+
+def gpu_info() -> tuple[int, float | None, str]:
+    """(GPUs, GiB of the smallest, name) from nvidia-smi; the orchestrator never touches CUDA itself."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0, None, "none"
+    rows = [line.rsplit(",", 1) for line in out.strip().splitlines() if "," in line]
+    if not rows:
+        return 0, None, "none"
+    return len(rows), min(float(mem) for _, mem in rows) / 1024, rows[0][0].strip()
+
+
+def build_model(args: argparse.Namespace, model_dir: Path, env: dict[str, str]) -> float:
+    """Random weights of the preset, once per machine (seconds spent; 0 when already there)."""
+    if (model_dir / "config.json").is_file():
+        return 0.0
+    start = time.time()
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    partial = model_dir.with_name(model_dir.name + ".partial")  # a build cut short is never taken for a model
+    shutil.rmtree(partial, ignore_errors=True)
+    flags = {"preset": args.preset, "out": partial, "device": args.device, "dtype": dtype}
+    subprocess.run([args.python, "-m", "vlm_grpo.testing.tiny", *as_argv(flags)], check=True, env=env, timeout=600)
+    partial.rename(model_dir)
+    return time.time() - start
+
+
+def write_data(args: argparse.Namespace, data_dir: Path, n_prompts: int) -> Path:
+    """``n_prompts`` JSONL rows with one random image each (bench_grpo's images and prompts)."""
+    jsonl = data_dir / "rows.jsonl"
+    if jsonl.is_file() and sum(1 for _ in open(jsonl)) >= n_prompts:
+        return jsonl
+    sys.path.insert(0, str(HERE))
+    from bench_grpo import Scenario, write_images, write_rows
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    paths = write_images(data_dir, Scenario(args.image_size, 1, args.completion_length), n_prompts, seed=0)
+    return write_rows(paths, jsonl, args.vary_prompts)
+
+
+def as_argv(flags: dict[str, Any]) -> list[str]:
+    return [item for key, value in flags.items() for item in (f"--{key}", str(value))]
+
+
+def grpo_argv(args: argparse.Namespace, ds: str, model_dir: Path, jsonl: Path, out_dir: Path) -> list[str]:
+    """grpo_jsonl.py's flags for one run: the same work per device whatever the number of GPUs."""
+    flags: dict[str, Any] = {
+        "model_name_or_path": model_dir,
+        "data_file_paths": jsonl,
+        "reward_funcs": f"{HERE / 'bench_grpo.py'}:length_reward",
+        "output_dir": out_dir,
+        "per_device_train_batch_size": args.prompts_per_device * args.num_generations,
+        "num_generations": args.num_generations,
+        "max_completion_length": args.completion_length,
+        "generation_kwargs": json.dumps({"min_new_tokens": args.completion_length}),  # every row decodes C tokens
+        "max_steps": args.warmup + args.steps + int(args.profile),
+        "learning_rate": 1e-6,
+        "gradient_checkpointing": "true",
+        "attn_implementation": "sdpa",
+        "logging_steps": 1,
+        "report_to": "none",
+        "save_strategy": "no",
+        "plot": "false",
+        "disable_tqdm": "true",
+        "seed": 0,
+        "overwrite_output_dir": "true",
+    }
+    if args.device == "cuda":
+        flags["bf16"] = "true"
+    else:
+        flags["use_cpu"] = "true"
+    if ds != "none":
+        flags["deepspeed"] = ROOT / "local_scripts" / f"{ds}.json"
+    return as_argv(flags) + list(args.extra)
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def failure(log: Path) -> str:
+    """Why a run failed, from its log: OOM, else the last exception a rank raised (not torchrun's own)."""
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    if re.search(r"OutOfMemoryError|CUDA out of memory", text):
+        return "OOM"
+    raised = re.findall(r"^(?:\[rank\d+\]: )?([\w.]*(?:Error|Exception|Interrupt)\b:.*)$", text, re.M)
+    raised = [line for line in raised if "ChildFailedError" not in line]
+    return raised[-1].strip()[:300] if raised else "no result (see the log)"
+
+
+def features_report(static: dict[str, Any], counts: dict[str, int], lines: list[str]) -> dict[str, str]:
+    """Which speed features ran in the run, from what the trainer did (rank 0's counters); 'off (why)'."""
+
+    def share(used: int, calls: int) -> str:
+        return "off" if not used else "on" if used == calls else f"partial {used}/{calls}"
+
+    def why(pattern: str) -> str:
+        hit = next((m.group(1) for line in lines if (m := re.search(pattern, line))), None)
+        return f" ({hit})" if hit else ""
+
+    gen, shared = counts.get("generate_calls", 0), counts.get("shared_prefill_used", 0)
+    decoded = counts.get("decode_steps", 0)
+    report = {
+        "share_prefill": share(shared, gen) + (why(r"cannot honour (.*?): generation") if shared < gen else ""),
+        "fast_decode": share(decoded, shared)
+        + (why(r"fast_decode is off for this run: (.*?); decoding") if decoded < shared else ""),
+        "cuda_graph": share(counts.get("decode_graphs", 0), decoded),
+        "compile_decode": share(counts.get("decode_compiled", 0), decoded) + why(r"compile_decode: (.*)"),
+        "share_prompt": share(counts.get("packed_used", 0), counts.get("packed_calls", 0)),
+        "packed_attention": "blocks" if static.get("text_attention") == "vlm_grpo_sdpa" else "dense",
+        "batch_vision_attention": "on" if str(static.get("vision_attention")).startswith("vlm_grpo") else "off",
+        "compile_layers": "on" if static.get("compile_layers") else "off",
+        "vision_sync": "on" if static.get("vision_sync") else "off",
+    }
+    if static.get("zero_stage") == 3:
+        report["ds3_gather_for_generation"] = "on" if static.get("ds3_gather_for_generation") else "off"
+    return report
+
+
+def summarise(args: argparse.Namespace, run: dict[str, Any], run_dir: Path) -> None:
+    """Fill ``run`` from the ranks' result files."""
+    ranks = sorted((json.loads(p.read_text()) for p in run_dir.glob("rank*.json")), key=lambda r: r["rank"])
+    if not ranks:
+        return
+    w, s = args.warmup, args.steps
+    r0 = ranks[0]
+    steps = r0["steps"][w : w + s]
+    walls = [st["_wall"] for st in steps]
+    step_s = median(walls)
+    run["measured_steps"] = len(walls)
+    run["step_times_s"] = [round(st["_wall"], 3) for st in r0["steps"]]
+    if step_s is None:
+        return
+    n = run["nproc"]
+    phases = {p: median([st.get(p, 0.0) for st in steps]) for p in PHASES}
+    tokens = sum(
+        median([st.get("_prompt_tokens", 0) + st.get("_completion_tokens", 0) for st in r["steps"][w : w + s]]) or 0
+        for r in ranks
+    )
+    decoded = median([st.get("_decode_tokens", 0.0) for st in steps])
+    run.update(
+        step_s=step_s,
+        step_s_slowest_rank=max(median([st["_wall"] for st in r["steps"][w : w + s]]) or 0 for r in ranks),
+        first_step_s=r0["steps"][0]["_wall"] if r0["steps"] else None,
+        samples_per_s=n * args.prompts_per_device * args.num_generations / step_s,
+        tokens_per_s=tokens / step_s,
+        phases_s=phases,
+        generation_share=phases["generation"] / step_s,
+        decode_ms_per_token=1e3 * phases["decode"] / decoded if decoded else None,
+        peak_alloc_gib=[r.get("peak_alloc_gib") for r in ranks],
+        peak_reserved_gib=[r.get("peak_reserved_gib") for r in ranks],
+        startup_s=r0.get("train_begin_s"),
+        collectives=r0.get("collectives"),
+        static_features=r0.get("features"),
+        counts=r0.get("counts"),
+        log_lines=r0.get("log_lines"),
+        features=features_report(r0.get("features") or {}, r0.get("counts") or {}, r0.get("log_lines") or []),
+    )
+    if len(walls) < s:
+        run["status"] = f"partial ({len(walls)}/{s} measured steps)"
+
+
+def run_one(args: argparse.Namespace, ds: str, n: int, ctx: dict[str, Any], note: str = "") -> dict[str, Any]:
+    """One torchrun of grpo_jsonl.py on ``n`` devices with DeepSpeed ``ds``; what it measured, or why not."""
+    run: dict[str, Any] = {"plan": args.plan, "preset": args.preset, "nproc": n, "status": "ok", "notes": []}
+    if note:
+        run["notes"].append(note)
+    if args.device == "cuda":
+        card, params = ctx["card_gib"], ctx["params"]
+        need = predicted_gib(ds, n, params)
+        if n > ctx["gpus"]:
+            run["status"] = f"skipped: {n} GPUs asked, {ctx['gpus']} present"
+        elif card and need + args.headroom_gib > card and not args.force:
+            plain = predicted_gib("none", 1, params)
+            if n == 1 and ds != "none" and not args.no_fallback and plain + args.headroom_gib <= card:
+                run["notes"].append(
+                    f"{ds} on one GPU needs ~{need:.0f} GiB of model states (> {card:.0f} GiB card): baseline "
+                    f"without DeepSpeed (bf16 AdamW states, ~{plain:.0f} GiB)"
+                )
+                ds, need = "none", plain
+            else:
+                run["status"] = f"skipped: needs ~{need:.0f} + {args.headroom_gib:.0f} GiB > {card:.0f} GiB"
+        run["predicted_model_states_gib"] = round(need, 1)
+    name = f"{args.plan}_n{n}_{ds}"
+    run = {"name": name, "ds": ds, **run}
+    if run["status"] != "ok":
+        return run
+    remaining = max(0.0, args.budget_s - (time.time() - ctx["start"]))
+    timeout = min(args.timeout, remaining - 10)
+    needed = max(args.min_run_s, 0.8 * ctx["estimate_s"])  # about when the measured steps are done
+    if timeout < needed:
+        return run | {
+            "status": f"skipped: {remaining:.0f} s of the budget left, a run takes ~{ctx['estimate_s']:.0f} s"
+        }
+    run_dir = Path(args.work) / "runs" / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    log = Path(args.work) / "logs" / f"{name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    spec = {
+        "dir": str(run_dir),
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "profile": args.profile,
+        "device": args.device,
+        "t0": time.time(),
+    }
+    cmd = [
+        args.python,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(n),
+        str(Path(__file__)),
+        *grpo_argv(args, ds, ctx["model_dir"], ctx["jsonl"], Path(args.work) / "train_out" / name),
+    ]
+    run["command"] = " ".join(cmd)
+    env = ctx["env"] | {WORKER_ENV: json.dumps(spec)}
+    start = time.time()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+        for sig in (signal.SIGTERM, signal.SIGKILL):  # the run's own process group: stragglers too
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            if sig == signal.SIGTERM:
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    pass
+    run["wall_s"] = round(time.time() - start, 1)
+    if rc == 0:
+        ctx["estimate_s"] = max(ctx["estimate_s"] if ctx["measured_estimate"] else 0.0, run["wall_s"])
+        ctx["measured_estimate"] = True
+    run["returncode"] = rc
+    summarise(args, run, run_dir)
+    if "step_s" not in run:
+        run["status"] = f"timed out after {timeout:.0f} s" if rc is None else f"failed: {failure(log)}"
+    elif rc != 0:
+        run["status"] = f"measured, then {'timed out' if rc is None else f'rc={rc}: ' + failure(log)}"
+    run["log"] = str(log)
+    return run
+
+
+def rounded(value: Any, digits: int = 4) -> Any:
+    """``value`` with its floats to ``digits`` significant digits (the one-line summaries)."""
+    if isinstance(value, float):
+        return float(f"{value:.{digits}g}")
+    if isinstance(value, dict):
+        return {k: rounded(v, digits) for k, v in value.items()}
+    if isinstance(value, list):
+        return [rounded(v, digits) for v in value]
+    return value
+
+
+def fmt(value: Any, spec: str, missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def in_phases(c: dict[str, Any]) -> str:
+    """Collectives inside generation / inside fast_decode ('-' where fast_decode did not run)."""
+    if "in_generation" not in c:
+        return "-"
+    decode = c["in_decode"]["count"] if c.get("fast_decode_calls") else "-"
+    return f"{c['in_generation']['count']} / {decode}"
+
+
+def table(runs: list[dict[str, Any]]) -> str:
+    cols = "GPUs|DeepSpeed|status|s/step|first s|samples/s|weak eff.|gen. share|decode ms/tok|collectives s (share)"
+    cols += "|collectives in gen. / decode|peak GiB/rank|features on|off"
+    cols = cols.split("|")
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in sorted(runs, key=lambda r: r["nproc"]):
+        c = r.get("collectives") or {}
+        coll = f"{c['collective_s']:.3f} ({c['share_of_step']:.0%})" if c.get("share_of_step") is not None else "-"
+        peaks = [p for p in r.get("peak_alloc_gib") or [] if p is not None]
+        feats = r.get("features") or {}
+        eff = r.get("weak_efficiency")
+        cells = [
+            str(r["nproc"]),
+            r["ds"],
+            r["status"],
+            fmt(r.get("step_s"), ".3f"),
+            fmt(r.get("first_step_s"), ".1f"),
+            fmt(r.get("samples_per_s"), ".2f"),
+            f"{eff:.0%} (vs {r['base']})" if eff is not None else "-",
+            fmt(r.get("generation_share"), ".0%"),
+            fmt(r.get("decode_ms_per_token"), ".2f"),
+            coll,
+            in_phases(c),
+            f"{max(peaks):.1f}" if peaks else "-",
+            ", ".join(k for k, v in feats.items() if v in ("on", "blocks")) or "-",
+            "; ".join(f"{k}: {v}" for k, v in feats.items() if v not in ("on", "blocks")) or "-",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--plan", choices=list(PLANS), default="zero2", help="preset + DeepSpeed stage (see PLANS)")
+    p.add_argument("--preset", default=None, help="override the plan's model preset")
+    p.add_argument("--ds", choices=["zero2", "zero3", "none"], default=None, help="override the plan's stage")
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None)
+    p.add_argument("--nproc", type=int, nargs="+", default=None, help="GPU counts, in run order (default 1 4 2)")
+    p.add_argument("--prompts_per_device", type=int, default=2)
+    p.add_argument("--num_generations", type=int, default=8)
+    p.add_argument("--image_size", type=int, default=None, help="default 448 (cpu plan: 56)")
+    p.add_argument("--completion_length", type=int, default=None, help="forced tokens (default 128; cpu plan: 8)")
+    p.add_argument("--vary_prompts", type=int, default=0, help="bench_grpo's prompt-length variation (0: one length)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=None, help="measured steps (default 5; cpu plan: 2)")
+    p.add_argument("--no_profile", dest="profile", action="store_false", help="no extra profiled step")
+    p.add_argument("--timeout", type=float, default=330.0, help="seconds per run at most")
+    p.add_argument("--budget_s", type=float, default=520.0, help="the whole command ends within this (runs skipped)")
+    p.add_argument("--min_run_s", type=float, default=90.0, help="skip a run with less budget than this left")
+    p.add_argument("--headroom_gib", type=float, default=5.0, help="activations etc. on top of the model states")
+    p.add_argument("--force", action="store_true", help="start runs predicted not to fit")
+    p.add_argument("--no_fallback", action="store_true", help="no run without DeepSpeed for a 1-GPU run that can't fit")
+    p.add_argument("--work", default="/tmp/scale_out", help="models, data, logs (kept between commands)")
+    p.add_argument("--out", default=None, help="result files (default $OUT, else WORK/results)")
+    p.add_argument("--python", default=sys.executable)
+    p.add_argument("extra", nargs="*", help="after --: more grpo_jsonl.py flags for every run")
+    args = p.parse_args(argv)
+    plan = PLANS[args.plan]
+    for key, default in (
+        ("preset", None),
+        ("ds", None),
+        ("device", "cuda"),
+        ("nproc", [1, 4, 2]),
+        ("image_size", 448),
+        ("completion_length", 128),
+        ("steps", 5),
+    ):
+        if getattr(args, key) is None:
+            setattr(args, key, plan.get(key, default))
+    args.out = args.out or os.environ.get("OUT") or str(Path(args.work) / "results")
+    return args
+
+
+def report(out: Path, run: dict[str, Any]) -> None:
+    """The run's JSON file, and its one-line summary."""
+    (out / f"{run['name']}.json").write_text(json.dumps(run, indent=1))
+    keys = ("name", "ds", "status", "step_s", "first_step_s", "samples_per_s", "generation_share", "wall_s")
+    brief = {k: run.get(k) for k in keys}
+    brief["peak_gib"] = max((p for p in run.get("peak_alloc_gib") or [] if p is not None), default=None)
+    brief["collective_s"] = (run.get("collectives") or {}).get("collective_s")
+    brief["features"] = run.get("features")
+    print(f"[scale] {json.dumps(rounded(brief))}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    args = parse(argv)
+    start = time.time()
+    work, out = Path(args.work), Path(args.out)
+    work.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(ROOT / "src")]))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # The same host threads per rank whatever N (torchrun sets 1 for N > 1 only).
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 4) // max(args.nproc))))
+    gpus, card_gib, gpu_name = gpu_info() if args.device == "cuda" else (0, None, "cpu")
+    model_dir = work / f"model_{args.preset}"
+    build_s = build_model(args, model_dir, env)
+    rows_needed = args.prompts_per_device * max(args.nproc) * (args.warmup + args.steps + int(args.profile))
+    jsonl = write_data(args, work / f"data_{args.image_size}_v{args.vary_prompts}", rows_needed)
+    params = safetensors_params(model_dir)
+    ctx = {
+        "start": start,
+        "gpus": gpus,
+        "card_gib": card_gib,
+        "params": params,
+        "model_dir": model_dir,
+        "jsonl": jsonl,
+        "env": env,
+        "estimate_s": RUN_ESTIMATE_S.get(args.preset, 60.0),
+        "measured_estimate": False,
+    }
+    print(
+        f"[scale] plan {args.plan}: {args.preset} ({params / 1e9:.2f} B parameters), {args.ds}, GPUs {args.nproc} "
+        f"on {gpus} x {gpu_name} ({fmt(card_gib, '.1f')} GiB); model ready in {build_s:.0f} s",
+        flush=True,
+    )
+    runs: list[dict[str, Any]] = []
+    for n in args.nproc:
+        run = run_one(args, args.ds, n, ctx)
+        if n == 1 and run["status"] == "failed: OOM" and run["ds"] != "none" and not args.no_fallback:
+            report(out, run)
+            runs.append(run)
+            note = f"{run['ds']} on one GPU ran out of memory: baseline without DeepSpeed (bf16 AdamW states)"
+            run = run_one(args, "none", n, ctx, note)
+        report(out, run)
+        runs.append(run)
+    done = [r for r in runs if r.get("step_s")]
+    if done:
+        base = min(done, key=lambda r: r["nproc"])
+        for r in done:
+            r["base_nproc"] = base["nproc"]
+            r["base"] = f"{base['nproc']} GPU" + (f", {base['ds']}" if base["ds"] != r["ds"] else "")
+            r["weak_efficiency"] = base["step_s"] / r["step_s"]  # samples/s per GPU, relative to the base
+            r["speedup"] = r["samples_per_s"] / base["samples_per_s"]
+            (out / f"{r['name']}.json").write_text(json.dumps(r, indent=1))
+    text = table(runs)
+    header = (
+        f"plan {args.plan}: {args.preset}, {gpu_name}, {args.prompts_per_device} prompts x G={args.num_generations}"
+        f" per GPU, {args.image_size}px, C{args.completion_length}, {args.warmup} warm-up + {args.steps} measured"
+        f" steps (median)"
+    )
+    print(f"\n{header}\n\n{text}\n", flush=True)
+    for r in sorted(done, key=lambda r: r["nproc"]):
+        print(
+            f"[scale] {r['name']}: {r['speedup']:.2f}x the samples/s of {r['base']} "
+            f"(weak-scaling efficiency {r['weak_efficiency']:.0%})",
+            flush=True,
+        )
+    summary = {
+        "plan": args.plan,
+        "header": header,
+        "args": vars(args),
+        "gpu": gpu_name,
+        "card_gib": card_gib,
+        "params": params,
+        "model_build_s": build_s,
+        "total_s": time.time() - start,
+        "runs": runs,
+        "table": text,
+    }
+    (out / f"{args.plan}_summary.json").write_text(json.dumps(summary, indent=1))
+    with open(out / f"{args.plan}_logs.txt", "w") as f:  # the end of every run's log (device runs: one file back)
+        for r in runs:
+            log = Path(r.get("log", ""))
+            if log.is_file():
+                tail = log.read_text(errors="replace").splitlines()[-150:]
+                f.write(f"===== {r['name']} ({r['status']})\n" + "\n".join(tail) + "\n")
+    return runs
+
+
+if __name__ == "__main__":
+    if os.environ.get(WORKER_ENV):
+        worker(json.loads(os.environ[WORKER_ENV]), sys.argv[1:])
+    else:
+        main()

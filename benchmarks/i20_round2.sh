@@ -4,7 +4,8 @@
 # chain. Run from the repository root on the device after `source benchmarks/device_env.sh`:
 #   OUT=/somewhere bash benchmarks/i20_round2.sh            # all four jobs (about 9 minutes)
 #   OUT=/somewhere bash benchmarks/i20_round2.sh 3          # one job (on card 0 if there is only one)
-# Files: $OUT/i20c_*.json and one log per job.
+# Files: $OUT/i20[cd]_*.json and logs.tgz (one log per job). Jobs 4 and 5 are the same measurements one at a
+# time on one card (side by side, the four jobs slowed each other's CPU work: see RESULTS.md).
 set -uo pipefail
 cd "$(dirname "$0")"
 OUT="${OUT:-/tmp/i20c}"
@@ -39,6 +40,17 @@ job3() {  # the decode step alone: fused projections off / on, C128 and C1024, p
     --out "$OUT/i20c_decode_autotune.json"
 }
 
+job4() {  # one card, one job at a time: the decode step with fusion off / on, then 448² C128 full and LoRA r64
+  timeout 110 "${D[@]}" --fuse false --out "$OUT/i20d_decode_nofuse.json"
+  timeout 100 "${D[@]}" --fuse true --out "$OUT/i20d_decode_fuse.json"
+  "${B[@]}" --image_sizes 448 --completion_lengths 128 --trainers ours vanilla --out "$OUT/i20d_448_c128.json"
+  "${B[@]}" --image_sizes 448 --completion_lengths 128 --trainers ours vanilla --lora_r 64 \
+    --out "$OUT/i20d_448_c128_lora64.json"
+}
+job5() {  # one card: 448² C1024 ours vs vanilla
+  "${B[@]}" --image_sizes 448 --completion_lengths 1024 --trainers ours vanilla --out "$OUT/i20d_448_c1024.json"
+}
+
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 jobs=("$@")
 [ ${#jobs[@]} -eq 0 ] && jobs=(0 1 2 3)
@@ -48,4 +60,5 @@ for j in "${jobs[@]}"; do
       >"$OUT/job$j.log" 2>&1; echo "[i20c] job$j on card $card: rc=$?" ) &
 done
 wait
-grep -h "^\[i20c\]\|x floor\|ms/tok" "$OUT"/job*.log | head -80
+grep -h "^\[i20c\]\|^[0-9]*px\|decode_ms_per_token" "$OUT"/job*.log | cut -c1-400 | head -60
+tar czf "$OUT/logs.tgz" -C "$OUT" $(cd "$OUT" && ls job*.log) && rm -f "$OUT"/job*.log  # the device returns few files

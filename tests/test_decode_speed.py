@@ -158,33 +158,56 @@ def test_fused_projections_run_one_gemm_per_group_and_keep_generates_tokens(tiny
     assert {name: module for name, module in model.named_modules()} == before
 
 
-def _lora_model(tiny_models):
+def _lora_model(tiny_models, dropout: float = 0.0):
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
     config = LoraConfig(
-        r=4, lora_alpha=64, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False
+        r=4,
+        lora_alpha=64,
+        lora_dropout=dropout,
+        target_modules=["q_proj", "v_proj", "up_proj"],
+        init_lora_weights=False,
     )  # random A and B: the adapter changes the tokens
     return get_peft_model(_tiny_qwen(tiny_models), config).eval()
 
 
-def test_fused_projections_keep_the_lora_terms(tiny_models, monkeypatch):
-    """Under PEFT only the base Linear is fused; the adapter still adds its term, so the tokens are generate's
-    with the adapter. The negative control fuses the LoRA layer away and must change the tokens."""
+def _adapter_calls(model) -> list[int]:
+    calls = [0]
+    for name, module in model.named_modules():
+        if name.endswith("lora_A.default"):
+            module.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["folded", "dropout_layer_runs"])
+def test_fused_projections_keep_the_lora_terms(dropout, tiny_models, monkeypatch):
+    """LoRA without dropout: the adapters are folded into the fused GEMM (no adapter GEMM runs while decoding);
+    with dropout the LoRA layer runs as it is around the fused base. Either way the tokens are generate's with
+    the adapter. The negative control folds nothing and must change the tokens."""
     from vlm_grpo.fastpath import decode_fusion
 
-    model = _lora_model(tiny_models)
+    model = _lora_model(tiny_models, dropout)
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    calls = _adapter_calls(model)
+    fast_calls = []
+    fast_decode = decode.fast_decode
+
+    def counted(*args, **kwargs):
+        before = calls[0]
+        out = fast_decode(*args, **kwargs)
+        fast_calls.append(calls[0] - before)
+        return out
+
+    monkeypatch.setattr(decode, "fast_decode", counted)
     widths = _count_gemms(monkeypatch)
     ours, plain = _decode(model, 20, compile=False)
     assert widths and ours == plain
+    assert (fast_calls[0] == 0) == (dropout == 0.0), fast_calls  # adapters folded, or run by their layers
+    assert all(torch.equal(weights[n], p) for n, p in model.named_parameters())  # the model is never changed
 
-    innermost = decode_fusion._innermost_linear
-
-    def whole_lora_layer(module):  # control: swap out the LoRA wrapper itself, dropping its term
-        found = innermost(module)
-        return None if found is None else (None, None, found[2])
-
-    monkeypatch.setattr(decode_fusion, "_innermost_linear", whole_lora_layer)
+    monkeypatch.setattr(decode_fusion, "_lora_delta", lambda lora: None)  # control: adapters left out
     decode_fusion._PLANS.clear()
     control, plain_again = _decode(model, 20, compile=False)
-    assert plain_again == plain and control != plain
+    assert plain_again == plain
+    assert (control != plain) == (dropout == 0.0)

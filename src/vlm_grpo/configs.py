@@ -273,9 +273,11 @@ class VLMGRPOConfig(GRPOConfig):
         default=True,
         metadata={
             "help": "With fast_decode: run q|k|v and gate|up as one GEMM each in the decode step, over weights "
-            "concatenated from the live ones at the start of every generation call (LoRA adapters still add their "
-            "own terms) and freed at its end. Costs one extra copy of those projections during generation (3B: "
-            "~3.6 GB, 7B: ~8.5 GB); the same tokens as without it (tested)."
+            "concatenated from the live ones at the start of every generation call and freed at its end (3B: "
+            "~3.6 GB, 7B: ~8.5 GB while generating). LoRA layers without dropout have their adapters folded into "
+            "that copy (the model's weights are not touched), so a LoRA decode step costs what a full one does; "
+            "with lora_dropout > 0 the LoRA layers run as they are around the fused base. The same tokens as "
+            "generate (tested)."
         },
     )
     compile_layers: bool = field(

@@ -8,9 +8,11 @@ One GEMM over the concatenated weights reads the same bytes in one launch at a h
 The fused weights are built from the live weights when a generation call starts (training has changed
 them since the last call) and dropped when it ends; they cost one extra copy of the fused projections
 for that time (3B: ~3.6 GB; 7B: ~8.5 GB). The model's modules are not rewritten: for the duration of the
-call, each projection's innermost ``nn.Linear`` (under PEFT: the LoRA layer's ``base_layer``, so the
-adapter still adds its own term) is replaced by a :class:`_Part` that returns its slice of the group's
-one GEMM, computed by whichever part of the group is called first for an input.
+call, each projection's ``nn.Linear`` is replaced by a :class:`_Part` that returns its slice of the group's
+one GEMM, computed by whichever part of the group is called first for an input. Under PEFT, a LoRA layer
+without dropout is replaced as a whole and its active adapters' ``scaling * B @ A`` is added to its rows
+of the fused copy (the model's own weights are never changed), so a LoRA decode step costs what a full
+one does; with dropout, only the base Linear is replaced and the layer adds its adapter term itself.
 """
 
 from __future__ import annotations
@@ -30,10 +32,13 @@ GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_pr
 
 
 class _Group:
-    """The fused weight of one group (set for the length of a generation call) and its pending outputs."""
+    """The fused weight of one group (set for the length of a generation call) and its pending outputs.
 
-    def __init__(self, linears: Sequence[nn.Linear]) -> None:
-        self.linears = list(linears)
+    ``loras[i]``: the PEFT LoRA layer whose adapters are folded into part i's rows of the fused weight (the
+    layer itself is swapped out for the call), or None."""
+
+    def __init__(self, linears: Sequence[nn.Linear], loras: Sequence[Any | None]) -> None:
+        self.linears, self.loras = list(linears), list(loras)
         self.sizes = [m.out_features for m in linears]
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
@@ -43,7 +48,12 @@ class _Group:
     def build(self) -> None:
         """Concatenate the live weights (training changed them since the last generation call)."""
         linears = self.linears
-        self.weight = torch.cat([m.weight for m in linears], dim=0)
+        weights = []
+        for linear, lora in zip(linears, self.loras, strict=True):
+            delta = _lora_delta(lora) if lora is not None else None
+            w = linear.weight
+            weights.append(w if delta is None else (w.float() + delta).to(w.dtype))
+        self.weight = torch.cat(weights, dim=0)
         if any(m.bias is not None for m in linears):
             zeros = [m.weight.new_zeros(m.out_features) for m in linears]
             self.bias = torch.cat([m.bias if m.bias is not None else z for m, z in zip(linears, zeros, strict=True)])
@@ -52,6 +62,42 @@ class _Group:
     def drop(self) -> None:
         self.weight = self.bias = self.outputs = None
         self.pending = 0
+
+
+def _is_lora_layer(module: Any) -> bool:
+    return all(hasattr(module, a) for a in ("lora_A", "lora_B", "scaling", "base_layer", "active_adapters"))
+
+
+def _foldable_lora(module: Any) -> bool:
+    """A LoRA layer whose adapters can be folded into the fused weight exactly: plain Linear A and B over a plain
+    Linear, no dropout (with dropout, generate draws masks; the layer then runs as it is), no DoRA, no bias."""
+    if not _is_lora_layer(module) or type(module.base_layer) is not nn.Linear or getattr(module, "fan_in_fan_out", 0):
+        return False
+    for name in module.lora_A:
+        if (
+            type(module.lora_A[name]) is not nn.Linear
+            or name not in module.lora_B
+            or type(module.lora_B[name]) is not nn.Linear
+        ):
+            return False
+        if not isinstance(module.lora_dropout[name], nn.Identity):
+            return False
+        if getattr(module, "use_dora", {}).get(name) or getattr(module, "lora_bias", {}).get(name):
+            return False
+    return True
+
+
+def _lora_delta(lora: Any) -> torch.Tensor | None:
+    """The active adapters' ``scaling * B @ A`` (fp32), what the LoRA layer adds to ``x @ W.T``; None when it
+    adds nothing (adapters merged into W already, or disabled)."""
+    if lora.merged or lora.disable_adapters:
+        return None
+    delta = None
+    for name in lora.active_adapters:
+        if name in lora.lora_A:
+            d = (lora.lora_B[name].weight.float() @ lora.lora_A[name].weight.float()) * lora.scaling[name]
+            delta = d if delta is None else delta + d
+    return delta
 
 
 class _Part(nn.Module):
@@ -105,7 +151,14 @@ def _plan(decoder: nn.Module) -> tuple[list[_Group], list[_Swap]]:
         for names in GROUPS:
             if not all(isinstance(getattr(module, n, None), nn.Module) for n in names):
                 continue
-            found = [_innermost_linear(getattr(module, n)) for n in names]
+            found = []
+            for n in names:
+                projection = getattr(module, n)
+                if _foldable_lora(projection):  # the whole LoRA layer stands aside: its adapters are in the GEMM
+                    found.append((module, n, projection.base_layer, projection))
+                else:  # the innermost Linear stands aside (a LoRA layer around it still adds its own term)
+                    inner = _innermost_linear(projection)
+                    found.append(None if inner is None else (inner[0] or module, inner[1] or n, inner[2], None))
             if any(f is None for f in found):
                 continue
             linears = [f[2] for f in found]
@@ -115,10 +168,9 @@ def _plan(decoder: nn.Module) -> tuple[list[_Group], list[_Swap]]:
                 or m.weight.device != first.device for m in linears
             ):  # fmt: skip
                 continue
-            group = _Group(linears)
+            group = _Group(linears, [f[3] for f in found])
             groups.append(group)
-            for index, (n, (parent, attr, linear)) in enumerate(zip(names, found, strict=True)):
-                holder, key = (parent, attr) if parent is not None else (module, n)
+            for index, (holder, key, linear, _) in enumerate(found):
                 swaps.append((holder, key, getattr(holder, key), _Part(group, index, linear)))
     return groups, swaps
 

@@ -13,7 +13,10 @@ step (the first pays compilations); decode ms/token (fast_decode's time per deco
 generation phase per completion token otherwise) and its ratio to the HBM floor (the weights one decode
 step reads / the card's memory bandwidth).
 ``VLMGRPOTrainer`` runs as users run it: JSONL rows with image paths on disk, checked and lazily
-decoded by the package's data pipeline.
+decoded by the package's data pipeline. Timers, data, trainers, the table and the command line are in
+``bench_common.py``; this script holds the run loop and the ``--profile_dir`` profiler.
+Multi-turn tool rollouts (2 tool rounds, each returning an image, vs vanilla TRL's tool loop): see
+``benchmarks/bench_tools.py``.
 """
 
 from __future__ import annotations
@@ -26,179 +29,34 @@ import re
 import statistics
 import sys
 import tempfile
-import time
 from collections import defaultdict
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from PIL import Image
+from bench_common import (
+    PHASES,
+    OptimizerTimer,
+    PhaseTimer,
+    Result,
+    Scenario,
+    build_policy,
+    decode_weight_bytes,
+    format_table,
+    grpo_config,
+    grpo_trainer,
+    hbm_bandwidth,
+    is_vanilla,
+    parse,
+    time_vision,
+    timed_fast_decode,
+    timed_trainer_class,
+    write_images,
+)
 from transformers import TrainerCallback
 
-# "prepare_other" is the rest of input preparation (processor, rewards, advantages); "vision" is the
-# vision tower's share, already counted inside the other phases.
-# "decode" is fast_decode's share of generation (ours only).
-PHASES = ("generation", "decode", "old_ref_logps", "prepare_other", "loss_forward", "backward", "optimizer", "vision")
-# Dense bf16 peak of the card, TFLOP/s (for MFU).
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
-# Peak HBM bandwidth of the card, bytes/s (datasheet), for the decode floor.
-HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.04e12}
-
-
-@dataclass
-class Scenario:
-    image_size: int
-    images_per_prompt: int
-    completion_length: int
-
-    @property
-    def name(self) -> str:
-        return f"{self.image_size}px x{self.images_per_prompt} C{self.completion_length}"
-
-
-@dataclass
-class Result:
-    trainer: str
-    scenario: str
-    step_s: float
-    samples_per_s: float
-    tokens_per_s: float
-    peak_mem_gib: float | None
-    mfu: float | None
-    phases_s: dict[str, float] = field(default_factory=dict)
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    step_times_s: list[float] = field(default_factory=list)  # every step, warm-up included, in order
-    gen_ms_per_token: float = 0.0  # generation phase / completion length (prefill included)
-    decode_ms_per_token: float | None = None  # fast_decode's time / tokens it decoded (ours)
-    floor_ms_per_token: float | None = None  # decode weights / HBM bandwidth
-    floor_ratio: float | None = None  # decode (else generation) ms/token / floor
-
-
-# --------------------------------------------------------------------------- timing
-
-
-class PhaseTimer:
-    """Accumulates wall time per phase; synchronises the device so GPU work is attributed correctly."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.totals: dict[str, float] = defaultdict(float)
-        self.per_step: list[dict[str, float]] = []
-        self.in_loss = False
-
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    @contextmanager
-    def phase(self, name: str):
-        self.sync()
-        start = time.perf_counter()
-        try:
-            with torch.profiler.record_function(f"phase:{name}"):  # for StepProfiler's training window
-                yield
-        finally:
-            self.sync()
-            self.totals[name] += time.perf_counter() - start
-
-    def close_step(self) -> None:
-        self.per_step.append(dict(self.totals))
-        self.totals = defaultdict(float)
-
-
-def timed_trainer_class(base: type) -> type:
-    """A subclass of ``base`` whose phases are timed; the training math is untouched."""
-
-    class Timed(base):  # type: ignore[misc, valid-type]
-        timer: PhaseTimer
-
-        def _generate(self, prompts):
-            with self.timer.phase("generation"):
-                return super()._generate(prompts)
-
-        def _get_per_token_logps_and_entropies(self, *args, **kwargs):
-            if self.timer.in_loss:
-                return super()._get_per_token_logps_and_entropies(*args, **kwargs)
-            with self.timer.phase("old_ref_logps"):
-                return super()._get_per_token_logps_and_entropies(*args, **kwargs)
-
-        def compute_loss(self, *args, **kwargs):
-            self.timer.in_loss = True
-            try:
-                with self.timer.phase("loss_forward"):
-                    return super().compute_loss(*args, **kwargs)
-            finally:
-                self.timer.in_loss = False
-
-        def _prepare_inputs(self, generation_batch):
-            before = self.timer.totals["generation"] + self.timer.totals["old_ref_logps"]
-            self.timer.sync()
-            start = time.perf_counter()
-            inputs = super()._prepare_inputs(generation_batch)
-            self.timer.sync()
-            inner = self.timer.totals["generation"] + self.timer.totals["old_ref_logps"] - before
-            self.timer.totals["prepare_other"] += time.perf_counter() - start - inner
-            self.timer.totals["_prompt_tokens"] += float(inputs["prompt_mask"].sum())
-            self.timer.totals["_completion_tokens"] += float(inputs["completion_mask"].sum())
-            self.timer.totals["_executed_tokens"] += executed_tokens(inputs, getattr(self.args, "share_prompt", False))
-            return inputs
-
-        def training_step(self, model, inputs, num_items_in_batch=None):
-            self.timer.sync()
-            start = time.perf_counter()
-            before = dict(self.timer.totals)
-            with torch.profiler.record_function("phase:training_step"):
-                out = super().training_step(model, inputs, num_items_in_batch)
-            self.timer.sync()
-            inner = sum(
-                self.timer.totals[k] - before.get(k, 0.0) for k in PHASES if k not in ("vision", "decode", "backward")
-            )
-            self.timer.totals["backward"] += max(0.0, time.perf_counter() - start - inner)
-            return out
-
-    Timed.__name__ = f"Timed{base.__name__}"
-    return Timed
-
-
-def executed_tokens(inputs: dict[str, Any], shared: bool) -> float:
-    """Tokens the training pass really runs: every row's prompt + completion, or with the shared-prompt
-    pass each distinct prompt once plus (1 + C) per row (see vlm_grpo.fastpath.sharing). Used for MFU."""
-    prompt_len = inputs["prompt_mask"].sum(1)
-    width = inputs["completion_ids"].size(1)
-    if not shared:
-        return float(prompt_len.sum() + prompt_len.numel() * width)
-    distinct = {
-        tuple(ids[m.bool()].tolist()) for ids, m in zip(inputs["prompt_ids"], inputs["prompt_mask"], strict=True)
-    }
-    return float(sum(len(p) - 1 for p in distinct) + prompt_len.numel() * (width + 1))
-
-
-class OptimizerTimer(TrainerCallback):
-    def __init__(self, timer: PhaseTimer) -> None:
-        self.timer = timer
-        self.start = 0.0
-        self.step_start = 0.0
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.timer.sync()
-        self.start = time.perf_counter()
-
-    def on_optimizer_step(self, args, state, control, **kwargs):
-        self.timer.sync()
-        self.timer.totals["optimizer"] += time.perf_counter() - self.start
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self.timer.sync()
-        self.step_start = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.timer.sync()
-        self.timer.totals["_wall"] += time.perf_counter() - self.step_start
-        self.timer.close_step()
+# --------------------------------------------------------------------------- profiling
 
 
 class StepProfiler(TrainerCallback):
@@ -271,212 +129,7 @@ def training_window(events: list[Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def time_vision(model: torch.nn.Module, module: Any, timer: PhaseTimer) -> None:
-    """Forward hooks on the vision tower: its share of every pass (already inside the other phases)."""
-    towers = {name: m for name, m in model.named_modules() if name in module.vision_prefixes}
-    tower = towers.get(module.vision_prefixes[0])
-    if tower is None:
-        return
-    starts: list[float] = []
-
-    def pre(_m, _a):
-        timer.sync()
-        starts.append(time.perf_counter())
-
-    def post(_m, _a, _o):
-        timer.sync()
-        timer.totals["vision"] += time.perf_counter() - starts.pop()
-
-    tower.register_forward_pre_hook(pre)
-    tower.register_forward_hook(post)
-
-
-# --------------------------------------------------------------------------- data
-
-
-def write_images(root: Path, scenario: Scenario, n_prompts: int, seed: int) -> list[list[Path]]:
-    rng = np.random.default_rng(seed)
-    paths = []
-    for i in range(n_prompts):
-        row = []
-        for j in range(scenario.images_per_prompt):
-            pixels = rng.integers(0, 256, size=(scenario.image_size, scenario.image_size, 3), dtype=np.uint8)
-            path = root / f"img_{scenario.image_size}_{i}_{j}.png"
-            Image.fromarray(pixels).save(path)
-            row.append(path)
-        paths.append(row)
-    return paths
-
-
-QUESTION = "Describe everything you can see in these pictures, object by object, with positions and colours."
-
-
-def question(index: int, vary: int) -> str:
-    """The prompt text of prompt ``index``: with ``vary`` > 0, 0..vary extra sentences, so prompt lengths (and
-    every attention shape) change from step to step as in real data; kernels that plan per shape pay for it."""
-    extra = (index * 3) % (vary + 1) if vary else 0
-    return QUESTION + "".join(f" Then detail number {k}." for k in range(extra))
-
-
-def vanilla_dataset(paths: list[list[Path]], vary: int = 0):
-    from datasets import Dataset
-
-    def transform(batch):
-        batch = dict(batch)
-        batch["images"] = [[Image.open(p).convert("RGB") for p in row] for row in batch["image_path"]]
-        return batch
-
-    prompts = [
-        [{"role": "user", "content": [*({"type": "image"} for _ in row), {"type": "text", "text": question(i, vary)}]}]
-        for i, row in enumerate(paths)
-    ]
-    dataset = Dataset.from_dict({"prompt": prompts, "image_path": [[str(p) for p in row] for row in paths]})
-    return dataset.with_transform(transform)
-
-
-def write_rows(paths: list[list[Path]], jsonl: Path, vary: int = 0) -> Path:
-    """The prompts as the package's JSONL rows (image paths on disk, ``question(i, vary)``), one per prompt."""
-    with open(jsonl, "w") as f:
-        for i, row in enumerate(paths):
-            conversations = [
-                {"from": "human", "value": "<image>" * len(row) + question(i, vary)},
-                {"from": "gpt", "value": "<answer>none</answer>"},
-            ]
-            f.write(json.dumps({"id": i, "image": [str(p) for p in row], "conversations": conversations}) + "\n")
-    return jsonl
-
-
-def ours_dataset(paths: list[list[Path]], root: Path, module: Any, processor: Any, vary: int = 0):
-    from vlm_grpo.data import prepare_rows, read_rows, to_datasets
-
-    jsonl = write_rows(paths, root / "rows.jsonl", vary)
-    rows, bad = read_rows([str(jsonl)], task_type="raw")
-    rows = prepare_rows(rows, bad, module, processor)
-    return to_datasets(rows, module)[0]
-
-
-def length_reward(completions, **kwargs):
-    """Cheap and text-dependent (non-zero advantages), the same for both trainers."""
-    return [float(len(str(c)) % 7) for c in completions]
-
-
 # --------------------------------------------------------------------------- runs
-
-
-def is_vanilla(kind: str) -> bool:
-    """``vanilla`` and its variants (``vanilla_static:cache_implementation=static``) run plain TRL."""
-    return kind.partition(":")[0].startswith("vanilla")
-
-
-def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
-    """``name`` or ``name:key=value,key=value`` -> (name, VLMGRPOConfig overrides).
-
-    ``cache_implementation=static`` goes into ``generation_kwargs``; true/false become booleans.
-    """
-    name, _, rest = spec.partition(":")
-    overrides: dict[str, Any] = {}
-    for item in filter(None, rest.split(",")):
-        key, _, value = item.partition("=")
-        overrides[key] = {"true": True, "false": False}.get(value.lower(), value)
-    return name, overrides
-
-
-def build_policy(args: argparse.Namespace, workdir: Path, tag: str, lora_r: int = 0) -> tuple[Any, Any, Any]:
-    """(model, processor, adapter) of ``args.preset`` with random weights, on ``args.device`` in ``args.dtype``.
-
-    A reference model (beta > 0) is loaded by TRL from the policy's path: the weights are saved under
-    ``workdir/model_<tag>`` then. ``lora_r > 0`` wraps the model in LoRA on the language model with the
-    vision tower frozen (the targets the package picks), once, so every trainer trains the same adapter.
-    """
-    from vlm_grpo.modules import get_vlm_module
-    from vlm_grpo.testing.tiny import build_model, get_preset
-
-    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-    ref_dir = workdir / f"model_{tag}" if args.beta > 0 else None
-    model, processor = build_model(args.preset, out_dir=ref_dir, seed=args.seed, dtype=dtype, device=args.device)
-    if ref_dir is not None:
-        model.config._name_or_path = str(ref_dir)
-    module = get_vlm_module("", get_preset(args.preset).family)
-    processor.tokenizer.padding_side = "left"
-    if lora_r:
-        from peft import LoraConfig, get_peft_model
-
-        from vlm_grpo.trainer_common import apply_adapter_options
-
-        lora = LoraConfig(r=lora_r, lora_alpha=2 * lora_r, lora_dropout=0.05, task_type="CAUSAL_LM")
-        apply_adapter_options(module, model, lora, freeze_vision_modules=True)
-        model = get_peft_model(model, lora)
-    return model, processor, module
-
-
-def grpo_config(
-    kind: str, args: argparse.Namespace, scenario: Scenario, workdir: Path, max_steps: int, **extra: Any
-) -> Any:
-    """``GRPOConfig`` (vanilla) or ``VLMGRPOConfig`` (ours, with the variant's overrides) for one run:
-    ``args.prompts_per_step`` x G samples per step, generation forced to the full completion length.
-    ``extra`` are further config fields (the variant's win)."""
-    from trl import GRPOConfig
-
-    from vlm_grpo.configs import VLMGRPOConfig
-
-    overrides = extra | parse_variant(kind)[1]
-    generation_kwargs = {"min_new_tokens": scenario.completion_length}
-    if "cache_implementation" in overrides:
-        generation_kwargs["cache_implementation"] = overrides.pop("cache_implementation")
-    fields = {
-        "output_dir": str(workdir / f"out_{kind.partition(':')[0]}"),
-        "max_steps": max_steps,
-        "per_device_train_batch_size": args.prompts_per_step * args.num_generations,
-        "num_generations": args.num_generations,
-        "max_completion_length": scenario.completion_length,
-        "generation_kwargs": generation_kwargs,
-        "beta": args.beta,
-        "learning_rate": 1e-6,
-        "gradient_checkpointing": args.gradient_checkpointing,
-        "bf16": args.dtype == "bfloat16",
-        "use_cpu": torch.device(args.device).type == "cpu",
-        "logging_steps": 1,
-        "save_strategy": "no",
-        "report_to": "none",
-        "seed": args.seed,
-        "dataloader_num_workers": 0,
-    }
-    return (GRPOConfig if is_vanilla(kind) else VLMGRPOConfig)(**(fields | overrides))
-
-
-def grpo_trainer(
-    kind: str,
-    model: Any,
-    processor: Any,
-    module: Any,
-    config: Any,
-    paths: list[list[Path]],
-    workdir: Path,
-    cls: type | None = None,
-    vary_prompts: int = 0,
-    **kwargs: Any,
-) -> Any:
-    """The trainer of ``kind`` (``cls`` overrides its class) on ``paths``: vanilla TRL on an in-memory dataset,
-    ours on JSONL rows through the package's data pipeline. ``kwargs`` go to the trainer."""
-    from trl import GRPOTrainer
-
-    from vlm_grpo.trainer import VLMGRPOTrainer
-
-    if is_vanilla(kind):
-        cls = cls or GRPOTrainer
-        dataset = vanilla_dataset(paths, vary_prompts)
-    else:
-        cls = cls or VLMGRPOTrainer
-        dataset = ours_dataset(paths, workdir, module, processor, vary_prompts)
-        kwargs = {"vlm_module": module, **kwargs}
-    return cls(
-        model=model,
-        reward_funcs=[length_reward],
-        args=config,
-        train_dataset=dataset,
-        processing_class=processor,
-        **kwargs,
-    )
 
 
 def run_one(kind: str, args: argparse.Namespace, scenario: Scenario, workdir: Path, paths) -> Result:
@@ -547,126 +200,8 @@ def run_one(kind: str, args: argparse.Namespace, scenario: Scenario, workdir: Pa
     return result
 
 
-@contextmanager
-def timed_fast_decode(timer: PhaseTimer):
-    """Times ``fast_decode`` (the "decode" phase) and counts the tokens it decodes, for the duration of a run."""
-    from vlm_grpo.fastpath import decode
-
-    real = decode.fast_decode
-
-    def timed(*args, **kwargs):
-        with timer.phase("decode"):
-            out = real(*args, **kwargs)
-        timer.totals["_decode_tokens"] += out.size(1)
-        return out
-
-    decode.fast_decode = timed
-    try:
-        yield
-    finally:
-        decode.fast_decode = real
-
-
-def hbm_bandwidth(device: str) -> float | None:
-    if not device.startswith("cuda") or not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name()
-    return next((v for k, v in HBM_BYTES_PER_S.items() if k in name), None)
-
-
-def decode_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weights one decode step reads: the text decoder's layers and final norm plus the LM head
-    (the input embedding is a lookup of a few rows; the vision tower does not run)."""
-    from vlm_grpo.utils import peft_base
-
-    base = peft_base(model)
-    decoder, head = base.get_decoder(), base.get_output_embeddings()
-    lookup_only = {id(p) for p in decoder.get_input_embeddings().parameters()} - {id(p) for p in head.parameters()}
-    params = {id(p): p for p in [*decoder.parameters(), *head.parameters()] if id(p) not in lookup_only}
-    return sum(p.numel() * p.element_size() for p in params.values())
-
-
-def card_peak_tflops(device: str) -> float | None:
-    if not device.startswith("cuda") or not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name()
-    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
-
-
-def format_table(results: list[Result]) -> str:
-    header = (
-        f"{'scenario':<20} {'trainer':<14} {'s/step':>7} {'samp/s':>7} {'tok/s':>8} {'peakGiB':>8} {'MFU':>6} "
-        + " ".join(f"{p[:8]:>8}" for p in PHASES)
-        + f" {'first s':>7} {'ms/tok':>7} {'x floor':>7} {'x vanilla':>9}"
-    )
-    lines = [header, "-" * len(header)]
-    vanilla = {r.scenario: r for r in results if r.trainer == "vanilla"}
-    for r in results:
-        base = vanilla.get(r.scenario)
-        ratio = f"{r.samples_per_s / base.samples_per_s:9.2f}" if base else f"{'':>9}"
-        mem = f"{r.peak_mem_gib:8.1f}" if r.peak_mem_gib is not None else f"{'-':>8}"
-        mfu = f"{100 * r.mfu:5.1f}%" if r.mfu is not None else f"{'-':>6}"
-        phases = " ".join(f"{r.phases_s[p]:8.3f}" for p in PHASES)
-        first = r.step_times_s[0] if r.step_times_s else float("nan")
-        floor = f"{r.floor_ratio:7.2f}" if r.floor_ratio is not None else f"{'-':>7}"
-        lines.append(
-            f"{r.scenario:<20} {r.trainer:<14} {r.step_s:7.3f} {r.samples_per_s:7.2f} {r.tokens_per_s:8.0f} "
-            f"{mem} {mfu} {phases} {first:7.2f} {r.decode_ms_per_token or r.gen_ms_per_token:7.2f} {floor} {ratio}"
-        )
-    return "\n".join(lines)
-
-
-def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="tiny", help="model preset (vlm_grpo.testing.presets); tiny = tiny_qwen2_5_vl")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="default: bf16 on GPU, fp32 on CPU")
-    p.add_argument("--image_sizes", type=int, nargs="+", default=None, help="default: 448 896 (GPU), 56 (CPU)")
-    p.add_argument("--images_per_prompt", type=int, nargs="+", default=[1])
-    p.add_argument("--completion_lengths", type=int, nargs="+", default=None, help="default: 128 (GPU), 8 (CPU)")
-    p.add_argument("--num_generations", type=int, default=8)
-    p.add_argument("--prompts_per_step", type=int, default=2)
-    p.add_argument("--steps", type=int, default=3, help="measured steps (after warm-up)")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument(
-        "--beta", type=float, default=0.0, help="KL coefficient (TRL's default 0); > 0 adds a reference pass"
-    )
-    p.add_argument("--gradient_checkpointing", type=lambda s: s.lower() in ("1", "true", "yes"), default=True)
-    p.add_argument("--lora_r", type=int, default=0, help="> 0: every trainer trains the same LoRA (language model)")
-    p.add_argument(
-        "--trainers",
-        nargs="+",
-        default=["vanilla", "ours"],
-        help="vanilla, and variants as name[:key=value,...] over VLMGRPOConfig (GRPOConfig for names starting with "
-        "'vanilla'), e.g. 'ours' 'noshare:share_prompt=false' 'vanilla_static:cache_implementation=static'",
-    )
-    p.add_argument("--peak_tflops", type=float, default=None, help="card's dense bf16 peak (default: by name)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--vary_prompts", type=int, default=0,
-        help="add 0..N sentences to the prompts so their lengths change from step to step (default: one length)",
-    )  # fmt: skip
-    p.add_argument(
-        "--no_cudnn_sdpa", action="store_true",
-        help="take cuDNN out of sdpa's backends for every trainer, vanilla included (it builds an execution plan "
-        "per new shape); without it each trainer starts from torch's default and ours turns cuDNN off itself "
-        "unless cudnn_attention=true",
-    )  # fmt: skip
-    p.add_argument("--profile_dir", default=None, help="profile one extra step per run; top ops written here")
-    p.add_argument("--out", default="bench_results.json")
-    args = p.parse_args(argv)
-    if args.preset == "tiny":
-        args.preset = "tiny_qwen2_5_vl"
-    on_gpu = args.device.startswith("cuda")
-    args.dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
-    args.image_sizes = args.image_sizes or ([448, 896] if on_gpu else [56])
-    args.completion_lengths = args.completion_lengths or ([128] if on_gpu else [8])
-    args.peak_tflops = args.peak_tflops or card_peak_tflops(args.device)
-    return args
-
-
 def main(argv: list[str] | None = None) -> list[Result]:
-    args = parse(argv)
+    args = parse(argv, __doc__.split("\n\n")[0])
     results: list[Result] = []
     scenarios = [
         Scenario(s, k, c)

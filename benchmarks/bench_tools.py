@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_grpo import (
+from bench_common import (
     PHASES,
     OptimizerTimer,
     PhaseTimer,
@@ -126,7 +126,7 @@ def run_one(kind: str, args: Any, scenario: Scenario, workdir: Path, paths: list
 
 
 def main(argv: list[str] | None = None) -> list[Result]:
-    args = parse(argv)
+    args = parse(argv, __doc__.split("\n\n")[0])
     results, extras = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.image_sizes:

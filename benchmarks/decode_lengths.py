@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_grpo import decode_weight_bytes, hbm_bandwidth
+from bench_common import decode_weight_bytes, hbm_bandwidth
 
 CAPTURES: list[float] = []  # seconds of each CUDA-graph warm-up + capture (once per fast_decode call)
 

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from bench_grpo import Scenario, build_policy, grpo_config, grpo_trainer, write_images
+from bench_common import Scenario, build_policy, grpo_config, grpo_trainer, write_images
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 

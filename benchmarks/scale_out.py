@@ -12,7 +12,7 @@ The model is a preset of ``vlm_grpo.testing.presets`` with random weights, built
 
 This file is the driver (plans, memory gate, torchrun runs, budget and time-outs, table); torchrun starts it again
 with ``SCALE_OUT_WORKER`` set, and it then hands over to ``scale_out_worker.worker`` (imported only then): on every
-rank ``grpo_jsonl.main`` with ``bench_grpo``'s phase timers and two callbacks (``Recorder``: the time of every step,
+rank ``grpo_jsonl.main`` with ``bench_common``'s phase timers and two callbacks (``Recorder``: the time of every step,
 peak memory, which speed features ran; rank 0 also profiles one extra step after the measured ones and sums the GPU
 time of its NCCL kernels, the time in collectives). The model is never saved (``save_model`` is a no-op there).
 
@@ -134,7 +134,7 @@ def write_data(args: argparse.Namespace, data_dir: Path, n_prompts: int) -> Path
     if jsonl.is_file() and sum(1 for _ in open(jsonl)) >= n_prompts:
         return jsonl
     sys.path.insert(0, str(HERE))
-    from bench_grpo import Scenario, write_images, write_rows
+    from bench_common import Scenario, write_images, write_rows
 
     data_dir.mkdir(parents=True, exist_ok=True)
     paths = write_images(data_dir, Scenario(args.image_size, 1, args.completion_length), n_prompts, seed=0)
@@ -150,7 +150,7 @@ def grpo_argv(args: argparse.Namespace, ds: str, model_dir: Path, jsonl: Path, o
     flags: dict[str, Any] = {
         "model_name_or_path": model_dir,
         "data_file_paths": jsonl,
-        "reward_funcs": f"{HERE / 'bench_grpo.py'}:length_reward",
+        "reward_funcs": f"{HERE / 'bench_common.py'}:length_reward",
         "output_dir": out_dir,
         "per_device_train_batch_size": args.prompts_per_device * args.num_generations,
         "num_generations": args.num_generations,

@@ -2,7 +2,7 @@
 
 ``scale_out.py`` starts itself under torchrun with ``SCALE_OUT_WORKER`` set to the run's spec (JSON: result folder,
 warm-up and measured steps, whether to profile, device, start time) and hands over to ``worker`` here. It runs
-``grpo_jsonl.main`` with ``bench_grpo``'s phase timers and two callbacks (``OptimizerTimer``, and ``Recorder``: the
+``grpo_jsonl.main`` with ``bench_common``'s phase timers and two callbacks (``OptimizerTimer``, and ``Recorder``: the
 time of every step, peak memory, which speed features ran, from ``Probe``'s counters and log lines); rank 0 also
 profiles one extra step after the measured ones and sums the GPU time of its NCCL kernels, the time in collectives
 (``collective_summary``). Each rank writes ``rank{N}.json`` in the spec's folder; the driver reads them. The model is
@@ -155,7 +155,7 @@ def profiled_spans(prof: Any) -> list[tuple[str, bool, float, float]]:
 
 def collective_summary(spans: list[tuple[str, bool, float, float]], step_s: float) -> dict[str, Any]:
     """Time in collectives of one profiled step: the GPU time of NCCL kernels (on CPU: the c10d ops' host time),
-    by kind, and how many ran inside generation and inside fast_decode (phase windows of bench_grpo's timer).
+    by kind, and how many ran inside generation and inside fast_decode (phase windows of bench_common's timer).
 
     On the GPU only the kernels (``NCCL_KERNEL_PREFIXES``) count, not the ``nccl:*`` annotations of the same calls;
     where no event is named like a kernel, every GPU event with "nccl" in its name does (``source`` says which).
@@ -277,7 +277,7 @@ def worker(spec: dict[str, Any], argv: list[str]) -> None:
     import torch
 
     sys.path.insert(0, str(HERE))
-    from bench_grpo import OptimizerTimer, PhaseTimer, timed_fast_decode, timed_trainer_class
+    from bench_common import OptimizerTimer, PhaseTimer, timed_fast_decode, timed_trainer_class
 
     import vlm_grpo.trainer as trainer_module
     from vlm_grpo import grpo_jsonl

@@ -4,6 +4,7 @@
 # chain. Run from the repository root on the device after `source benchmarks/device_env.sh`:
 #   OUT=/somewhere bash benchmarks/i20_round2.sh            # all four jobs (about 9 minutes)
 #   OUT=/somewhere bash benchmarks/i20_round2.sh 3          # one job (on card 0 if there is only one)
+#   OUT=/somewhere bash benchmarks/i20_round2.sh 6 7 8      # the measurements still missing (cards 0, 1, 2)
 # Files: $OUT/i20[cd]_*.json and logs.tgz (one log per job). Jobs 4 and 5 are the same measurements one at a
 # time on one card (side by side, the four jobs slowed each other's CPU work: see RESULTS.md).
 set -uo pipefail
@@ -50,15 +51,31 @@ job4() {  # one card, one job at a time: the decode step with fusion off / on, t
 job5() {  # one card: 448² C1024 ours vs vanilla
   "${B[@]}" --image_sizes 448 --completion_lengths 1024 --trainers ours vanilla --out "$OUT/i20d_448_c1024.json"
 }
+# What the eighth session could not measure alone (run side by side: `... i20_round2.sh 6 7 8`, threads split).
+job6() {  # issue 17: 2 tool rounds with a returned image each, ours vs vanilla TRL's tool loop
+  python3 bench_tools.py --preset qwen2_5_vl_3b --device cuda --image_sizes 448 --completion_lengths 128 \
+    --steps 3 --warmup 1 --out "$OUT/i20e_tools_448_c128.json"
+}
+job7() {  # LoRA r64, ours vs vanilla
+  "${B[@]}" --image_sizes 448 --completion_lengths 128 --trainers ours vanilla --lora_r 64 \
+    --out "$OUT/i20e_448_c128_lora64.json"
+}
+job8() {  # 896² C128, ours vs vanilla
+  "${B[@]}" --image_sizes 896 --completion_lengths 128 --trainers ours vanilla --out "$OUT/i20e_896_c128.json"
+}
 
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 jobs=("$@")
 [ ${#jobs[@]} -eq 0 ] && jobs=(0 1 2 3)
+# Jobs side by side share the host: split its cores between them (each torch process otherwise starts a
+# thread pool as large as the machine, and the eighth session's side-by-side run slowed everyone's CPU work).
+threads=$(( $(nproc) / ${#jobs[@]} )); [ "$threads" -lt 1 ] && threads=1
+n=0
 for j in "${jobs[@]}"; do
-  card=$(( gpus > 1 ? j % gpus : 0 ))
-  ( export CUDA_VISIBLE_DEVICES=$card; timeout "$LIMIT" bash -c "$(declare -f "job$j"); $(declare -p B D OUT); job$j" \
+  card=$(( gpus > 1 ? n % gpus : 0 )); n=$((n + 1))
+  ( export CUDA_VISIBLE_DEVICES=$card OMP_NUM_THREADS=$threads MKL_NUM_THREADS=$threads; timeout "$LIMIT" bash -c "$(declare -f "job$j"); $(declare -p B D OUT); job$j" \
       >"$OUT/job$j.log" 2>&1; echo "[i20c] job$j on card $card: rc=$?" ) &
 done
 wait
-grep -h "^\[i20c\]\|^[0-9]*px\|decode_ms_per_token" "$OUT"/job*.log | cut -c1-400 | head -60
+grep -h "^\[i20c\]\|^\[bench_tools\]\|^[0-9]*px\|decode_ms_per_token" "$OUT"/job*.log | cut -c1-400 | head -60
 tar czf "$OUT/logs.tgz" -C "$OUT" $(cd "$OUT" && ls job*.log) && rm -f "$OUT"/job*.log  # the device returns few files

@@ -66,6 +66,33 @@ def test_tool_kwargs_errors_are_clear():
         make_environment_factory([lambda env: 1])
 
 
+def test_the_malformed_call_name_is_reserved():
+    """A user tool under the hidden tool's name would be replaced by it: refused, before any model loads."""
+    from vlm_grpo.trainer import VLMGRPOTrainer
+
+    def malformed_tool_call(env, text: str) -> str:
+        """A user's tool that happens to take the reserved name.
+
+        Args:
+            text: anything.
+        """
+        return text
+
+    def echo(env, text: str) -> str:
+        """Echo.
+
+        Args:
+            text: anything.
+        """
+        return text
+
+    with pytest.raises(ValueError, match=r"cannot be a tool: .*malformed_tool_call"):
+        make_environment_factory([malformed_tool_call])
+    make_environment_factory([echo])  # control: another name is fine
+    with pytest.raises(ValueError, match="cannot be named 'malformed_tool_call'"):
+        VLMGRPOTrainer(model="never-loaded", reward_funcs=[lambda **kw: [0.0]], tools=[malformed_tool_call])
+
+
 def test_cli_and_yaml_fields(tmp_path):
     script, *_ = parse_args(["--model_name_or_path", "m", "--tools", "zoom_in", "python", "--tool_kwargs", "{}"])
     assert script.tools == ["zoom_in", "python"] and script.tool_kwargs == "{}"

@@ -81,6 +81,8 @@ class VLMGRPOTrainer(
         tool_kwargs: str | Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
+        if any(getattr(t, "__name__", None) == MALFORMED_CALL for t in tools or []):  # before any model loads
+            raise ValueError(f"A tool cannot be named {MALFORMED_CALL!r}: that name answers malformed tool calls")
         args = as_vlm_config(args, VLMGRPOConfig, model, "GRPO")
         vlm_module, model, processing_class = prepare_vlm(
             model,

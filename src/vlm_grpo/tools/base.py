@@ -23,7 +23,9 @@ logger = logging.getLogger(__name__)
 ToolFunc = Callable[..., Any]
 CoordSize = Callable[[int, int], tuple[int, int]]
 
-_RESERVED = {"reset", "get_reward"}
+# The hidden tool that answers a malformed ``<tool_call>`` block with an error (see vlm_grpo.tools.rollouts).
+MALFORMED_CALL = "malformed_tool_call"
+_RESERVED = {"reset", "get_reward", MALFORMED_CALL}
 
 
 class ToolError(Exception):
@@ -190,7 +192,9 @@ def make_environment_factory(
     for fn in tools:
         name = getattr(fn, "__name__", None)
         if not callable(fn) or not name or not name.isidentifier() or name.startswith("_") or name in _RESERVED:
-            raise ValueError(f"{fn!r} cannot be a tool: it needs a public function name other than reset/get_reward")
+            raise ValueError(
+                f"{fn!r} cannot be a tool: it needs a public function name other than {', '.join(sorted(_RESERVED))}"
+            )
         if name in methods:
             raise ValueError(f"Two tools are named '{name}'")
         methods[name] = _as_method(fn)

@@ -13,7 +13,13 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
-from vlm_grpo.tools.base import CoordSize, ToolEnvironment, make_environment_factory, parse_tool_kwargs
+from vlm_grpo.tools.base import (
+    MALFORMED_CALL,
+    CoordSize,
+    ToolEnvironment,
+    make_environment_factory,
+    parse_tool_kwargs,
+)
 from vlm_grpo.tools.templates import family_tool_template
 
 logger = logging.getLogger(__name__)
@@ -70,7 +76,6 @@ def prepare_for_tools(args: Any, processing_class: Any) -> None:
             setattr(args, name, False)
 
 
-MALFORMED_CALL = "malformed_tool_call"
 _EXECUTOR: ThreadPoolExecutor | None = None
 
 

@@ -158,7 +158,7 @@ def test_fused_projections_run_one_gemm_per_group_and_keep_generates_tokens(tiny
     assert {name: module for name, module in model.named_modules()} == before
 
 
-def _lora_model(tiny_models, dropout: float = 0.0):
+def _lora_model(tiny_models, dropout: float = 0.0, dora: bool = False):
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
@@ -166,6 +166,7 @@ def _lora_model(tiny_models, dropout: float = 0.0):
         r=4,
         lora_alpha=64,
         lora_dropout=dropout,
+        use_dora=dora,
         target_modules=["q_proj", "v_proj", "up_proj"],
         init_lora_weights=False,
     )  # random A and B: the adapter changes the tokens
@@ -174,20 +175,23 @@ def _lora_model(tiny_models, dropout: float = 0.0):
 
 def _adapter_calls(model) -> list[int]:
     calls = [0]
-    for name, module in model.named_modules():
-        if name.endswith("lora_A.default"):
+    for module in model.modules():
+        if hasattr(module, "lora_A"):  # the LoRA layers (folded ones are swapped out and never called)
             module.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     return calls
 
 
-@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["folded", "dropout_layer_runs"])
-def test_fused_projections_keep_the_lora_terms(dropout, tiny_models, monkeypatch):
+@pytest.mark.parametrize(
+    ("dropout", "dora"), [(0.0, False), (0.1, False), (0.0, True)], ids=["folded", "dropout_layer_runs", "dora_runs"]
+)
+def test_fused_projections_keep_the_lora_terms(dropout, dora, tiny_models, monkeypatch):
     """LoRA without dropout: the adapters are folded into the fused GEMM (no adapter GEMM runs while decoding);
-    with dropout the LoRA layer runs as it is around the fused base. Either way the tokens are generate's with
+    with dropout, or DoRA, the LoRA layer runs as it is around the fused base. Either way the tokens are generate's with
     the adapter. The negative control folds nothing and must change the tokens."""
     from vlm_grpo.fastpath import decode_fusion
 
-    model = _lora_model(tiny_models, dropout)
+    model = _lora_model(tiny_models, dropout, dora)
+    folded = dropout == 0.0 and not dora
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     calls = _adapter_calls(model)
     fast_calls = []
@@ -203,11 +207,34 @@ def test_fused_projections_keep_the_lora_terms(dropout, tiny_models, monkeypatch
     widths = _count_gemms(monkeypatch)
     ours, plain = _decode(model, 20, compile=False)
     assert widths and ours == plain
-    assert (fast_calls[0] == 0) == (dropout == 0.0), fast_calls  # adapters folded, or run by their layers
+    assert (fast_calls[0] == 0) == folded, fast_calls  # adapters folded, or run by their layers
     assert all(torch.equal(weights[n], p) for n, p in model.named_parameters())  # the model is never changed
 
     monkeypatch.setattr(decode_fusion, "_lora_delta", lambda lora: None)  # control: adapters left out
     decode_fusion._PLANS.clear()
     control, plain_again = _decode(model, 20, compile=False)
     assert plain_again == plain
-    assert (control != plain) == (dropout == 0.0)
+    assert (control != plain) == folded
+
+
+@pytest.mark.parametrize("guarded", [True, False], ids=["guarded", "control_unguarded"])
+def test_fused_projections_follow_merged_and_disabled_adapters(guarded, tiny_models, monkeypatch):
+    """Adapters merged into the base weights: fused decode gives generate's tokens. Merged and then disabled,
+    PEFT unmerges them on the layer's next forward: fusion stands aside for that call (the decoder then gives
+    the base model's output); the control fuses anyway and keeps the adapter in its output."""
+    from vlm_grpo.fastpath import decode_fusion
+
+    model = _lora_model(tiny_models)
+    model.merge_adapter()
+    ours, plain = _decode(model, 20, compile=False)
+    assert ours == plain
+    if not guarded:
+        monkeypatch.setattr(decode_fusion, "_unmerges_on_forward", lambda module: False)
+    decoder = peft_base(model).get_decoder()
+    ids = torch.randint(100, 1000, (1, 6), generator=torch.Generator().manual_seed(0))
+    with model.disable_adapter(), torch.no_grad():
+        with decode_fusion.fused_projections(decoder) as fused:
+            inside = decoder(input_ids=ids).last_hidden_state
+        base = decoder(input_ids=ids).last_hidden_state  # PEFT has unmerged by now: the base model's output
+    assert (fused == 0) == guarded
+    assert torch.allclose(inside, base, atol=1e-5) == guarded

@@ -84,6 +84,8 @@ def _foldable_lora(module: Any) -> bool:
             return False
         if getattr(module, "use_dora", {}).get(name) or getattr(module, "lora_bias", {}).get(name):
             return False
+        if name in getattr(module, "lora_variant", {}):  # DoRA and later variants have their own forward
+            return False
     return True
 
 
@@ -175,6 +177,12 @@ def _plan(decoder: nn.Module) -> tuple[list[_Group], list[_Swap]]:
     return groups, swaps
 
 
+def _unmerges_on_forward(module: nn.Module) -> bool:
+    """A LoRA layer with merged adapters that are disabled: its forward unmerges them from the base weight,
+    which the fused copy would not see."""
+    return _is_lora_layer(module) and bool(module.disable_adapters) and bool(module.merged)
+
+
 @contextlib.contextmanager
 def fused_projections(decoder: nn.Module) -> Iterator[int]:
     """While active, every q|k|v and gate|up group of ``decoder`` runs as one GEMM. Yields the number of
@@ -183,6 +191,9 @@ def fused_projections(decoder: nn.Module) -> Iterator[int]:
     if plan is None or any(getattr(holder, key, None) is not original for holder, key, original, _ in plan[1]):
         plan = _PLANS[decoder] = _plan(decoder)  # first call, or the model's modules changed since
     groups, swaps = plan
+    if any(_unmerges_on_forward(m) for m in decoder.modules()):
+        yield 0  # PEFT would change the base weights during the call: the model runs unchanged
+        return
     done: list[_Swap] = []
     try:
         with torch.no_grad():

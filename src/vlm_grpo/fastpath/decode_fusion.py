@@ -129,15 +129,13 @@ class _Part(nn.Module):
         return out
 
 
-def _innermost_linear(module: Any) -> tuple[nn.Module | None, str | None, nn.Linear] | None:
-    """(parent, attribute, plain Linear) for a projection, looking through PEFT's ``base_layer``; None if the
-    projection is not a plain ``nn.Linear`` (quantized, already fused, ...)."""
-    parent, name = None, None
+def _innermost_linear(holder: nn.Module, key: str) -> tuple[nn.Module, str, nn.Linear] | None:
+    """(holder, attribute, plain Linear) of the projection ``holder.key``, looking through PEFT's ``base_layer``;
+    None if it is not a plain ``nn.Linear`` (quantized, already fused, ...)."""
+    module = getattr(holder, key)
     while isinstance(getattr(module, "base_layer", None), nn.Module):
-        parent, name, module = module, "base_layer", module.base_layer
-    if type(module) is not nn.Linear:
-        return None
-    return parent, name, module
+        holder, key, module = module, "base_layer", module.base_layer
+    return (holder, key, module) if type(module) is nn.Linear else None
 
 
 _Swap = tuple[nn.Module, str, nn.Module, _Part]  # holder, attribute, the module there, its stand-in
@@ -159,8 +157,8 @@ def _plan(decoder: nn.Module) -> tuple[list[_Group], list[_Swap]]:
                 if _foldable_lora(projection):  # the whole LoRA layer stands aside: its adapters are in the GEMM
                     found.append((module, n, projection.base_layer, projection))
                 else:  # the innermost Linear stands aside (a LoRA layer around it still adds its own term)
-                    inner = _innermost_linear(projection)
-                    found.append(None if inner is None else (inner[0] or module, inner[1] or n, inner[2], None))
+                    inner = _innermost_linear(module, n)
+                    found.append(None if inner is None else (*inner, None))
             if any(f is None for f in found):
                 continue
             linears = [f[2] for f in found]

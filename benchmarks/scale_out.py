@@ -31,7 +31,7 @@ DeepSpeed, the only way one 80 GB card trains it (the baseline's numerics differ
 ``--nproc`` order (default 1 4 2: baseline and the 4-GPU point first), each under a time-out that also keeps the whole
 command within ``--budget_s`` (a run cut short after its measured steps still reports them).
 
-Phases (seconds per step, rank 0) are bench_grpo's; under DeepSpeed the optimizer step (and ZeRO's gradient
+Phases (seconds per step, rank 0) are bench_common's; under DeepSpeed the optimizer step (and ZeRO's gradient
 reduction) runs inside ``accelerator.backward``, so it is counted in ``backward``.
 """
 
@@ -129,7 +129,7 @@ def build_model(args: argparse.Namespace, model_dir: Path, env: dict[str, str]) 
 
 
 def write_data(args: argparse.Namespace, data_dir: Path, n_prompts: int) -> Path:
-    """``n_prompts`` JSONL rows with one random image each (bench_grpo's images and prompts)."""
+    """``n_prompts`` JSONL rows with one random image each (bench_common's images and prompts)."""
     jsonl = data_dir / "rows.jsonl"
     if jsonl.is_file() and sum(1 for _ in open(jsonl)) >= n_prompts:
         return jsonl

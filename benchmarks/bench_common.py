@@ -318,12 +318,15 @@ def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
     return name, overrides
 
 
-def build_policy(args: argparse.Namespace, workdir: Path, tag: str, lora_r: int = 0) -> tuple[Any, Any, Any]:
+def build_policy(
+    args: argparse.Namespace, workdir: Path, tag: str, lora_r: int = 0, lora_dropout: float = 0.05
+) -> tuple[Any, Any, Any]:
     """(model, processor, adapter) of ``args.preset`` with random weights, on ``args.device`` in ``args.dtype``.
 
     A reference model (beta > 0) is loaded by TRL from the policy's path: the weights are saved under
     ``workdir/model_<tag>`` then. ``lora_r > 0`` wraps the model in LoRA on the language model with the
     vision tower frozen (the targets the package picks), once, so every trainer trains the same adapter.
+    ``lora_dropout == 0`` lets fast decode fold the adapters into its fused weights (``decode_fusion``).
     """
     from vlm_grpo.modules import get_vlm_module
     from vlm_grpo.testing.tiny import build_model, get_preset
@@ -340,7 +343,7 @@ def build_policy(args: argparse.Namespace, workdir: Path, tag: str, lora_r: int 
 
         from vlm_grpo.trainer_common import apply_adapter_options
 
-        lora = LoraConfig(r=lora_r, lora_alpha=2 * lora_r, lora_dropout=0.05, task_type="CAUSAL_LM")
+        lora = LoraConfig(r=lora_r, lora_alpha=2 * lora_r, lora_dropout=lora_dropout, task_type="CAUSAL_LM")
         apply_adapter_options(module, model, lora, freeze_vision_modules=True)
         model = get_peft_model(model, lora)
     return model, processor, module
@@ -483,6 +486,9 @@ def parse(argv: list[str] | None = None, description: str | None = None) -> argp
     )
     p.add_argument("--gradient_checkpointing", type=lambda s: s.lower() in ("1", "true", "yes"), default=True)
     p.add_argument("--lora_r", type=int, default=0, help="> 0: every trainer trains the same LoRA (language model)")
+    p.add_argument(
+        "--lora_dropout", type=float, default=0.05, help="0: fast decode folds the adapters into its fused weights"
+    )
     p.add_argument(
         "--trainers",
         nargs="+",

@@ -139,7 +139,9 @@ def run_one(kind: str, args: argparse.Namespace, scenario: Scenario, workdir: Pa
 
     device = torch.device(args.device)
     torch.backends.cuda.enable_cudnn_sdp(not args.no_cudnn_sdpa)  # a trainer before this one may have changed it
-    model, processor, module = build_policy(args, workdir, kind.partition(":")[0], lora_r=args.lora_r)
+    model, processor, module = build_policy(
+        args, workdir, kind.partition(":")[0], lora_r=args.lora_r, lora_dropout=args.lora_dropout
+    )
     n_params = sum(p.numel() for p in model.parameters())
     measured_steps = args.warmup + args.steps
     config = grpo_config(kind, args, scenario, workdir, measured_steps + bool(args.profile_dir))

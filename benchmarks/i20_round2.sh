@@ -64,6 +64,19 @@ job8() {  # 896² C128, ours vs vanilla
   "${B[@]}" --image_sizes 896 --completion_lengths 128 --trainers ours vanilla --out "$OUT/i20e_896_c128.json"
 }
 
+# Ninth session, one card, one job at a time (`... i20_round2.sh 9`, then `... 10`).
+job9() {  # issue 17's tool loop; then LoRA r64 with dropout (adapters run beside the fused base) vs vanilla
+  python3 bench_tools.py --preset qwen2_5_vl_3b --device cuda --image_sizes 448 --completion_lengths 128 \
+    --steps 3 --warmup 1 --out "$OUT/i20f_tools_448_c128.json"
+  "${B[@]}" --image_sizes 448 --completion_lengths 128 --trainers ours vanilla --lora_r 64 \
+    --out "$OUT/i20f_448_c128_lora64.json"
+}
+job10() {  # 896² C128 vs vanilla; then LoRA r64 without dropout (folded into the fused decode weights), ours only
+  "${B[@]}" --image_sizes 896 --completion_lengths 128 --trainers ours vanilla --out "$OUT/i20f_896_c128.json"
+  "${B[@]}" --image_sizes 448 --completion_lengths 128 --trainers ours --lora_r 64 --lora_dropout 0 \
+    --out "$OUT/i20f_448_c128_lora64_fold.json"
+}
+
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 jobs=("$@")
 [ ${#jobs[@]} -eq 0 ] && jobs=(0 1 2 3)

@@ -219,8 +219,10 @@ class VLMGRPOTrainer(
     ) -> tuple[list[list[int]], Any]:
         """Prefill each unique prompt once and decode its G samples from the shared cache (``share_prefill``).
 
-        Generations the shared path cannot honour (beam search, stop strings, a wrapped ``generate``, tools, ...)
-        go through TRL's path whole; see :mod:`vlm_grpo.fastpath.route`.
+        The turns of TRL's tool loop after a tool result (``num_generations == 1``: each row its own history)
+        share nothing but still decode with ``fast_decode``. Generations the shared path cannot honour (beam
+        search, stop strings, a wrapped ``generate``, ...) go through TRL's path whole; see
+        :mod:`vlm_grpo.fastpath.route`.
         """
         if has_tool_images:
             # TRL's tool-image path passes everything the image processor returned, and adds token type ids for
@@ -228,11 +230,22 @@ class VLMGRPOTrainer(
             accepted = self._forward_parameters()
             multimodal_fields = {k: v for k, v in multimodal_fields.items() if k in accepted}
             has_tool_images = bool({"mm_token_type_ids", "token_type_ids"} & accepted)
-        if trl_generation_reason(self, has_tool_images) is None:
-            completion_ids = shared_prefill_generate(self, prompt_ids, images, multimodal_fields)
+        own_history = bool(self.tools) and num_generations == 1
+        shared_fields = multimodal_fields
+        if has_tool_images and "mm_token_type_ids" in self._forward_parameters():
+            shared_fields = {**multimodal_fields, "mm_token_type_ids": self._mm_token_types(prompt_ids)}
+        token_type_ids = has_tool_images and "mm_token_type_ids" not in shared_fields
+        if trl_generation_reason(self, own_history, token_type_ids) is None:
+            completion_ids = shared_prefill_generate(self, prompt_ids, images, shared_fields, own_history)
             if completion_ids is not None:
                 return completion_ids, None
         return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+
+    def _mm_token_types(self, prompt_ids: list[list[int]]) -> list[list[int]]:
+        """Per token 1 for an image pad, 2 for a video pad, else 0: what TRL builds for tool-image turns."""
+        kinds = {self._image_pad_token_id: 1, self._video_pad_token_id: 2}
+        kinds.pop(None, None)
+        return [[kinds.get(t, 0) for t in row] for row in prompt_ids]
 
     def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
         """TRL's tool loop, plus per-rollout metrics: tool calls, errors, turns, images, sandbox timeouts.

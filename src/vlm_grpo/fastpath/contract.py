@@ -69,6 +69,15 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         source="trl:GRPOTrainer.__init__",
         why="the pad id of the packed rows and the shared prefill",
     ),
+    *(
+        PrivateName(
+            "trl:GRPOTrainer",
+            name,
+            source="trl:GRPOTrainer.__init__",
+            why="tool-image turns on the shared path mark image / video pads as TRL's own path does",
+        )
+        for name in ("_image_pad_token_id", "_video_pad_token_id")
+    ),
     PrivateName("trl.models.utils", "unwrap_model_for_generation", ("model", "accelerator"), why="shared prefill"),
     PrivateName(
         "transformers:Trainer",

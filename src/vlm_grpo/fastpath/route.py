@@ -16,7 +16,7 @@ import logging
 import os
 from typing import Any
 
-from vlm_grpo.utils import peft_base
+from vlm_grpo.utils import is_zero3, peft_base
 
 logger = logging.getLogger(__name__)
 
@@ -81,10 +81,14 @@ def unhonoured_generation_option(model: Any, generation_config: Any) -> str | No
     return None
 
 
-def trl_generation_reason(trainer: Any, has_tool_images: bool = False) -> str | None:
+def trl_generation_reason(trainer: Any, own_history: bool = False, token_type_ids: bool = False) -> str | None:
     """Why this generation goes through TRL's ``_generate_single_turn`` rather than the shared prefill; None: share.
 
-    Logs the reason once per process (at info) unless the user turned ``share_prefill`` off.
+    ``own_history``: every row continues its own conversation (the turns of TRL's tool loop after a tool
+    result). Ranks may then be in different turns, so these generations run only where generating is
+    local to the rank: not under ZeRO-3, whose forward passes are collectives. ``token_type_ids``: the
+    model marks images with ``token_type_ids`` (not Qwen's ``mm_token_type_ids``), which the prefill does
+    not build. Logs the reason once per process (at info) unless the user turned ``share_prefill`` off.
     """
     if not trainer.args.share_prefill:
         return "share_prefill is off"
@@ -93,8 +97,10 @@ def trl_generation_reason(trainer: Any, has_tool_images: bool = False) -> str | 
         reason = "vLLM generates"
     elif trainer.use_transformers_continuous_batching:
         reason = "transformers continuous batching generates"
-    elif trainer.tools or has_tool_images:
-        reason = "tool calling"
+    elif token_type_ids:
+        reason = "tool images for a model that takes token_type_ids"
+    elif own_history and is_zero3(trainer.accelerator):
+        reason = "tool-loop turns after a tool result under ZeRO-3 (ranks may be in different turns)"
     elif trainer.is_fsdp_enabled:
         reason = "FSDP"
     else:

@@ -256,7 +256,11 @@ def _all_ranks_agree(trainer: Any, use_shared: bool) -> bool:
 
 
 def shared_prefill_generate(
-    trainer: Any, prompt_ids: list[list[int]], images: list | None, multimodal_fields: dict[str, Any]
+    trainer: Any,
+    prompt_ids: list[list[int]],
+    images: list | None,
+    multimodal_fields: dict[str, Any],
+    own_history: bool = False,
 ) -> list[list[int]] | None:
     """Generate G completions per prompt with its prefill (and images) computed once.
 
@@ -265,6 +269,10 @@ def shared_prefill_generate(
     last prompt token. Greedy outputs equal the plain per-row path (tested). Returns the
     completion ids (cut after the first EOS) in the rows' order, or None to let TRL generate
     (nothing shared, or inputs this path does not know).
+
+    ``own_history``: the rows are tool-loop turns, each continuing its own conversation. Nothing is
+    shared, but ``fast_decode`` still beats ``generate``: these rows take this path when it is on. The
+    decision is this rank's alone (ranks may be in different turns; see :mod:`vlm_grpo.fastpath.route`).
     """
     from trl.models.utils import unwrap_model_for_generation
 
@@ -277,7 +285,10 @@ def shared_prefill_generate(
     if isinstance(multimodal_fields.get("pixel_values"), list):  # e.g. InternVL: TRL stacks it for generate
         fields["pixel_values"] = torch.tensor(np.array(per_token.pop("pixel_values")), device=device)
     plan = _plan_shared_prefill(module, ids, mask, fields, per_token, images)
-    if not _all_ranks_agree(trainer, plan is not None and len(plan[0]) < len(prompt_ids)):
+    if own_history:
+        if plan is None or not trainer.args.fast_decode:
+            return None
+    elif not _all_ranks_agree(trainer, plan is not None and len(plan[0]) < len(prompt_ids)):
         return None
     groups, mm = plan
 

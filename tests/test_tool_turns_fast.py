@@ -1,0 +1,89 @@
+"""Tool-loop turns after a tool result decode with ``fast_decode``, with the tokens TRL's own path gives.
+
+Each rollout's first turn is a scripted ``zoom_in`` call, every other one with a bad box; the turn after the tool
+result (the zoomed image, or an error text, in the conversation: one batch holds both) is the tiny model's own
+greedy continuation. The same run with ``share_prefill`` off goes
+through TRL's ``_generate_single_turn`` (``generate``) for every turn: the continuations must be equal, token
+for token. Negative control: the tool images blanked on the fast path must change them, so the comparison does
+see what the images contribute.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from e2e_utils import base_args, make_dataset
+from test_generation_parity import INIT_STD
+from vlm_grpo.fastpath import decode
+from vlm_grpo.grpo_jsonl import main, parse_args
+from vlm_grpo.testing.tiny import FAMILIES, build_tiny_model
+from vlm_grpo.trainer import VLMGRPOTrainer
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# A box valid in each family's frame: Qwen2.5-VL writes resized-image pixels (>= 56 here), the others 0-1000.
+BOX = {"qwen2_5_vl": [4, 4, 44, 44], "qwen2_vl": [100, 100, 800, 800], "qwen3_vl": [100, 100, 800, 800]}
+BOX["internvl"] = BOX["qwen2_vl"]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return make_dataset(tmp_path_factory.mktemp("fast_turns"), kinds=("single",))
+
+
+@pytest.fixture(scope="module")
+def sharp_models(tmp_path_factory):
+    """Tiny checkpoints with larger weights: their greedy tokens depend on what the images show."""
+    root = tmp_path_factory.mktemp("sharp_tools")
+    return {f: build_tiny_model(f, root / f, seed=0, init_std=INIT_STD) for f in FAMILIES}
+
+
+def run(family: str, sharp_models, dataset, out, share: bool, blank_tool_images: bool = False) -> dict:
+    """One GRPO step; returns the later turns' token ids and the rows ``fast_decode`` decoded."""
+    data, plugin = dataset
+    good = {"name": "zoom_in", "arguments": {"bbox_2d": BOX[family], "image_index": 0}}
+    bad = {"name": "zoom_in", "arguments": {"bbox_2d": [50, 50, 10, 10]}}  # inverted: an error text, no image
+    texts = [f"<tool_call>\n{json.dumps(call)}\n</tool_call><|im_end|>" for call in (good, bad)]
+    seen: dict = {"later": [], "fast_rows": 0, "tool_images": 0}
+    generate, fast = VLMGRPOTrainer._generate_single_turn, decode.fast_decode
+
+    def scripted(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if num_generations > 1:  # the first turn: rollouts call the tool, every other one with a bad box
+            return [
+                self._tokenizer.encode(texts[i % 2], add_special_tokens=False) for i in range(len(prompt_ids))
+            ], None
+        seen["tool_images"] += int(has_tool_images)
+        if blank_tool_images:
+            multimodal_fields = {**multimodal_fields, "pixel_values": multimodal_fields["pixel_values"] * 0}
+        ids, logprobs = generate(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        seen["later"].extend(ids)
+        return ids, logprobs
+
+    def counted(model, cache, index, *args, **kwargs):
+        seen["fast_rows"] += len(index)
+        return fast(model, cache, index, *args, **kwargs)
+
+    argv = base_args(sharp_models[family], data, plugin, out, steps=1)
+    argv += ["--generation_kwargs", '{"max_new_tokens": 12, "do_sample": false}', "--share_prefill", str(share)]
+    argv += ["--tools", "zoom_in", "--max_tool_calling_iterations", "1", "--max_completion_length", "160"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(VLMGRPOTrainer, "_generate_single_turn", scripted)
+        mp.setattr(decode, "fast_decode", counted)
+        main(*parse_args(argv))
+    return seen
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_turns_after_a_tool_image_decode_fast_with_trls_tokens(family, sharp_models, dataset, tmp_path):
+    trl = run(family, sharp_models, dataset, tmp_path / "trl", share=False)
+    ours = run(family, sharp_models, dataset, tmp_path / "ours", share=True)
+    assert trl["tool_images"] == ours["tool_images"] == 1  # one tool round, the zoomed view in the conversation
+    assert trl["fast_rows"] == 0 and ours["fast_rows"] == 4  # 4 rollouts of one prompt, each its own history
+    assert len(ours["later"]) == 4 and all(ours["later"])
+    assert ours["later"] == trl["later"]
+    assert len({tuple(ids) for ids in ours["later"]}) > 1  # the rows' own histories: not one repeated answer
+    if family == "qwen2_5_vl":  # the control: what the tool images contribute is visible in the tokens
+        blank = run(family, sharp_models, dataset, tmp_path / "blank", share=True, blank_tool_images=True)
+        assert blank["fast_rows"] == 4 and blank["later"] != trl["later"]

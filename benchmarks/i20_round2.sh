@@ -77,6 +77,11 @@ job10() {  # 896² C128 vs vanilla; then LoRA r64 without dropout (folded into t
     --out "$OUT/i20f_448_c128_lora64_fold.json"
 }
 
+job11() {  # issue 17 again, after tool runs kept share_prefill / fast_decode for generation
+  python3 bench_tools.py --preset qwen2_5_vl_3b --device cuda --image_sizes 448 --completion_lengths 128 \
+    --steps 3 --warmup 1 --out "$OUT/i20g_tools_448_c128.json"
+}
+
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 jobs=("$@")
 [ ${#jobs[@]} -eq 0 ] && jobs=(0 1 2 3)

@@ -11,6 +11,12 @@ cache lengths, default ``torch.compile``: a second bucket recompiles once with d
 package's default); ``bucket_static`` bucketed lengths, ``dynamic=False``: one compilation per bucket.
 Run each mode in its own process: dynamo's caches are per process. Also reports the decode time per
 token of the repeat calls and its ratio to the HBM floor (language-model weights read once per token).
+``--attention_window N [M ...]``: the decode's attention windows (``decode.ATTENTION_WINDOW``; 0: one window
+over the whole cache, the behaviour before windows); ``capture_s`` sums every window's warm-up + capture.
+Several values compare them in one process, on one model: each prompt length is decoded once per value, in
+turn, and ``by_window`` has each value's medians (the top-level ones are the first value's). A value's first
+call compiles its own variant of the step (windows mark the mask's length dynamic); calls that compiled are
+left out of the medians.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from pathlib import Path
 import torch
 from bench_common import decode_weight_bytes, hbm_bandwidth
 
-CAPTURES: list[float] = []  # seconds of each CUDA-graph warm-up + capture (once per fast_decode call)
+CAPTURES: list[float] = []  # seconds of each CUDA-graph warm-up + capture (once per window of a fast_decode call)
 
 
 def configure(mode: str, compile_mode: str | None = None) -> None:
@@ -36,6 +42,8 @@ def configure(mode: str, compile_mode: str | None = None) -> None:
         dynamic = False if mode == "bucket_static" else None
         decode._compiled_forward = torch.compile(decode._decode_forward, dynamic=dynamic, mode=compile_mode)
     capture = decode._Step._capture
+    if getattr(capture, "timed", False):
+        return  # main() ran before in this process: timed already
 
     def timed_capture(self) -> None:  # the fixed cost of a call, measured here rather than in the package
         torch.cuda.synchronize()
@@ -44,13 +52,16 @@ def configure(mode: str, compile_mode: str | None = None) -> None:
         torch.cuda.synchronize()
         CAPTURES.append(time.perf_counter() - start)
 
+    timed_capture.timed = True
     decode._Step._capture = timed_capture
 
 
 def one_call(
-    model, gen_config, prompt_len: int, unique: int, group: int, device, compile: bool, seed: int, fuse: bool = True
-):
-    """Prefill ``unique`` prompts of ``prompt_len`` tokens, decode ``unique * group`` rows; (seconds, tokens)."""
+    model, gen_config, prompt_len: int, unique: int, group: int, device, compile: bool, seed: int, fuse: bool = True,
+    attention_window: int | None = None,
+):  # fmt: skip
+    """Prefill ``unique`` prompts of ``prompt_len`` tokens, decode ``unique * group`` rows; (seconds, tokens).
+    ``attention_window``: ``decode.ATTENTION_WINDOW`` for this call (None: the package's)."""
     from transformers import DynamicCache
 
     from vlm_grpo.fastpath import decode
@@ -73,14 +84,38 @@ def one_call(
         index = torch.arange(unique, device=device).repeat_interleave(group)
         if device.type == "cuda":
             torch.cuda.synchronize()
+        window = decode.ATTENTION_WINDOW
+        if attention_window is not None:
+            decode.ATTENTION_WINDOW = attention_window
         start = time.perf_counter()
-        out = decode.fast_decode(
-            model, cache, index, ids[index], mask[index], next_pos, gen_config,
-            use_graph=device.type == "cuda", compile=compile, fuse=fuse,
-        )  # fmt: skip
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        try:
+            out = decode.fast_decode(
+                model, cache, index, ids[index], mask[index], next_pos, gen_config,
+                use_graph=device.type == "cuda", compile=compile, fuse=fuse,
+            )  # fmt: skip
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        finally:
+            decode.ATTENTION_WINDOW = window
     return time.perf_counter() - start, out.size(1)
+
+
+def _timings(calls: list[dict], floor_ms: float | None) -> dict:
+    """Medians over the repeat calls (not the first, none that compiled): per token, with and without the graph
+    warm-ups and captures, and against the HBM floor."""
+    repeats = [c for c in calls[1:] if c["graphs_compiled"] == 0]
+    ms_per_token = 1e3 * statistics.median(c["seconds"] / c["tokens"] for c in repeats) if repeats else None
+    # The same without the graph warm-ups and captures: the decode loop alone.
+    loop_ms = (
+        1e3 * statistics.median((c["seconds"] - c["capture_s"]) / c["tokens"] for c in repeats) if repeats else None
+    )
+    return {
+        "decode_ms_per_token": ms_per_token,
+        "loop_ms_per_token": loop_ms,
+        "capture_s_median": statistics.median(c["capture_s"] for c in repeats) if repeats else None,
+        "floor_ratio": ms_per_token / floor_ms if ms_per_token and floor_ms else None,
+        "loop_floor_ratio": loop_ms / floor_ms if loop_ms and floor_ms else None,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -97,8 +132,16 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--group", type=int, default=8, help="rows per unique prompt (G)")
     p.add_argument("--compile", type=lambda s: s.lower() in ("1", "true", "yes"), default=None)
     p.add_argument("--fuse", type=lambda s: s.lower() in ("1", "true", "yes"), default=True, help="fuse q|k|v, gate|up")
+    p.add_argument(
+        "--attention_window", type=int, nargs="+", default=None,
+        help="decode attention window in cache slots (0: off, one window over the whole cache; default: the "
+        "package's); several values: each prompt length is decoded once per value, in turn",
+    )  # fmt: skip
     p.add_argument("--compile_mode", default=None, help="torch.compile mode of the decode step, e.g. max-autotune")
-    p.add_argument("--profile", default=None, help="profile the last call; its top kernels are written here")
+    p.add_argument(
+        "--profile", default=None,
+        help="profile the last call (per window value: .w<N> suffixed when several); its top kernels are written here",
+    )  # fmt: skip
     p.add_argument("--out", default="decode_lengths.json")
     args = p.parse_args(argv)
     if args.preset == "tiny":
@@ -118,42 +161,41 @@ def main(argv: list[str] | None = None) -> dict:
     gen_config.max_new_tokens = gen_config.min_new_tokens = args.new_tokens
     gen_config.do_sample, gen_config.temperature, gen_config.top_p, gen_config.top_k = True, 1.0, 1.0, 0
 
+    windows = args.attention_window or [None]
     calls = []
     seen: set[int] = set()
     for n, length in enumerate(args.prompt_lengths):
-        before = counters["stats"]["unique_graphs"]
-        profiler = None
-        if args.profile and n == len(args.prompt_lengths) - 1:
-            kinds = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * (
-                device.type == "cuda"
+        for window in windows:
+            before = counters["stats"]["unique_graphs"]
+            profiler = None
+            if args.profile and n == len(args.prompt_lengths) - 1:
+                kinds = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * (
+                    device.type == "cuda"
+                )
+                profiler = torch.profiler.profile(activities=kinds)
+                profiler.__enter__()
+            captured = len(CAPTURES)
+            seconds, tokens = one_call(
+                model, gen_config, length, args.unique, args.group, device, compile, n, args.fuse, window
             )
-            profiler = torch.profiler.profile(activities=kinds)
-            profiler.__enter__()
-        captured = len(CAPTURES)
-        seconds, tokens = one_call(model, gen_config, length, args.unique, args.group, device, compile, n, args.fuse)
-        if profiler is not None:
-            profiler.__exit__(None, None, None)
-            sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-            table = profiler.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=90)
-            Path(args.profile).write_text(table)
-        calls.append(
-            {
-                "prompt_len": length, "seconds": seconds, "tokens": tokens, "new_length": length not in seen,
-                "graphs_compiled": counters["stats"]["unique_graphs"] - before,
-                "capture_s": sum(CAPTURES[captured:]),
-            }
-        )  # fmt: skip
+            if profiler is not None:
+                profiler.__exit__(None, None, None)
+                sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+                table = profiler.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=90)
+                Path(args.profile + (f".w{window}" if len(windows) > 1 else "")).write_text(table)
+            calls.append(
+                {
+                    "prompt_len": length, "attention_window": window, "seconds": seconds, "tokens": tokens,
+                    "new_length": length not in seen, "graphs_compiled": counters["stats"]["unique_graphs"] - before,
+                    "capture_s": sum(CAPTURES[captured:]), "captures": len(CAPTURES) - captured,
+                }
+            )  # fmt: skip
+            print(f"[call] {json.dumps(calls[-1])}", flush=True)
         seen.add(length)
-        print(f"[call] {json.dumps(calls[-1])}", flush=True)
-    repeats = [c for c in calls[1:] if c["graphs_compiled"] == 0]
-    ms_per_token = 1e3 * statistics.median(c["seconds"] / c["tokens"] for c in repeats) if repeats else None
-    # The same without the per-call graph warm-up and capture: the decode loop alone.
-    loop_ms = (
-        1e3 * statistics.median((c["seconds"] - c["capture_s"]) / c["tokens"] for c in repeats) if repeats else None
-    )
     weights = decode_weight_bytes(model)
     bandwidth = hbm_bandwidth(args.device)
     floor_ms = 1e3 * weights / bandwidth if bandwidth else None
+    by_window = {str(w): _timings([c for c in calls if c["attention_window"] == w], floor_ms) for w in windows}
     summary = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "versions": {"torch": torch.__version__},
@@ -161,13 +203,10 @@ def main(argv: list[str] | None = None) -> dict:
         "calls": calls,
         "first_call_s": calls[0]["seconds"],
         "total_s": sum(c["seconds"] for c in calls),
-        "decode_ms_per_token": ms_per_token,
-        "loop_ms_per_token": loop_ms,
-        "capture_s_median": statistics.median(c["capture_s"] for c in repeats) if repeats else None,
+        **by_window[str(windows[0])],
         "decode_weight_gb": weights / 1e9,
         "hbm_floor_ms_per_token": floor_ms,
-        "floor_ratio": ms_per_token / floor_ms if ms_per_token and floor_ms else None,
-        "loop_floor_ratio": loop_ms / floor_ms if loop_ms and floor_ms else None,
+        "by_window": by_window,
     }
     print(json.dumps({k: v for k, v in summary.items() if k not in ("calls", "args")}), flush=True)
     Path(args.out).write_text(json.dumps(summary, indent=2))

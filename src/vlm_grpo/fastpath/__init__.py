@@ -5,7 +5,7 @@ What it does (every piece behind a ``VLMGRPOConfig`` flag, parity-tested against
 * ``sharing``: ``share_prompt`` (one forward per group over ``[prompt | c1 | ... | cG]`` for the old,
   reference and policy log-probs) and ``share_prefill`` (prefill each unique prompt once, decode its G samples
   from the repeated cache);
-* ``decode``: ``fast_decode`` / ``compile_decode`` (static cache, CUDA-graph decode step);
+* ``decode``: ``fast_decode`` / ``compile_decode`` (static cache, CUDA-graph decode step per attention window);
 * ``route``: which generations may take the shared prefill; the rest (beam search, stop strings, a wrapped
   ``generate``, ...) go through TRL's own path, whole;
 * ``decode_attention``: the decode step's sdpa over grouped K/V heads without per-head copies;
@@ -23,6 +23,7 @@ installed versions, so an upgrade that drops one fails there, naming it:
   ``_prepare_special_tokens`` (which sets ``GenerationConfig._pad_token_tensor`` / ``_eos_token_tensor``),
   ``_get_logits_processor``; Qwen-VL's ``_prepare_position_ids_for_generation``;
   ``PretrainedConfig._attn_implementation``; ``GradientCheckpointingLayer._gradient_checkpointing_func``;
-  ``integrations.sdpa_attention.sdpa_attention_forward``; ``masking_utils.sdpa_mask``.
-* torch ``torch._dynamo.exc.TorchDynamoException``.
+  ``integrations.sdpa_attention.sdpa_attention_forward``; ``masking_utils.sdpa_mask``;
+  ``cache_utils.StaticLayer.cumulative_length`` (the static cache's write position).
+* torch ``torch._dynamo.exc.TorchDynamoException``, ``torch._dynamo.maybe_mark_dynamic``.
 """

@@ -121,6 +121,15 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("transformers.integrations.sdpa_attention", "sdpa_attention_forward", ("module", "query", "key")),
     PrivateName("transformers.masking_utils", "sdpa_mask", why="the block kernel's fallback mask"),
     PrivateName("torch._dynamo.exc", "TorchDynamoException", why="compile_layers falls back to eager on it"),
+    PrivateName(
+        "transformers.cache_utils:StaticLayer",
+        "cumulative_length",
+        source="transformers.cache_utils:StaticLayer.update",
+        why="fast_decode sets the write position after the prompt; cache_restored rewinds it around a capture",
+    ),
+    PrivateName(
+        "torch._dynamo", "maybe_mark_dynamic", ("t", "index"), why="one compiled decode step for every attention window"
+    ),
     # Tool rollouts (vlm_grpo.tools; not the speed path, but the same kind of dependency)
     PrivateName(
         "trl:GRPOTrainer",

@@ -1,13 +1,23 @@
-"""Decode the G samples of shared-prefill generation from a static cache, one CUDA graph per call.
+"""Decode the G samples of shared-prefill generation from a static cache, one CUDA graph per attention window.
 
 HF ``generate`` with a dynamic cache launches every kernel of every layer from Python for each new
 token: at 3B on an H100 that is ~30 ms per token for a batch of 16, over 10x the memory-bandwidth
 floor. Every decode step has the same shapes once the cache is static, so the step (decoder + LM
-head) is captured once per call into a CUDA graph and replayed. Token selection stays HF's own:
+head) is captured into a CUDA graph and replayed. Token selection stays HF's own:
 the logits processors ``generate`` would build (temperature, top-k/p, min-p, repetition penalty,
 suppressed tokens, ``min_new_tokens``), the same softmax / multinomial / argmax and EOS handling,
 so sampling follows the same distribution and greedy tokens equal ``generate``'s (tested on CPU,
 where the same loop runs without the graph).
+
+Attention windows (sdpa models under the graph): the static cache is sized for the whole completion, but
+step t only attends over the prompt and the t tokens written so far. Reading every slot costs ~1.2 ms of a
+~5 ms token at 1024 completion tokens (H100, 3B). The decode is split into windows of ``ATTENTION_WINDOW``
+slots: each window has its own step and graph, sharing the input buffers, the cache and the mask storage
+(its mask is a prefix view), and attention reads only that prefix of the cache
+(:func:`vlm_grpo.fastpath.decode_attention.decode_sdpa`). A window is captured when the loop first reaches
+it; its warm-up passes write into the live cache mid-decode, so :func:`cache_restored` puts back what they
+wrote. Eager attention keeps one window over the whole cache (transformers' eager path adds the mask to
+scores over every slot).
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ import contextlib
 import copy
 import inspect
 import logging
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -34,6 +45,13 @@ _CHECK_EVERY = 8  # decode steps between host checks for "every row has ended"
 # cache length would otherwise cost a new compilation of the decode step (tens of seconds at 3B on an
 # H100), and a repeated length costs nothing. The extra slots are masked out: tokens are unchanged.
 CACHE_BUCKET = 256
+# Attention windows (sdpa under a CUDA graph): step t reads the smallest multiple of this many cache slots that
+# holds its prompt + t + 1 tokens (capped at the cache length). One graph per window; 0: one window, the whole
+# cache (the behaviour before windows). Smaller windows read fewer unwritten slots but capture more graphs.
+ATTENTION_WINDOW = 256
+# Tests: take the windowed path (a step per window, its warm-ups under cache_restored, sliced attention)
+# without CUDA graphs too, so that CPU runs cover it.
+_WINDOWS_WITHOUT_GRAPH = False
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -67,6 +85,52 @@ def cache_length(needed: int, bucket: int | None = None) -> int:
     return -(-needed // bucket) * bucket
 
 
+def window_schedule(prefix: int, steps: int, window: int, size: int) -> list[tuple[int, int]]:
+    """(first decode step, window length) of each attention window a decode of ``steps`` tokens passes through.
+
+    Step t writes slot ``prefix + t`` and attends over slots ``[0, prefix + t]``, so it needs the smallest
+    multiple of ``window`` that is >= ``prefix + t + 1``, capped at the cache length ``size``. ``window`` 0: one
+    window of ``size`` slots. Empty when there are no steps."""
+    if steps <= 0:
+        return []
+    if window <= 0:
+        return [(0, size)]
+    schedule = []
+    t = 0
+    while t < steps:
+        length = min(size, cache_length(prefix + t + 1, window))
+        schedule.append((t, length))
+        if length >= size:
+            break
+        t = length - prefix  # the first step whose slot lies past this window
+    return schedule
+
+
+@contextlib.contextmanager
+def cache_restored(cache: Any) -> Iterator[Callable[[], None]]:
+    """Put back, on exit, what decode forwards run inside wrote into ``cache`` (a StaticCache).
+
+    A window's graph is captured mid-decode, and its warm-up passes run the real step: each writes its K/V at
+    every layer's current length and advances that length (the capture itself only records). Saved here: each
+    layer's length and the slot there. Yields ``rewind``, which sets the lengths back: called before each pass,
+    every pass writes that one slot (never a slot the decode has written, never past the cache's end). The
+    indices stay on the device: no host sync. On an exception nothing is restored (the decode is abandoned)."""
+    saved = []
+    for layer in cache.layers:
+        slot = layer.cumulative_length.reshape(1).clone()
+        saved.append((layer, slot, layer.keys.index_select(2, slot), layer.values.index_select(2, slot)))
+
+    def rewind() -> None:
+        for layer, slot, _, _ in saved:
+            layer.cumulative_length.copy_(slot[0])
+
+    yield rewind
+    for layer, slot, keys, values in saved:
+        layer.keys.index_copy_(2, slot, keys)
+        layer.values.index_copy_(2, slot, values)
+        layer.cumulative_length.copy_(slot[0])
+
+
 _compiled_forward: Any = None
 
 
@@ -74,11 +138,32 @@ def _compiled() -> Any:
     """One compiled step per process: dynamo caches by code object, so later generation calls (new caches)
     reuse it. The first cache length compiles static kernels; the first call in another bucket recompiles
     once with the length dynamic, which then serves every later bucket (measured on an H100, 3B: static
-    kernels were not measurably faster, and a static compilation per bucket costs 13-48 s each)."""
+    kernels were not measurably faster, and a static compilation per bucket costs 13-48 s each).
+
+    Attention windows change the mask's last dimension within a call. Left to dynamo, the first window would
+    compile static and the next recompile with that dimension dynamic: two compilations in the first call.
+    So :func:`_window_mask` marks it dynamic from the first window on (``maybe_mark_dynamic``: a hint, never an
+    error), and one compilation serves every window of every call in the bucket (tested on CPU, counting dynamo's
+    graphs). The cache's length dimension is left alone: it never changes within a call, and across buckets it
+    goes dynamic at the first recompile, as before (a marked dimension gets its own symbol, never duck-sized to
+    another, so no equality guard ties the window to the cache length). The guards windows add: window <= cache
+    length (the K/V slice) and window != cache length (sdpa's lowering checks whether the sliced K/V and the
+    mask view are contiguous, as they would be for a window spanning the whole cache): hence the spare slot
+    past the last window (see _fast_decode). Not measured on a GPU yet: the compile time (expected as before: one
+    compilation in the first call, one more in the first call of another bucket) and the dynamic window's kernels."""
     global _compiled_forward
     if _compiled_forward is None:
         _compiled_forward = torch.compile(_decode_forward)
     return _compiled_forward
+
+
+def _window_mask(mask: torch.Tensor, length: int, compile: bool) -> torch.Tensor:
+    """The mask of a window: a view of the first ``length`` slots (same storage, so a graph captured on it sees
+    what the loop writes into ``mask`` later); its length marked dynamic for a compiled step (see _compiled)."""
+    view = mask[..., :length]
+    if compile:
+        torch._dynamo.maybe_mark_dynamic(view, view.dim() - 1)
+    return view
 
 
 class _Step:
@@ -87,20 +172,25 @@ class _Step:
     ``compile``: the step goes through ``torch.compile`` (inductor fuses the ~700 small elementwise and
     norm kernels a decoder step launches), and the CUDA graph then captures the compiled kernels. If
     compilation fails, the step warns once and runs eagerly.
+
+    The graph is captured on the first call, mid-decode for a later window (see :func:`cache_restored`), in
+    ``pool`` (the windows of a call share one memory pool: they replay in capture order, never together).
+    ``warm_up``: also run the warm-up passes without a graph (tests, on CPU).
     """
 
     def __init__(
-        self, decoder: Any, head: Any, cache: Any, tokens, positions, mask, use_graph: bool, compile: bool = False
-    ) -> None:
+        self, decoder: Any, head: Any, cache: Any, tokens, positions, mask, use_graph: bool, compile: bool = False,
+        warmups: int = 2, pool: Any = None, warm_up: bool = False,
+    ) -> None:  # fmt: skip
         self.decoder, self.head, self.cache = decoder, head, cache
         self.tokens, self.positions, self.mask = tokens, positions, mask
+        self.use_graph, self.warmups, self.pool = use_graph, warmups, pool
         self._cache_kwarg = cache_kwarg(decoder, cache)
         failed = "compile_decode: compiling the decode step failed"
         self._fn = EagerOnFailure(_compiled(), _decode_forward, logger, failed) if compile else _decode_forward
         self.graph = None
         self.logits: torch.Tensor | None = None
-        if use_graph:
-            self._capture()
+        self._pending = use_graph or warm_up  # warm-ups (and the capture) still to run, on the first call
 
     @property
     def compiled(self) -> bool:
@@ -110,20 +200,32 @@ class _Step:
         with decode_attention(self.decoder.config):  # grouped K/V not copied per query head (sdpa)
             return self._fn(self.decoder, self.head, self.tokens, self.positions, self.mask, self._cache_kwarg)
 
-    def _capture(self) -> None:
-        # Warm-up on a side stream (compilation, lazy cuBLAS / kernel selection), then capture. Both write
-        # into the cache and advance its length; the caller loads the prompt's KV and resets the length after.
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
+    def _warm_up(self, rewind: Callable[[], None]) -> None:
+        """Compilation, lazy cuBLAS / kernel selection: on a side stream under a graph. Each pass rewinds the
+        cache first, so all of them write the step's own slot."""
+        stream = torch.cuda.Stream() if self.use_graph else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for _ in range(self.warmups):
+                rewind()
                 self._forward()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = self._forward()
+        if stream is not None:
+            torch.cuda.current_stream().wait_stream(stream)
+
+    def _capture(self) -> None:
+        """Warm-up, then capture (under a graph), with the cache put back as it was (see cache_restored)."""
+        with cache_restored(self.cache) as rewind:
+            self._warm_up(rewind)
+            if self.use_graph:
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph, pool=self.pool):
+                    self.logits = self._forward()
 
     def __call__(self) -> torch.Tensor:
+        if self._pending:
+            self._pending = False
+            self._capture()
         if self.graph is None:
             return self._forward()
         self.graph.replay()
@@ -195,24 +297,32 @@ def _fast_decode(
     # bucket (the slots past prefix + steps stay masked).
     prefix = prompt_len - 1
     size = cache_length(prefix + steps)
+    attn = as_sdpa(base.config.get_text_config(decoder=True)._attn_implementation)
+    # Attention windows: sdpa only (decode_sdpa reads the cache up to the mask's length; eager adds the mask to
+    # scores over every slot), and only under the graph (tests: or when _WINDOWS_WITHOUT_GRAPH says so).
+    windowed = attn == "sdpa" and ATTENTION_WINDOW > 0 and (use_graph or _WINDOWS_WITHOUT_GRAPH)
+    # Windowed, the cache and the mask get one spare slot past the last window (never written, never attended):
+    # every window is then a strict prefix, and its K/V slices and mask view are non-contiguous in every window.
+    # A window spanning the whole cache would be contiguous, and sdpa's lowering guards on that: a recompile.
+    slots = size + 1 if windowed else size
     layers = prefill_cache.layers
-    cache = StaticCache(config=base.config, max_cache_len=size)
+    cache = StaticCache(config=base.config, max_cache_len=slots)
     kv_dtype = layers[0].keys.dtype
     cache.early_initialization(
         rows, [layer.keys.size(1) for layer in layers], [layer.keys.size(-1) for layer in layers], kv_dtype, device
     )
-    attn = as_sdpa(base.config.get_text_config(decoder=True)._attn_implementation)
     if attn == "sdpa":
-        mask = torch.ones(rows, 1, 1, size, dtype=torch.bool, device=device)
+        mask = torch.ones(rows, 1, 1, slots, dtype=torch.bool, device=device)
         attend, blocked = True, False
     else:  # eager adds the mask to the scores
-        mask = torch.zeros(rows, 1, 1, size, dtype=kv_dtype, device=device)
+        mask = torch.zeros(rows, 1, 1, slots, dtype=kv_dtype, device=device)
         attend, blocked = 0.0, torch.finfo(kv_dtype).min
     tokens = input_ids[:, -1:].clone()
     positions = next_positions[..., index].clone().unsqueeze(-1)  # (rows, 1) or (3, rows, 1)
-    step = _Step(decoder, head, cache, tokens, positions, mask, use_graph, compile)
+    windows = dict(window_schedule(prefix, steps, ATTENTION_WINDOW if windowed else 0, size))
+    pool = torch.cuda.graph_pool_handle() if use_graph else None
 
-    # Load the prompt (the warm-up and capture above wrote into the cache and advanced it).
+    # Load the prompt. The steps capture later, on their first call, and put back what their warm-ups write.
     for layer, src in zip(cache.layers, layers, strict=True):
         layer.keys[:, :, :prefix].copy_(src.keys[index])
         layer.values[:, :, :prefix].copy_(src.values[index])
@@ -232,10 +342,21 @@ def _fast_decode(
     # The sampler's state before each draw since the last check is kept, to hand back what generate leaves.
     rng = _default_generator(device) if gc.do_sample else None
     states: dict[int, torch.Tensor] = {}
+    # One step per window reached (rows that all end early never capture later windows). All stay alive to the
+    # end: their graphs share one memory pool. A later graph may reuse memory an earlier one freed, never
+    # its live output; and each step's logits are copied out before the next replay.
+    made: list[_Step] = []
     t = -1
     for t in range(steps):
+        if t in windows:
+            view = _window_mask(mask, windows[t], compile) if windowed else mask
+            warmups = 1 if made else 2  # later windows: the kernels are compiled and loaded already
+            made.append(_Step(
+                decoder, head, cache, tokens, positions, view, use_graph, compile, warmups, pool,
+                warm_up=windowed,
+            ))  # fmt: skip
         mask[:, 0, 0, prefix + t] = attend  # the token fed now attends to itself
-        logits = step().to(copy=True, dtype=torch.float32)
+        logits = made[-1]().to(copy=True, dtype=torch.float32)  # consumed before the next replay
         scores = processors(generated[:, : prompt_len + t], logits)
         if gc.do_sample:
             if rng is not None:
@@ -257,5 +378,5 @@ def _fast_decode(
     length = int(produced) if eos is not None else steps
     if rng is not None and length < t + 1:
         rng.set_state(states[length])  # the sampler as generate leaves it: later draws (next step, next batch) agree
-    del step, cache
+    del made, cache
     return generated[:, prompt_len : prompt_len + length]

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import test_decode_speed
 import test_group_sharing
 from test_decode_speed import _decode, _tiny_qwen
-from test_group_sharing import _generate_both, make_trainer
+from test_group_sharing import _generate_both, assert_samples_like_generate, make_trainer
 from vlm_grpo.fastpath import decode, decode_attention
 from vlm_grpo.testing.tiny import FAMILIES
 
@@ -131,12 +131,7 @@ def test_windows_that_do_not_divide_the_cache(tiny_models, rows_file, tmp_path, 
 def test_windowed_decode_samples_what_generate_samples(family, tiny_models, rows_file, tmp_path, monkeypatch):
     seen = _windows_on(monkeypatch)
     trainer = make_trainer(tiny_models[family], rows_file, tmp_path, max_completion_length=STEPS)
-    config = trainer.generation_config
-    config.temperature, config.top_k, config.top_p, config.repetition_penalty = 0.7, 50, 0.9, 1.2
-    config.min_new_tokens = config.max_new_tokens
-    ours, plain, used = _generate_both(trainer, monkeypatch, seed=5)
-    assert used == ["fast"] and ours == plain
-    assert len({tuple(c) for c in ours}) > 2  # really sampled: the G copies of a prompt differ
+    assert_samples_like_generate(trainer, monkeypatch)
     _assert_windows(seen)
 
 

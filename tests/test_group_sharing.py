@@ -481,13 +481,18 @@ def test_a_decode_step_that_fails_to_compile_warns_and_runs_eagerly(
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fast_decode_samples_what_generate_samples(family, tiny_models, rows_file, tmp_path, monkeypatch):
     """Same RNG state, same logits processors: the sampled tokens are the same as generate's."""
-    trainer = make_trainer(tiny_models[family], rows_file, tmp_path)
+    assert_samples_like_generate(make_trainer(tiny_models[family], rows_file, tmp_path), monkeypatch)
+
+
+def assert_samples_like_generate(trainer, monkeypatch) -> list[list[int]]:
+    """Sampling with every processor on, full length: fast decode draws generate's tokens under the same seed."""
     config = trainer.generation_config
     config.temperature, config.top_k, config.top_p, config.repetition_penalty = 0.7, 50, 0.9, 1.2
     config.min_new_tokens = config.max_new_tokens
     ours, plain, used = _generate_both(trainer, monkeypatch, seed=5)
     assert used == ["fast"] and ours == plain
     assert len({tuple(c) for c in ours}) > 2  # really sampled: the G copies of a prompt differ
+    return ours
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

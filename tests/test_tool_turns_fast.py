@@ -11,6 +11,7 @@ see what the images contribute.
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -40,8 +41,11 @@ def sharp_models(tmp_path_factory):
     return {f: build_tiny_model(f, root / f, seed=0, init_std=INIT_STD) for f in FAMILIES}
 
 
-def run(family: str, sharp_models, dataset, out, share: bool, blank_tool_images: bool = False) -> dict:
-    """One GRPO step; returns the later turns' token ids and the rows ``fast_decode`` decoded."""
+def run(
+    family: str, sharp_models, dataset, out, share: bool, blank_tool_images: bool = False, all_bad: bool = False
+) -> dict:
+    """One GRPO step; returns the later turns' token ids and the rows ``fast_decode`` decoded. ``all_bad``: every
+    call fails, so the round after it holds no tool image (only the prompts' own images)."""
     data, plugin = dataset
     good = {"name": "zoom_in", "arguments": {"bbox_2d": BOX[family], "image_index": 0}}
     bad = {"name": "zoom_in", "arguments": {"bbox_2d": [50, 50, 10, 10]}}  # inverted: an error text, no image
@@ -52,7 +56,8 @@ def run(family: str, sharp_models, dataset, out, share: bool, blank_tool_images:
     def scripted(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if num_generations > 1:  # the first turn: rollouts call the tool, every other one with a bad box
             return [
-                self._tokenizer.encode(texts[i % 2], add_special_tokens=False) for i in range(len(prompt_ids))
+                self._tokenizer.encode(texts[1 if all_bad else i % 2], add_special_tokens=False)
+                for i in range(len(prompt_ids))
             ], None
         seen["tool_images"] += int(has_tool_images)
         if blank_tool_images:
@@ -87,3 +92,40 @@ def test_turns_after_a_tool_image_decode_fast_with_trls_tokens(family, sharp_mod
     if family == "qwen2_5_vl":  # the control: what the tool images contribute is visible in the tokens
         blank = run(family, sharp_models, dataset, tmp_path / "blank", share=True, blank_tool_images=True)
         assert blank["fast_rows"] == 4 and blank["later"] != trl["later"]
+
+
+@pytest.mark.parametrize("family", ["internvl", "qwen2_5_vl"])
+def test_a_round_without_tool_images_keeps_trls_tokens(family, sharp_models, dataset, tmp_path):
+    """Every call fails: TRL's loop cuts the prompts' own image fields per rollout (InternVL's tiles arrive as a
+    list, which TRL's loop cannot cut: ``tools.rollouts.tile_fields``)."""
+    trl = run(family, sharp_models, dataset, tmp_path / "trl", share=False, all_bad=True)
+    ours = run(family, sharp_models, dataset, tmp_path / "ours", share=True, all_bad=True)
+    assert trl["tool_images"] == ours["tool_images"] == 0
+    assert trl["fast_rows"] == 0 and ours["fast_rows"] == 4
+    assert ours["later"] == trl["later"] and len(ours["later"]) == 4
+    if family == "internvl":  # the control: TRL's loop alone cannot cut InternVL's list of tiles
+        with pytest.MonkeyPatch.context() as mp, pytest.raises(AttributeError):
+            mp.setattr("vlm_grpo.trainer.tile_fields", lambda processor, images, fields: fields)
+            run(family, sharp_models, dataset, tmp_path / "control", share=False, all_bad=True)
+
+
+def test_multi_tile_internvl_rounds_are_cut_per_rollout(sharp_models, dataset, tmp_path):
+    """InternVL with up to 4 tiles an image (the widest test image takes 3): each rollout keeps its own tiles through
+    a round without tool images (a wrong cut would not match the image tokens). The shared path cannot count tiles per
+    row, so these turns go through TRL's generate (no fast decode), with the same tokens."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    model = tmp_path / "internvl_tiles"
+    shutil.copytree(sharp_models["internvl"], model)
+    processor = AutoProcessor.from_pretrained(model)
+    processor.image_processor.max_patches, processor.image_processor.crop_to_patches = 4, True
+    processor.save_pretrained(model)
+    images = [Image.open(p) for p in sorted((dataset[0].parent / "images").glob("*.png"))]
+    tiles = processor.image_processor(images=images, crop_to_patches=True, return_tensors="pt")["num_patches"]
+    assert tiles.max() > 1
+    models = {"internvl": model}
+    trl = run("internvl", models, dataset, tmp_path / "trl", share=False, all_bad=True)
+    ours = run("internvl", models, dataset, tmp_path / "ours", share=True, all_bad=True)
+    assert ours["later"] == trl["later"] and len(ours["later"]) == 4
+    assert ours["fast_rows"] == 0  # the step's prompt image has several tiles: TRL's generate decoded it

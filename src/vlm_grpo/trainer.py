@@ -38,6 +38,7 @@ from vlm_grpo.tools.rollouts import (
     parse_malformed_calls,
     prepare_for_tools,
     rollout_tool_stats,
+    tile_fields,
 )
 from vlm_grpo.trainer_common import CheckpointReloadMixin, CompleteCheckpointMixin, as_vlm_config, prepare_vlm
 from vlm_grpo.utils import is_zero3, peft_base
@@ -224,6 +225,7 @@ class VLMGRPOTrainer(
         search, stop strings, a wrapped ``generate``, ...) go through TRL's path whole; see
         :mod:`vlm_grpo.fastpath.route`.
         """
+        multimodal_fields = {k: v for k, v in multimodal_fields.items() if k != "num_tiles"}  # see tile_fields
         if has_tool_images:
             # TRL's tool-image path passes everything the image processor returned, and adds token type ids for
             # models whose forward does not take them (InternVL): keep what the model accepts.
@@ -260,6 +262,9 @@ class VLMGRPOTrainer(
             env = environments[i] if i < len(environments) else None
             self._sync_tool_dicts[i][MALFORMED_CALL] = malformed_call_tool(env)
             mark_malformed_call(turns[-1])
+        multimodal_fields = tile_fields(
+            getattr(self.processing_class, "image_processor", None), images, multimodal_fields
+        )
         # The rollouts' sandbox cells run together, per round; later turns' malformed calls are marked as parsed.
         with ToolBatch(self.environments, completions), parse_malformed_calls(self):
             result = super()._tool_call_loop(

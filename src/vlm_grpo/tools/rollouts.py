@@ -31,6 +31,36 @@ _VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|vide
 _VISION_TOKENS += ("<IMG_CONTEXT>", "<img>", "</img>", "<video>")
 
 
+def tile_fields(image_processor: Any, images: list | None, fields: dict[str, Any]) -> dict[str, Any]:
+    """InternVL's prompt fields in the form TRL's tool loop can cut per rollout.
+
+    With an environment per rollout, TRL tokenizes each prompt alone, and InternVL's tiles come back as a list
+    of tensors. In a round where no tool returned an image, TRL's loop splits ``pixel_values`` per rollout: a
+    list fails there, and a tile-indexed tensor needs each rollout's tile count (``num_tiles``, which TRL's
+    log-prob pass computes the same way). Other families' fields come back as they are. The trainer's
+    ``_generate_single_turn`` leaves ``num_tiles`` out of what reaches ``generate``.
+    """
+    pixels = fields.get("pixel_values")
+    if images is None or "image_grid_thw" in fields or not isinstance(pixels, list) or not pixels:
+        return fields
+    import torch
+
+    if not all(isinstance(p, torch.Tensor) for p in pixels):
+        return fields
+    pixels = torch.cat([p if p.ndim == 4 else p[None] for p in pixels])
+    flat = [image for row in images if row for image in row]
+    if pixels.size(0) == len(flat):
+        per_image = [1] * len(flat)
+    else:
+        per_image = image_processor(images=flat, crop_to_patches=True, return_tensors="pt")["num_patches"].tolist()
+    tiles, start = [], 0
+    for row in images:
+        count = len(row) if row else 0
+        tiles.append(sum(per_image[start : start + count]))
+        start += count
+    return {**fields, "pixel_values": pixels, "num_tiles": tiles}
+
+
 def build_tool_environment(
     names: Sequence[str], tool_kwargs: str | Mapping[str, Any] | None = None, coord_size: CoordSize | None = None
 ) -> type[ToolEnvironment]:

@@ -97,7 +97,9 @@ def dataset(tmp_path_factory):
         ("internvl", "zoom_in+beta"),
         ("internvl", "python"),
         ("qwen2_vl", "zoom_in"),
+        ("qwen2_vl", "python"),
         ("qwen3_vl", "zoom_in"),
+        ("qwen3_vl", "python"),
         ("qwen3_vl", "zoom_in+released"),  # the released Qwen3-VL template (it renders tools)
         ("qwen2_5_vl", "zoom_in+released"),  # the released Qwen2.5-VL template (no tools: ours replaces it)
     ],

@@ -318,6 +318,17 @@ def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
     return name, overrides
 
 
+def device_defaults(args: argparse.Namespace) -> bool:
+    """The scripts' shared defaults: ``--preset tiny`` names the tiny Qwen2.5-VL, and ``--dtype`` (when the script
+    has one and it was left out) is bf16 on a GPU, fp32 on CPU. Returns whether the device is a GPU."""
+    if args.preset == "tiny":
+        args.preset = "tiny_qwen2_5_vl"
+    on_gpu = args.device.startswith("cuda")
+    if hasattr(args, "dtype"):
+        args.dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
+    return on_gpu
+
+
 def build_policy(
     args: argparse.Namespace, workdir: Path, tag: str, lora_r: int = 0, lora_dropout: float = 0.05
 ) -> tuple[Any, Any, Any]:
@@ -511,10 +522,7 @@ def parse(argv: list[str] | None = None, description: str | None = None) -> argp
     p.add_argument("--profile_dir", default=None, help="profile one extra step per run; top ops written here")
     p.add_argument("--out", default="bench_results.json")
     args = p.parse_args(argv)
-    if args.preset == "tiny":
-        args.preset = "tiny_qwen2_5_vl"
-    on_gpu = args.device.startswith("cuda")
-    args.dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
+    on_gpu = device_defaults(args)
     args.image_sizes = args.image_sizes or ([448, 896] if on_gpu else [56])
     args.completion_lengths = args.completion_lengths or ([128] if on_gpu else [8])
     args.peak_tflops = args.peak_tflops or card_peak_tflops(args.device)

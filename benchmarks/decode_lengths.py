@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import decode_weight_bytes, hbm_bandwidth
+from bench_common import decode_weight_bytes, device_defaults, hbm_bandwidth
 
 CAPTURES: list[float] = []  # seconds of each CUDA-graph warm-up + capture (once per window of a fast_decode call)
 
@@ -144,8 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
     )  # fmt: skip
     p.add_argument("--out", default="decode_lengths.json")
     args = p.parse_args(argv)
-    if args.preset == "tiny":
-        args.preset = "tiny_qwen2_5_vl"
+    device_defaults(args)
     device = torch.device(args.device)
     compile = device.type == "cuda" if args.compile is None else args.compile
     configure(args.mode, args.compile_mode)

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from bench_common import Scenario, build_policy, grpo_config, grpo_trainer, write_images
+from bench_common import Scenario, build_policy, device_defaults, grpo_config, grpo_trainer, write_images
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 
@@ -400,10 +400,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="max_fit.json")
     args = p.parse_args(argv)
-    if args.preset == "tiny":
-        args.preset = "tiny_qwen2_5_vl"
-    on_gpu = args.device.startswith("cuda")
-    args.dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
+    on_gpu = device_defaults(args)
     args.image_size = args.image_size or (448 if on_gpu else 56)
     args.completion_length = args.completion_length or (128 if on_gpu else 8)
     if args.max_prompts < 1:

@@ -100,6 +100,36 @@ def one_call(
     return time.perf_counter() - start, out.size(1)
 
 
+def _kind(name: str) -> str:
+    """A kernel's kind by its name (inductor names a fused kernel after its ops: one that fused an attention op's
+    inputs counts as attention)."""
+    low = name.lower()
+    if "nvjet" in low or "gemm" in low or "splitk" in low or "cublas" in low:
+        return "gemm"
+    if "fmha" in low or "attention" in low or "flash" in low or "sdpa" in low:
+        return "attention"
+    if low.startswith("triton_"):
+        return "triton (fused pointwise / norms)"
+    if "memset" in low or "memcpy" in low:
+        return "memset / memcpy"
+    return "other (sampling, eager ops)"
+
+
+def kernel_kinds(averages, tokens: int) -> dict:
+    """GPU time of a profiled call's kernels by kind, in ms per decoded token (the device's own events only: the
+    CPU-side aten rows carry their kernels' time too, and would count it twice)."""
+    kinds: dict[str, float] = {}
+    top: list[tuple[str, float]] = []
+    for event in averages:
+        us = event.self_device_time_total
+        if event.device_type != torch.autograd.DeviceType.CUDA or us <= 0:
+            continue
+        kinds[_kind(event.key)] = kinds.get(_kind(event.key), 0.0) + us / 1e3 / tokens
+        top.append((event.key[:120], us / 1e3 / tokens))
+    top.sort(key=lambda kv: -kv[1])
+    return {"ms_per_token_by_kind": kinds, "total_ms_per_token": sum(kinds.values()), "top_kernels": top[:25]}
+
+
 def _timings(calls: list[dict], floor_ms: float | None) -> dict:
     """Medians over the repeat calls (not the first, none that compiled): per token, with and without the graph
     warm-ups and captures, and against the HBM floor."""
@@ -142,10 +172,16 @@ def main(argv: list[str] | None = None) -> dict:
         "--profile", default=None,
         help="profile the last call (per window value: .w<N> suffixed when several); its top kernels are written here",
     )  # fmt: skip
+    p.add_argument(
+        "--cudnn_sdpa", type=lambda s: s.lower() in ("1", "true", "yes"), default=False,
+        help="leave cuDNN's sdpa kernel on (the trainer turns it off unless cudnn_attention=true)",
+    )  # fmt: skip
     p.add_argument("--out", default="decode_lengths.json")
     args = p.parse_args(argv)
     device_defaults(args)
     device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(args.cudnn_sdpa)  # as the trainer does by default
     compile = device.type == "cuda" if args.compile is None else args.compile
     configure(args.mode, args.compile_mode)
 
@@ -180,8 +216,14 @@ def main(argv: list[str] | None = None) -> dict:
             if profiler is not None:
                 profiler.__exit__(None, None, None)
                 sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-                table = profiler.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=90)
-                Path(args.profile + (f".w{window}" if len(windows) > 1 else "")).write_text(table)
+                averages = profiler.key_averages()
+                table = averages.table(sort_by=sort, row_limit=40, max_name_column_width=90)
+                suffix = f".w{window}" if len(windows) > 1 else ""
+                Path(args.profile + suffix).write_text(table)
+                if device.type == "cuda":
+                    kinds = kernel_kinds(averages, tokens)
+                    Path(args.profile + suffix + ".json").write_text(json.dumps(kinds, indent=2))
+                    print(f"[profile] {json.dumps(kinds)}", flush=True)
             calls.append(
                 {
                     "prompt_len": length, "attention_window": window, "seconds": seconds, "tokens": tokens,

@@ -70,3 +70,35 @@ def test_sdpa_shapes_cpu_times_both_backend_settings(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert set(rows) == {"default", "no_cudnn"}
     assert all(r["first_call_ms"] > 0 and r["repeat_ms"] > 0 for r in rows.values())
+
+
+def test_decode_lengths_tiny_cpu_times_each_call_and_profiles_the_last(tmp_path):
+    out, profile = tmp_path / "lengths.json", tmp_path / "profile.txt"
+    cmd = [
+        sys.executable, str(REPO / "benchmarks" / "decode_lengths.py"), "--preset", "tiny", "--device", "cpu",
+        "--new_tokens", "4", "--prompt_lengths", "20", "24", "--profile", str(profile), "--out", str(out),
+    ]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    assert [c["prompt_len"] for c in summary["calls"]] == [20, 24] and all(c["tokens"] == 4 for c in summary["calls"])
+    assert summary["decode_ms_per_token"] > 0 and "Self CPU" in profile.read_text()
+
+
+def test_decode_lengths_sorts_kernels_into_kinds():
+    """The kinds the decode profile reports, for kernel names from an H100 profile of the decode step."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from decode_lengths import _kind
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    assert _kind("nvjet_sm90_tst_192x16_64x8_4x1_v_bz_TNT") == "gemm"
+    assert _kind("void cublasLt::splitKreduce_kernel<32, 16, int, float>") == "gemm"
+    assert _kind("fmha_cutlassF_bf16_aligned_64x128_rf_sm80(PyTorchMemEffAttention::AttentionKernel)") == "attention"
+    norm = "triton_red_fused__to_copy__unsafe_view_add_mean_mul_pow_rsqrt_13"
+    assert _kind(norm) == "triton (fused pointwise / norms)"
+    assert _kind("triton_poi_fused__scaled_dot_product_efficient_attention__to_copy_add_cat") == "attention"
+    assert _kind("Memset (Device)") == "memset / memcpy"
+    assert _kind("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, ArgMaxOp>>") == (
+        "other (sampling, eager ops)"
+    )

@@ -87,24 +87,27 @@ def _tiny_qwen(tiny_models):
 
 
 def test_decode_attention_reads_grouped_kv_uncopied_and_keeps_generates_tokens(tiny_models, monkeypatch):
-    """4 query heads share 2 K/V heads in the tiny model: the step's sdpa gets the 2-head cache as it is."""
+    """4 query heads share 2 K/V heads in the tiny model: the step's scores GEMM gets the 2-head cache as it is,
+    the 2 query heads of each K/V head stacked on the query axis."""
     shapes = []
+    real = decode_attention._fp32_scores
 
-    def spy(q, k, v, **kwargs):
+    def spy(q, k):
         shapes.append((tuple(q.shape), tuple(k.shape)))
-        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+        return real(q, k)
 
-    monkeypatch.setattr(decode_attention, "F", SimpleNamespace(scaled_dot_product_attention=spy))
+    monkeypatch.setattr(decode_attention, "_fp32_scores", spy)
     model = _tiny_qwen(tiny_models)
     ours, plain = _decode(model, 20, compile=False)
     assert ours == plain and len({t for row in ours for t in row}) > 2
     rows, kv_heads = 2 * G, model.config.text_config.num_key_value_heads
     group = model.config.text_config.num_attention_heads // kv_heads
-    assert shapes and all(q[:3] == (rows, kv_heads, group) and k[1] == kv_heads for q, k in shapes), shapes
+    assert shapes and all(q[:2] == (rows * kv_heads, group) and k[0] == rows * kv_heads for q, k in shapes), shapes
     assert model.config.text_config._attn_implementation == "sdpa"  # restored after the decode
 
 
-def test_decode_attention_equals_transformers_sdpa_with_repeated_kv(monkeypatch):
+@pytest.mark.parametrize("mask_kind", ["bool", "additive"])
+def test_decode_attention_equals_transformers_sdpa_with_repeated_kv(mask_kind, monkeypatch):
     """The function against transformers' own sdpa path (which expands K/V per query head), on a padded
     mask; the negative control pairs query heads with the wrong K/V head and must differ."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -112,17 +115,37 @@ def test_decode_attention_equals_transformers_sdpa_with_repeated_kv(monkeypatch)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(3, h, n, 8, generator=g) for h, n in ((6, 1), (2, 40), (2, 40)))
     mask = torch.rand(3, 1, 1, 40, generator=g) > 0.3
+    if mask_kind == "additive":
+        mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
     layer = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)
     ref, _ = sdpa_attention_forward(layer, q, k, v, mask, scaling=0.3)
     ours, _ = decode_attention.decode_sdpa(layer, q, k, v, mask, scaling=0.3)
     torch.testing.assert_close(ours, ref, rtol=0, atol=1e-6)
+    real = decode_attention._fp32_scores
 
-    def misgrouped(q, k, v, **kwargs):  # query head h to K/V head h % 2 instead of h // 3
-        return F.scaled_dot_product_attention(q.transpose(1, 2).reshape(q.shape), k, v, **kwargs)
+    def misgrouped(q, k):  # query head h to K/V head h % 2 instead of h // 3
+        rows_kv, group, dim = q.shape
+        return real(q.reshape(-1, 2, group, dim).transpose(1, 2).reshape(rows_kv, group, dim), k)
 
-    monkeypatch.setattr(decode_attention, "F", SimpleNamespace(scaled_dot_product_attention=misgrouped))
+    monkeypatch.setattr(decode_attention, "_fp32_scores", misgrouped)
     wrong, _ = decode_attention.decode_sdpa(layer, q, k, v, mask, scaling=0.3)
     assert (wrong - ref).abs().max() > 1e-2
+
+
+def test_decode_attention_keeps_half_precision_scores_in_fp32():
+    """bf16 inputs: the scores are computed in fp32 as sdpa's kernels do, so a large logit keeps its precision; the
+    result stays within bf16 rounding of an fp32 reference."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, h, n, 16, generator=g) for h, n in ((4, 1), (2, 30), (2, 30)))
+    q = q * 6  # large logits: bf16 scores would round them by ~0.1
+    mask = torch.ones(2, 1, 1, 30, dtype=torch.bool)
+    layer = SimpleNamespace(num_key_value_groups=2, is_causal=True, training=False)
+    ref, _ = decode_attention.decode_sdpa(layer, q, k, v, mask, scaling=0.25)
+    half, _ = decode_attention.decode_sdpa(layer, *(t.bfloat16() for t in (q, k, v)), mask, scaling=0.25)
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.float(), ref, rtol=0, atol=3e-2)
+    scores = decode_attention._fp32_scores(q[:, :2, 0].bfloat16().reshape(4, 1, 16), k.bfloat16().reshape(4, 30, 16))
+    assert scores.dtype == torch.float32
 
 
 def _count_gemms(monkeypatch) -> list[int]:
@@ -167,7 +190,7 @@ def _lora_model(tiny_models, dropout: float = 0.0, dora: bool = False):
         lora_alpha=64,
         lora_dropout=dropout,
         use_dora=dora,
-        target_modules=["q_proj", "v_proj", "up_proj"],
+        target_modules=["q_proj", "v_proj", "up_proj", "o_proj", "down_proj"],
         init_lora_weights=False,
     )  # random A and B: the adapter changes the tokens
     return get_peft_model(_tiny_qwen(tiny_models), config).eval()
@@ -185,9 +208,10 @@ def _adapter_calls(model) -> list[int]:
     ("dropout", "dora"), [(0.0, False), (0.1, False), (0.0, True)], ids=["folded", "dropout_layer_runs", "dora_runs"]
 )
 def test_fused_projections_keep_the_lora_terms(dropout, dora, tiny_models, monkeypatch):
-    """LoRA without dropout: the adapters are folded into the fused GEMM (no adapter GEMM runs while decoding);
-    with dropout, or DoRA, the LoRA layer runs as it is around the fused base. Either way the tokens are generate's with
-    the adapter. The negative control folds nothing and must change the tokens."""
+    """LoRA without dropout: the adapters are folded into the fused GEMMs, o and down projections included (no
+    adapter GEMM runs while decoding); with dropout, or DoRA, the LoRA layer runs as it is around the fused base.
+    Either way the tokens are generate's with the adapter. The negative control folds nothing and must change the
+    tokens."""
     from vlm_grpo.fastpath import decode_fusion
 
     model = _lora_model(tiny_models, dropout, dora)

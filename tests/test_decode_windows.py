@@ -14,7 +14,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import test_decode_speed
 import test_group_sharing
@@ -29,7 +28,7 @@ rows_file = test_group_sharing.rows_file  # the fixture: two rows, one and two i
 STEPS = 14  # completion tokens: with windows of 4 slots, 3 or 4 windows
 
 
-def _windows_on(monkeypatch, window: int = 4, bucket: int = 8, spy_sdpa: bool = True) -> dict[str, list]:
+def _windows_on(monkeypatch, window: int = 4, bucket: int = 8, spy_scores: bool = True) -> dict[str, list]:
     """Small windows on the CPU path; returns what the steps saw: each window's mask length, the cache's slots,
     the cache length when the window's step was made (prefix + its first step), the warm-up count, and the key
     lengths the decode step's sdpa read."""
@@ -46,13 +45,15 @@ def _windows_on(monkeypatch, window: int = 4, bucket: int = 8, spy_sdpa: bool = 
         seen["starts"].append(int(self.cache.layers[0].cumulative_length))
         seen["warmups"].append(self.warmups)
 
-    def sdpa(q, k, v, **kwargs):
-        seen["keys"].append(k.size(-2))
-        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    real_scores = decode_attention._fp32_scores
+
+    def scores(q, k):
+        seen["keys"].append(k.size(1))
+        return real_scores(q, k)
 
     monkeypatch.setattr(decode._Step, "__init__", spy_init)
-    if spy_sdpa:  # not under torch.compile: the spy would be traced
-        monkeypatch.setattr(decode_attention, "F", SimpleNamespace(scaled_dot_product_attention=sdpa))
+    if spy_scores:  # not under torch.compile: the spy would be traced
+        monkeypatch.setattr(decode_attention, "_fp32_scores", scores)
     return seen
 
 
@@ -85,8 +86,7 @@ def test_window_schedule_by_hand():
 @pytest.mark.parametrize("heads", [6, 2], ids=["grouped", "one_query_head_per_kv_head"])
 def test_decode_sdpa_on_a_window_equals_the_full_cache(heads):
     """Keys past the window are masked out: cutting K/V to the window changes nothing (1e-6); a window that cuts
-    off a written, attended slot (negative control) must differ. Without grouped heads decode_sdpa hands over
-    to the package's sdpa: the window applies there too."""
+    off a written, attended slot (negative control) must differ. With one query head per K/V head too."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(3, h, n, 8, generator=g) for h, n in ((heads, 1), (2, 40), (2, 40)))
     written = 13
@@ -241,7 +241,7 @@ def test_windows_of_a_call_share_one_compilation(mark, tiny_models, monkeypatch)
     same bucket compiles nothing. Unmarked (control), the second window recompiles."""
     from torch._dynamo.utils import counters
 
-    seen = _windows_on(monkeypatch, window=4, bucket=32, spy_sdpa=False)
+    seen = _windows_on(monkeypatch, window=4, bucket=32, spy_scores=False)
     monkeypatch.setattr(test_decode_speed, "NEW_TOKENS", 12)
     if not mark:
         monkeypatch.setattr(decode, "_window_mask", lambda mask, length, compile: mask[..., :length])

@@ -8,7 +8,7 @@ What it does (every piece behind a ``VLMGRPOConfig`` flag, parity-tested against
 * ``decode``: ``fast_decode`` / ``compile_decode`` (static cache, CUDA-graph decode step per attention window);
 * ``route``: which generations may take the shared prefill; the rest (beam search, stop strings, a wrapped
   ``generate``, ...) go through TRL's own path, whole;
-* ``decode_attention``: the decode step's sdpa over grouped K/V heads without per-head copies;
+* ``decode_attention``: the decode step's attention over grouped K/V heads, as two matmuls, without per-head copies;
 * ``block_attention``: the packed pass's attention kernel (``packed_attention=blocks``);
 * ``compiled_layers``: ``compile_layers``; ``fallback``: compiled-with-eager-fallback;
 * ``vision_attention``: ``batch_vision_attention``; ``vision_sync``: vision passes kept in step across ranks.

@@ -12,7 +12,11 @@ call, each projection's ``nn.Linear`` is replaced by a :class:`_Part` that retur
 one GEMM, computed by whichever part of the group is called first for an input. Under PEFT, a LoRA layer
 without dropout is replaced as a whole and its active adapters' ``scaling * B @ A`` is added to its rows
 of the fused copy (the model's own weights are never changed), so a LoRA decode step costs what a full
-one does; with dropout, only the base Linear is replaced and the layer adds its adapter term itself.
+one does; with dropout, only the base Linear is replaced and the layer adds its adapter term itself. The
+projections outside the groups (o, down) get the same folding, each a group of one, when they carry a foldable
+LoRA layer: its adapter would otherwise add two small GEMMs and an add per layer and token (H100, 3B, LoRA r64
+on every projection: 6.1 ms per decoded token against 4.7 for full fine-tuning). A plain Linear outside the
+groups is left alone (a copy of its weight would gain nothing).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from torch import nn
 # Projections that read the same input in the decoders of the supported families (Qwen2/2.5/3-VL; InternVL
 # with a Qwen2/Qwen3 language model), in the order the model calls them.
 GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# The other projections of those decoders: folded alone, and only when they carry a foldable LoRA layer.
+SINGLES: tuple[str, ...] = ("o_proj", "down_proj")
 
 
 class _Group:
@@ -148,7 +154,8 @@ def _plan(decoder: nn.Module) -> tuple[list[_Group], list[_Swap]]:
     groups: list[_Group] = []
     swaps: list[_Swap] = []
     for module in decoder.modules():
-        for names in GROUPS:
+        singles = [(n,) for n in SINGLES if _foldable_lora(getattr(module, n, None))]
+        for names in (*GROUPS, *singles):
             if not all(isinstance(getattr(module, n, None), nn.Module) for n in names):
                 continue
             found = []
@@ -183,8 +190,9 @@ def _unmerges_on_forward(module: nn.Module) -> bool:
 
 @contextlib.contextmanager
 def fused_projections(decoder: nn.Module) -> Iterator[int]:
-    """While active, every q|k|v and gate|up group of ``decoder`` runs as one GEMM. Yields the number of
-    groups fused (0 when none qualifies: the model runs unchanged). The modules are restored on exit."""
+    """While active, every q|k|v and gate|up group of ``decoder`` runs as one GEMM (and every o / down projection
+    with a foldable LoRA layer as one plain GEMM). Yields the number of groups fused (0 when none qualifies: the
+    model runs unchanged). The modules are restored on exit."""
     plan = _PLANS.get(decoder)
     if plan is None or any(getattr(holder, key, None) is not original for holder, key, original, _ in plan[1]):
         plan = _PLANS[decoder] = _plan(decoder)  # first call, or the model's modules changed since

@@ -83,12 +83,16 @@ def one_token_attention(
     return torch.matmul(weights, value).reshape(batch, heads, 1, dim)
 
 
+# bmm writing fp32 from half-precision inputs (``out_dtype``) came with torch 2.8; the package supports 2.6.
+_BMM_OUT_DTYPE = "dtype" in torch.ops.aten.bmm.overloads()
+
+
 def _fp32_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """q·kᵀ in fp32: from half-precision inputs on a GPU, one GEMM that writes fp32 (``bmm``'s ``out_dtype``), as
-    sdpa's kernels accumulate; elsewhere the inputs in fp32."""
+    sdpa's kernels accumulate; elsewhere (or on a torch without it) the inputs in fp32."""
     if q.dtype == torch.float32:
         return torch.bmm(q, k.transpose(1, 2))
-    if q.is_cuda:
+    if q.is_cuda and _BMM_OUT_DTYPE:
         return torch.bmm(q, k.transpose(1, 2), out_dtype=torch.float32)
     return torch.bmm(q.float(), k.float().transpose(1, 2))
 

@@ -318,6 +318,11 @@ def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
     return name, overrides
 
 
+def flag_bool(text: str) -> bool:
+    """An argparse ``type`` for on/off flags written ``true``/``false`` (also 1/0, yes/no)."""
+    return text.lower() in ("1", "true", "yes")
+
+
 def device_defaults(args: argparse.Namespace) -> bool:
     """The scripts' shared defaults: ``--preset tiny`` names the tiny Qwen2.5-VL, and ``--dtype`` (when the script
     has one and it was left out) is bf16 on a GPU, fp32 on CPU. Returns whether the device is a GPU."""
@@ -495,7 +500,7 @@ def parse(argv: list[str] | None = None, description: str | None = None) -> argp
     p.add_argument(
         "--beta", type=float, default=0.0, help="KL coefficient (TRL's default 0); > 0 adds a reference pass"
     )
-    p.add_argument("--gradient_checkpointing", type=lambda s: s.lower() in ("1", "true", "yes"), default=True)
+    p.add_argument("--gradient_checkpointing", type=flag_bool, default=True)
     p.add_argument("--lora_r", type=int, default=0, help="> 0: every trainer trains the same LoRA (language model)")
     p.add_argument(
         "--lora_dropout", type=float, default=0.05, help="0: fast decode folds the adapters into its fused weights"

@@ -27,15 +27,17 @@ def sdpa(q, k, v, mask):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-def math(q, k, v, mask):
+def _scores(q, k, mask):
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * q.size(-1) ** -0.5
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+    return scores.masked_fill(~mask, float("-inf"))
+
+
+def math(q, k, v, mask):
+    return torch.matmul(torch.softmax(_scores(q, k, mask), dim=-1).to(v.dtype), v)
 
 
 def _part(q, k, v, mask):
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * q.size(-1) ** -0.5
-    scores = scores.masked_fill(~mask, float("-inf"))
+    scores = _scores(q, k, mask)
     top = scores.amax(-1, keepdim=True)
     weights = torch.exp(scores - top)
     return torch.matmul(weights.to(v.dtype), v).float(), top, weights.sum(-1, keepdim=True)

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import decode_weight_bytes, device_defaults, hbm_bandwidth
+from bench_common import decode_weight_bytes, device_defaults, flag_bool, hbm_bandwidth
 
 CAPTURES: list[float] = []  # seconds of each CUDA-graph warm-up + capture (once per window of a fast_decode call)
 
@@ -121,11 +121,12 @@ def kernel_kinds(averages, tokens: int) -> dict:
     kinds: dict[str, float] = {}
     top: list[tuple[str, float]] = []
     for event in averages:
-        us = event.self_device_time_total
-        if event.device_type != torch.autograd.DeviceType.CUDA or us <= 0:
+        if event.device_type != torch.autograd.DeviceType.CUDA or event.self_device_time_total <= 0:
             continue
-        kinds[_kind(event.key)] = kinds.get(_kind(event.key), 0.0) + us / 1e3 / tokens
-        top.append((event.key[:120], us / 1e3 / tokens))
+        ms = event.self_device_time_total / 1e3 / tokens
+        kind = _kind(event.key)
+        kinds[kind] = kinds.get(kind, 0.0) + ms
+        top.append((event.key[:120], ms))
     top.sort(key=lambda kv: -kv[1])
     return {"ms_per_token_by_kind": kinds, "total_ms_per_token": sum(kinds.values()), "top_kernels": top[:25]}
 
@@ -160,8 +161,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--new_tokens", type=int, default=128)
     p.add_argument("--unique", type=int, default=2, help="unique prompts per call")
     p.add_argument("--group", type=int, default=8, help="rows per unique prompt (G)")
-    p.add_argument("--compile", type=lambda s: s.lower() in ("1", "true", "yes"), default=None)
-    p.add_argument("--fuse", type=lambda s: s.lower() in ("1", "true", "yes"), default=True, help="fuse q|k|v, gate|up")
+    p.add_argument("--compile", type=flag_bool, default=None)
+    p.add_argument("--fuse", type=flag_bool, default=True, help="fuse q|k|v, gate|up")
     p.add_argument(
         "--attention_window", type=int, nargs="+", default=None,
         help="decode attention window in cache slots (0: off, one window over the whole cache; default: the "
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
         help="profile the last call (per window value: .w<N> suffixed when several); its top kernels are written here",
     )  # fmt: skip
     p.add_argument(
-        "--cudnn_sdpa", type=lambda s: s.lower() in ("1", "true", "yes"), default=False,
+        "--cudnn_sdpa", type=flag_bool, default=False,
         help="leave cuDNN's sdpa kernel on (the trainer turns it off unless cudnn_attention=true)",
     )  # fmt: skip
     p.add_argument("--out", default="decode_lengths.json")

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from bench_common import Scenario, build_policy, device_defaults, grpo_config, grpo_trainer, write_images
+from bench_common import Scenario, build_policy, device_defaults, flag_bool, grpo_config, grpo_trainer, write_images
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 
@@ -392,7 +392,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    "allocated anyway; these also expose allocator fragmentation)")  # fmt: skip
     p.add_argument("--lora_r", type=int, default=64)
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient (TRL's default 0)")
-    p.add_argument("--gradient_checkpointing", type=lambda s: s.lower() in ("1", "true", "yes"), default=True)
+    p.add_argument("--gradient_checkpointing", type=flag_bool, default=True)
     p.add_argument("--memory_limit_gib", type=float, default=None, help="CUDA: cap the allocator at this much (a "
                    "smaller card on a bigger one); CPU: a try whose peak RSS exceeds it does not fit")  # fmt: skip
     p.add_argument("--simulate_oom_above", type=int, default=None, help="testing: tries with more prompts raise OOM")

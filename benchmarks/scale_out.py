@@ -170,6 +170,8 @@ def grpo_argv(args: argparse.Namespace, ds: str, model_dir: Path, jsonl: Path, o
     }
     if args.device == "cuda":
         flags["bf16"] = "true"
+        if ds == "none":  # bf16 weights, as DeepSpeed's bf16 mode computes in (TRL's default loads fp32)
+            flags["dtype"] = "bfloat16"
     else:
         flags["use_cpu"] = "true"
     if ds != "none":

@@ -51,11 +51,11 @@ def rows_file(tmp_path_factory):
 
 def make_trainer(
     model_dir, rows_file, tmp_path, attn="sdpa", lora=False, max_anyres_num=None, reward_funcs=(_reward,),
-    trainer_kwargs=None, **overrides,
+    trainer_kwargs=None, dtype=torch.float32, **overrides,
 ):  # fmt: skip
     module = get_vlm_module(str(model_dir), limits=ImageLimits(max_anyres_num=max_anyres_num))
     processor = module.load_processor(str(model_dir))
-    model = module.load_model(str(model_dir), dtype=torch.float32, attn_implementation=attn)
+    model = module.load_model(str(model_dir), dtype=dtype, attn_implementation=attn)
     rows, bad = read_rows([str(rows_file)], task_type="raw")
     dataset, _ = to_datasets(prepare_rows(rows, bad, module, processor), module)
     peft_config = None
@@ -193,6 +193,35 @@ def test_block_attention_matches_trl_without_a_dense_mask(family, tiny_models, r
     monkeypatch.setattr(sharing, "build_mask", no_dense_mask)
     assert_parity(trainer, inputs)
     assert trainer.model.config.get_text_config(decoder=True)._attn_implementation == NAME
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_bf16_autocast_without_deepspeed_trains_through_the_block_kernel(lora, tiny_models, rows_file, tmp_path,
+                                                                         monkeypatch):  # fmt: skip
+    """``--bf16 true`` without DeepSpeed (one GPU, LoRA) and the CLI's default fp32 weights: under accelerate's
+    bf16 autocast the rotary embedding hands the attention fp32 q/k and a bf16 v. A plain sdpa call is cast by
+    autocast; the block kernel's lower-right causal bias checks the dtypes before autocast would, so the shared
+    pass failed on its first step."""
+    import vlm_grpo.fastpath.block_attention as block_attention
+
+    real, dtypes = block_attention._packed_sdpa, []
+
+    def spy(query, key, value, *args):
+        dtypes.append((query.dtype, key.dtype, value.dtype))
+        return real(query, key, value, *args)
+
+    monkeypatch.setattr(block_attention, "_packed_sdpa", spy)
+    trainer = make_trainer(
+        tiny_models["qwen2_5_vl"], rows_file, tmp_path, lora=lora, bf16=True, use_cpu=True,
+        max_steps=1, learning_rate=1e-2, gradient_checkpointing=True,
+    )  # fmt: skip
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # TRL's per-row pass, cast by autocast, is the reference
+        assert_parity(trainer, real_batch(trainer), tol=3e-2)  # bf16: measured 5e-4 (log-probs), 1e-2 (gradients)
+    trained = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train()
+    assert (torch.float32, torch.float32, torch.bfloat16) in dtypes, f"no mixed dtypes reached the kernel: {dtypes}"
+    after = dict(trainer.model.named_parameters())
+    assert any(not torch.equal(after[n], p) for n, p in trained.items()), "no trainable parameter changed"
 
 
 def test_every_attention_call_of_the_shared_pass_takes_batched_4d_inputs(tiny_models, rows_file, tmp_path):
@@ -493,6 +522,27 @@ def assert_samples_like_generate(trainer, monkeypatch) -> list[list[int]]:
     assert used == ["fast"] and ours == plain
     assert len({tuple(c) for c in ours}) > 2  # really sampled: the G copies of a prompt differ
     return ours
+
+
+@pytest.mark.parametrize("compile_decode", [False, True], ids=["eager_step", "compiled_step"])
+def test_fast_decode_runs_under_the_autocast_of_the_prepared_model(compile_decode, tiny_models, rows_file, tmp_path,
+                                                                    monkeypatch):  # fmt: skip
+    """``--bf16`` without DeepSpeed, fp32 weights: accelerate wraps the model's forward in a bf16 autocast and TRL's
+    generate runs through it. The decode step calls the decoder past that wrapper, so it enters the same autocast:
+    bf16 GEMMs (fp32 ones before), a cache holding fp32 keys and bf16 values, and generate's sampled tokens.
+    (Eager attention is left out: in bf16 its sums over the static cache's masked slots may round differently.)"""
+    trainer = make_trainer(
+        tiny_models["qwen2_5_vl"], rows_file, tmp_path, bf16=True, use_cpu=True, compile_decode=compile_decode
+    )
+    trainer.model = trainer.model_wrapped = trainer.accelerator.prepare_model(trainer.model)  # as train() does
+    dtypes = []
+    down = trainer.model.get_decoder().layers[-1].mlp.down_proj  # not fused: it runs as itself in the decode
+    handle = down.register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
+    try:
+        assert_samples_like_generate(trainer, monkeypatch)
+    finally:
+        handle.remove()
+    assert set(dtypes) == {torch.bfloat16}, dtypes
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

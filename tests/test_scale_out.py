@@ -153,3 +153,13 @@ def test_scale_out_cpu_plan_reports_every_run(tmp_path):
         assert c["source"] == "c10d ops (host time, rank 0)" and c["count"] > 0
         assert set(c["by_kind"]) <= set(worker.COLLECTIVE_KINDS), c["by_kind"]
         assert c["in_generation"]["count"] > 0 and r["features"]["fast_decode"] == "on"
+
+
+def test_the_run_without_deepspeed_trains_bf16_weights_on_gpu():
+    """The 1-GPU fallback's memory estimate is bf16 AdamW states (8 bytes a parameter): its weights must load in
+    bf16, not in TRL's default fp32 (16 bytes a parameter, and fp32 GEMMs under autocast: another speed)."""
+    driver = load("scale_out")
+    args = driver.parse(["--plan", "zero2", "--device", "cuda"])
+    flags = {ds: driver.grpo_argv(args, ds, Path("m"), Path("d.jsonl"), Path("o")) for ds in ("none", "zero2")}
+    assert flags["none"][flags["none"].index("--dtype") + 1] == "bfloat16"
+    assert "--dtype" not in flags["zero2"] and "--deepspeed" in flags["zero2"]

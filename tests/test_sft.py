@@ -151,3 +151,19 @@ def test_help_lists_the_sft_flags(capsys):
     flags = ("--llm_lr", "--vision_encoder_lr", "--assistant_only_loss", "--use_peft", "--freeze_vision_modules")
     for flag in (*flags, "--batch_vision_attention"):
         assert flag in out
+
+
+def test_a_run_shorter_than_logging_steps_still_reports_its_mean_loss():
+    """Two steps with logging_steps=10 log no per-step loss; the closing line gives the run's mean instead."""
+    from types import SimpleNamespace
+
+    from vlm_grpo.sft_jsonl import loss_summary
+
+    args = SimpleNamespace(logging_steps=10)
+    assert loss_summary([{"train_loss": 7.426, "epoch": 1}], args) == (
+        "mean loss 7.4260 (no step logged its own: logging_steps=10)"
+    )
+    assert (
+        loss_summary([{"loss": 2.0}, {"loss": 1.5}, {"train_loss": 1.7}], args) == "first loss 2.0000, last loss 1.5000"
+    )
+    assert loss_summary([], args) == "no loss logged"

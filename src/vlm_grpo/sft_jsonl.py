@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vlm_grpo.cli_errors import run_cli
 from vlm_grpo.help_cache import print_cached_help
@@ -57,10 +57,20 @@ def main(script_args: GRPOScriptArguments, training_args: VLMSFTConfig, model_ar
     save_final_model(trainer, training_args, model_args.model_name_or_path)
     finish_run(trainer, training_args.output_dir, script_args.plot)
     if is_main:
-        losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
-        summary = f"first loss {losses[0]:.4f}, last loss {losses[-1]:.4f}" if losses else "no loss logged"
+        summary = loss_summary(trainer.state.log_history, training_args)
         print(f"[vlm-grpo-sft] step {trainer.state.global_step}; {summary}; model in {training_args.output_dir}")
     return trainer
+
+
+def loss_summary(log_history: list[dict[str, Any]], args: Any) -> str:
+    """First and last logged loss; a run shorter than ``logging_steps`` logs none, but its mean (train_loss)."""
+    losses = [e["loss"] for e in log_history if "loss" in e]
+    if losses:
+        return f"first loss {losses[0]:.4f}, last loss {losses[-1]:.4f}"
+    mean = next((e["train_loss"] for e in reversed(log_history) if "train_loss" in e), None)
+    if mean is None:
+        return "no loss logged"
+    return f"mean loss {mean:.4f} (no step logged its own: logging_steps={args.logging_steps})"
 
 
 def build_trainer(

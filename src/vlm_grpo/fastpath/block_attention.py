@@ -80,6 +80,7 @@ def _packed_sdpa(
 ) -> torch.Tensor:
     """The packed rows, one by one. Outside compilation (``compile_layers``): the loop over the layout's
     Python ints would otherwise recompile a compiled decoder layer for every new layout."""
+    query, key, value = _autocast_inputs(query, key, value)
     gqa = query.size(1) != key.size(1)
     total, block = query.size(2), layout.block_len
     rows = []
@@ -107,6 +108,17 @@ def _packed_sdpa(
             parts.append(query.new_zeros(total - end, query.size(1), value.size(-1)))
         rows.append(torch.cat(parts))
     return torch.stack(rows)
+
+
+def _autocast_inputs(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k, v in autocast's dtype, as autocast gives them to a plain sdpa call. The lower-right causal bias is a
+    tensor subclass: its ``__torch_function__`` checks the dtypes before autocast casts anything, so under mixed
+    precision without DeepSpeed (a bf16 model, fp32 rotary q/k, bf16 v) the call would fail where sdpa succeeds."""
+    device = xs[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return xs
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(x.to(dtype) for x in xs)
 
 
 def _blocks(x: torch.Tensor, n: int, block: int) -> torch.Tensor:

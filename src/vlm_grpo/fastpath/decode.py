@@ -67,6 +67,39 @@ def unsupported_reason(model: Any) -> str | None:
     return None
 
 
+# (device type, dtype) of the autocast a forward runs under; None: none.
+AutocastState = tuple[str, torch.dtype] | None
+
+
+@contextlib.contextmanager
+def autocast_seen(module: torch.nn.Module) -> Iterator[list[AutocastState]]:
+    """Record the autocast ``module`` first runs under inside the block (the list gets one entry).
+
+    ``generate`` calls the model's own forward, which may enter an autocast: accelerate wraps a prepared model's
+    forward in its mixed-precision autocast (``--bf16`` without DeepSpeed), and TRL generates through it. The
+    decode step calls the decoder directly, past that wrapper, so it re-enters what the prefill ran under."""
+    seen: list[AutocastState] = []
+
+    def hook(mod: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        if not seen:
+            kind = next(mod.parameters()).device.type
+            seen.append((kind, torch.get_autocast_dtype(kind)) if torch.is_autocast_enabled(kind) else None)
+
+    handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+def _autocast(state: AutocastState) -> contextlib.AbstractContextManager:
+    """``state``'s autocast without its cast cache: a weight cast cached during a warm-up pass would be reused,
+    not recorded, by the graph capture (torch's CUDA-graph notes ask for ``cache_enabled=False``)."""
+    if state is None:
+        return contextlib.nullcontext()
+    return torch.autocast(state[0], dtype=state[1], cache_enabled=False)
+
+
 def cache_kwarg(model: Any, cache: Any) -> dict[str, Any]:
     """transformers renamed ``past_key_values`` to ``cache`` (5.2x); pass whichever this version takes."""
     base = peft_base(model)  # PEFT hides the signature
@@ -180,9 +213,9 @@ class _Step:
 
     def __init__(
         self, decoder: Any, head: Any, cache: Any, tokens, positions, mask, use_graph: bool, compile: bool = False,
-        warmups: int = 2, pool: Any = None, warm_up: bool = False,
+        warmups: int = 2, pool: Any = None, warm_up: bool = False, autocast: AutocastState = None,
     ) -> None:  # fmt: skip
-        self.decoder, self.head, self.cache = decoder, head, cache
+        self.decoder, self.head, self.cache, self.autocast = decoder, head, cache, autocast
         self.tokens, self.positions, self.mask = tokens, positions, mask
         self.use_graph, self.warmups, self.pool = use_graph, warmups, pool
         self._cache_kwarg = cache_kwarg(decoder, cache)
@@ -197,7 +230,8 @@ class _Step:
         return isinstance(self._fn, EagerOnFailure) and self._fn.compiled
 
     def _forward(self) -> torch.Tensor:
-        with decode_attention(self.decoder.config):  # grouped K/V not copied per query head (sdpa)
+        # Grouped K/V not copied per query head (sdpa); the prefill's autocast (see autocast_seen).
+        with decode_attention(self.decoder.config), _autocast(self.autocast):
             return self._fn(self.decoder, self.head, self.tokens, self.positions, self.mask, self._cache_kwarg)
 
     def _warm_up(self, rewind: Callable[[], None]) -> None:
@@ -259,6 +293,7 @@ def fast_decode(
     use_graph: bool,
     compile: bool = False,
     fuse: bool = True,
+    autocast: AutocastState = None,
 ) -> torch.Tensor:
     """Tokens generated after ``input_ids`` (rows expanded by ``index``); their last token is not in the cache.
 
@@ -266,19 +301,19 @@ def fast_decode(
     unique prompt of row k. ``next_positions`` are the rotary positions of each unique prompt's last
     token: ``(U,)`` for 1-D models, ``(3, U)`` for mrope. Returns ``(rows, steps)`` token ids, pad after
     EOS, like ``generate(...)[:, prompt_len:]``. ``fuse``: q|k|v and gate|up run as one GEMM each
-    (:mod:`vlm_grpo.fastpath.decode_fusion`).
+    (:mod:`vlm_grpo.fastpath.decode_fusion`). ``autocast``: what the prefill ran under (:func:`autocast_seen`).
     """
     decoder = peft_base(model).get_decoder()
     with fused_projections(decoder) if fuse else contextlib.nullcontext():
         return _fast_decode(
             model, prefill_cache, index, input_ids, attention_mask, next_positions, generation_config,
-            use_graph, compile,
+            use_graph, compile, autocast,
         )  # fmt: skip
 
 
 def _fast_decode(
     model: Any, prefill_cache: Any, index, input_ids, attention_mask, next_positions, generation_config: Any,
-    use_graph: bool, compile: bool,
+    use_graph: bool, compile: bool, autocast: AutocastState,
 ) -> torch.Tensor:  # fmt: skip
     from transformers import LogitsProcessorList, StaticCache
 
@@ -307,10 +342,11 @@ def _fast_decode(
     slots = size + 1 if windowed else size
     layers = prefill_cache.layers
     cache = StaticCache(config=base.config, max_cache_len=slots)
+    # Each layer's keys and values keep the prefill's dtypes, which may differ: under autocast with fp32 weights
+    # the rotary embedding returns fp32 keys while the values stay bf16 (generate's dynamic cache holds the same).
+    for layer, src in zip(cache.layers, layers, strict=True):
+        layer.lazy_initialization(*(x.new_empty(rows, x.size(1), 0, x.size(-1)) for x in (src.keys, src.values)))
     kv_dtype = layers[0].keys.dtype
-    cache.early_initialization(
-        rows, [layer.keys.size(1) for layer in layers], [layer.keys.size(-1) for layer in layers], kv_dtype, device
-    )
     if attn == "sdpa":
         mask = torch.ones(rows, 1, 1, slots, dtype=torch.bool, device=device)
         attend, blocked = True, False
@@ -353,7 +389,7 @@ def _fast_decode(
             warmups = 1 if made else 2  # later windows: the kernels are compiled and loaded already
             made.append(_Step(
                 decoder, head, cache, tokens, positions, view, use_graph, compile, warmups, pool,
-                warm_up=windowed,
+                warm_up=windowed, autocast=autocast,
             ))  # fmt: skip
         mask[:, 0, 0, prefix + t] = attend  # the token fed now attends to itself
         logits = made[-1]().to(copy=True, dtype=torch.float32)  # consumed before the next replay

@@ -322,7 +322,8 @@ def shared_prefill_generate(
         positions = _generation_positions(base, lead_ids[:, :-1], prefill)
         if positions is not None:
             prefill["position_ids"] = positions
-        unwrapped(input_ids=lead_ids[:, :-1], **decode.cache_kwarg(unwrapped, cache), use_cache=True, **prefill)
+        with decode.autocast_seen(base.get_decoder()) as amp:
+            unwrapped(input_ids=lead_ids[:, :-1], **decode.cache_kwarg(unwrapped, cache), use_cache=True, **prefill)
         decode_positions = _next_positions(positions, getattr(backbone, "rope_deltas", None))
         reason = _fast_decode_blocker(trainer, unwrapped, decode_positions)
         if reason is None:
@@ -331,7 +332,7 @@ def shared_prefill_generate(
                 unwrapped, cache, index, lead_ids[index], lead_mask[index], decode_positions,
                 trainer.generation_config, use_graph=device.type == "cuda",
                 compile=device.type == "cuda" if compile_decode is None else compile_decode,
-                fuse=trainer.args.fuse_decode_projections,
+                fuse=trainer.args.fuse_decode_projections, autocast=amp[0],
             )  # fmt: skip
         else:
             if trainer.args.fast_decode:

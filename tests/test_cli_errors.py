@@ -154,3 +154,26 @@ def test_a_reward_that_raises_on_every_sample_stops_the_run_naming_it(dataset, t
     line = _fails(argv, capsys)
     assert "reward 'score' raised on every sample of its first batch" in line
     assert "answer_key" in line and "--reward_kwargs" in line  # the exception and the likely fix
+
+
+def test_unknown_flags_say_what_to_pass_instead(dataset, tmp_path, capsys):
+    """Another project's flag names its replacement, a typo gets the nearest flag, a stray value says so."""
+    argv = _args(dataset, tmp_path)
+    line = _fails([*argv, "--image_root", "coco/"], capsys)
+    assert line.startswith("error: unknown flag --image_root:") and "--image_folders DIR" in line
+    assert "did you mean --learning_rate?" in _fails([*argv, "--learnig_rate", "1e-6"], capsys)
+    assert "no such flag" in _fails([*argv, "--zzz_not_a_flag", "1"], capsys)
+    assert "unexpected values ['stray']" in _fails([*argv, "stray"], capsys)
+
+
+def test_dataset_name_is_never_silently_taken_for_data(dataset, tmp_path, capsys, caplog):
+    """VLM-R1's grpo_rec.py passed its data config as --dataset_name: without --data_file_paths that is an error
+    saying what to pass; beside it (VLM-R1's grpo_jsonl.py scripts: `this_is_not_used`) a logged no-op."""
+    argv = _args(dataset, tmp_path)
+    i = argv.index("--data_file_paths")
+    without_data = argv[:i] + argv[i + 2 :]
+    line = _fails([*without_data, "--dataset_name", "data_config/rec.yaml"], capsys)
+    assert "--dataset_name data_config/rec.yaml: not read here" in line and "--data_file_paths" in line
+    with caplog.at_level("INFO", logger="vlm_grpo"):
+        assert "no/such/model" in _fails([*argv, "--dataset-name", "this_is_not_used"], capsys)  # got past it
+    assert "--dataset_name this_is_not_used is not read" in caplog.text

@@ -1,12 +1,15 @@
 """Command-line spellings other projects' scripts use for our flags, rewritten before parsing.
 
 The Lewis-game seed passes ``--lo_rank / --lo_alpha / --lo_dropout``; they mean TRL's ``--lora_r /
---lora_alpha / --lora_dropout`` exactly, so they are plain synonyms (each rewrite is logged). Giving both
-spellings of one flag is an error rather than a silent pick.
+--lora_alpha / --lora_dropout`` exactly. VLM-R1's older run scripts (``grpo_rec.py``) and open-r1's pass
+``--torch_dtype bfloat16``: TRL's ``ModelConfig`` field was renamed ``dtype``, with the same meaning. So all are
+plain synonyms (each rewrite is logged). Giving both spellings of one flag is an error rather than a silent pick.
 """
 
 from __future__ import annotations
 
+import ast
+import difflib
 import logging
 from collections.abc import Sequence
 
@@ -16,6 +19,7 @@ FLAG_ALIASES: dict[str, str] = {
     "--lo_rank": "--lora_r",
     "--lo_alpha": "--lora_alpha",
     "--lo_dropout": "--lora_dropout",
+    "--torch_dtype": "--dtype",
 }
 
 
@@ -36,3 +40,38 @@ def expand_flag_aliases(argv: Sequence[str]) -> list[str]:
             arg = target + eq + value
         out.append(arg)
     return out
+
+
+# Flags of other projects' scripts that have no synonym here: what to pass instead.
+FOREIGN_FLAGS: dict[str, str] = {
+    "--image_root": "VLM-R1's grpo_rec.py flag; pass the folder as --image_folders DIR (':'-separated, one per "
+    "--data_file_paths file or one for all)",
+    "--max_output_token_length": "pass --max_completion_length N",
+    "--custom_reward_weights": "pass TRL's --reward_weights W1 W2 ... (space-separated, one per --reward_funcs)",
+}
+_UNUSED = "Some specified arguments are not used by the HfArgumentParser: "
+
+
+def explain_unknown_flags(message: str, known: set[str]) -> str:
+    """HfArgumentParser's "not used" error rewritten as what to change for each unknown flag; other errors as
+    they are. ``known``: every flag the parser takes (close matches are offered for typos)."""
+    if not message.startswith(_UNUSED):
+        return message
+    try:
+        remaining = ast.literal_eval(message[len(_UNUSED) :])
+    except (ValueError, SyntaxError):
+        return message
+    parts = []
+    for token in remaining:
+        flag = token.partition("=")[0]
+        if not flag.startswith("-"):
+            continue  # a value of the unknown flag before it
+        hint = FOREIGN_FLAGS.get(flag)
+        if hint is None:
+            spelled = sorted({"--" + k[2:].replace("-", "_") for k in known})  # --a-b is --a_b's other spelling
+            close = difflib.get_close_matches("--" + flag.lstrip("-").replace("-", "_"), spelled, n=2, cutoff=0.75)
+            hint = f"did you mean {' or '.join(close)}?" if close else "no such flag"
+        parts.append(f"{flag}: {hint}")
+    if not parts:
+        return f"unexpected values {remaining}: a value without its --flag, or a flag's value split by a space"
+    return "unknown flag " + "; ".join(parts) + " (--help lists every flag)"

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from trl import GRPOConfig, ModelConfig, ScriptArguments, TrlParser
 
+from vlm_grpo.cli_aliases import explain_unknown_flags
 from vlm_grpo.cli_errors import UserError
 
 
@@ -434,7 +435,8 @@ class VLMParser(TrlParser):
         try:
             return super().parse_args_and_config(args=argv, **kwargs)
         except ValueError as exc:  # raised by the configs' own checks: about the flags the user gave
-            raise FlagError(f"{exc}") from exc
+            known = {o for a in self._actions for o in a.option_strings if o.startswith("--")}
+            raise FlagError(explain_unknown_flags(str(exc), known)) from exc
 
     def print_help(self, file: Any = None) -> None:
         from vlm_grpo.help_cache import store_help

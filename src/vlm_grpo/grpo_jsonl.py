@@ -35,7 +35,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[GRPOScriptArguments, 
     quiet_warnings()  # before parsing: TrainingArguments warns about its own flag names there
     parser = VLMParser((GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig))
     argv = easyr1_config_argv(sys.argv[1:] if argv is None else argv)  # an EasyR1 YAML as --config
-    argv = expand_flag_aliases(argv)  # the Lewis seed's --lo_rank / --lo_alpha / --lo_dropout
+    argv = expand_flag_aliases(argv)  # the Lewis seed's --lo_rank / ..., older scripts' --torch_dtype
     script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
     return script_args, training_args, model_args
 

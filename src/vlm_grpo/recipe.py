@@ -48,6 +48,7 @@ def preflight(script_args: GRPOScriptArguments, training_args: Any) -> None:
     """Checks that take milliseconds, run before the data check and the model load (minutes on a 7B model):
     output_dir usable, --report_to integrations installed, data files and image folders present."""
     check_output_dir(training_args.output_dir)
+    check_dataset_name(script_args)
     for name in training_args.report_to or []:
         if name in ("none", "all"):
             continue
@@ -72,6 +73,21 @@ def preflight(script_args: GRPOScriptArguments, training_args: Any) -> None:
     for folder in [f for f in (script_args.image_folders or "").split(":") if f]:
         if not Path(folder).is_dir():
             raise UserError(f"--image_folders: '{folder}' is not a folder")
+
+
+def check_dataset_name(script_args: GRPOScriptArguments) -> None:
+    """TRL's ``--dataset_name`` is never read here (VLM-R1's grpo_jsonl.py scripts pass ``this_is_not_used``;
+    its older grpo_rec.py took a data-config YAML there): an error without ``--data_file_paths``, else a log line."""
+    name = script_args.dataset_name
+    if not name:
+        return
+    if not script_args.data_file_paths:
+        raise UserError(
+            f"--dataset_name {name}: not read here (VLM-R1's grpo_rec.py took a data-config YAML there); pass the "
+            "data as --data_file_paths a.jsonl[:b.jsonl] (a YAML's json_path entries, or NAME@SPLIT of a dataset in "
+            "the local Hugging Face cache) and the images' folders as --image_folders"
+        )
+    logger.info("--dataset_name %s is not read: the data comes from --data_file_paths", name)
 
 
 def check_output_dir(output_dir: str | None) -> None:

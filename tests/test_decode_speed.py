@@ -148,6 +148,30 @@ def test_decode_attention_keeps_half_precision_scores_in_fp32():
     assert scores.dtype == torch.float32
 
 
+def test_decode_attention_under_autocast_keeps_fp32_scores_as_sdpa_does(monkeypatch):
+    """fp32 weights under a bf16 autocast hand the decode fp32 q / k (rotary) and bf16 v. sdpa, cast by autocast,
+    computes bf16 inputs with fp32 scores; so must the decode's attention (autocast would round its scores GEMM's
+    output to bf16): the same scores as without autocast on bf16 inputs, and the result sdpa gives there."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, h, n, 16, generator=g) for h, n in ((4, 1), (2, 30), (2, 30)))
+    q, v = q * 6, v.bfloat16()  # large logits: bf16 scores would round them by ~0.1
+    mask = torch.rand(2, 1, 1, 30, generator=g) > 0.2
+    layer = SimpleNamespace(num_key_value_groups=2, is_causal=True, training=False)
+    real, seen = decode_attention._fp32_scores, []
+    monkeypatch.setattr(decode_attention, "_fp32_scores", lambda *a: seen.append(real(*a)) or seen[-1])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref, _ = sdpa_attention_forward(layer, q, k, v, mask, scaling=0.25)
+        ours, _ = decode_attention.decode_sdpa(layer, q, k, v, mask, scaling=0.25)
+    plain, _ = decode_attention.decode_sdpa(layer, q.bfloat16(), k.bfloat16(), v, mask, scaling=0.25)
+    assert [s.dtype for s in seen] == [torch.float32, torch.float32]
+    torch.testing.assert_close(seen[0], seen[1], rtol=0, atol=0)
+    assert ours.dtype == ref.dtype == torch.bfloat16
+    torch.testing.assert_close(ours, plain, rtol=0, atol=0)
+    torch.testing.assert_close(ours.float(), ref.float(), rtol=0, atol=2e-2)
+
+
 def _count_gemms(monkeypatch) -> list[int]:
     """Spy on the GEMMs of the fused groups: the output width of each call."""
     from vlm_grpo.fastpath import decode_fusion

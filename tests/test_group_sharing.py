@@ -6,6 +6,7 @@ ragged completions; prompts differ in length (left padding) and in image count.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -20,6 +21,7 @@ from vlm_grpo.data import prepare_rows, read_rows, to_datasets
 from vlm_grpo.modules import ImageLimits, get_vlm_module
 from vlm_grpo.testing.tiny import FAMILIES
 from vlm_grpo.trainer import VLMGRPOTrainer
+from vlm_grpo.utils import peft_base
 
 G = 3
 MM_KEYS = ("pixel_values", "image_grid_thw", "num_images", "num_tiles", "mm_token_type_ids")
@@ -529,20 +531,50 @@ def test_fast_decode_runs_under_the_autocast_of_the_prepared_model(compile_decod
                                                                     monkeypatch):  # fmt: skip
     """``--bf16`` without DeepSpeed, fp32 weights: accelerate wraps the model's forward in a bf16 autocast and TRL's
     generate runs through it. The decode step calls the decoder past that wrapper, so it enters the same autocast:
-    bf16 GEMMs (fp32 ones before), a cache holding fp32 keys and bf16 values, and generate's sampled tokens.
-    (Eager attention is left out: in bf16 its sums over the static cache's masked slots may round differently.)"""
+    bf16 GEMMs, a cache of fp32 keys and bf16 values, and the sampled tokens of generate after the same shared
+    prefill. The control decodes without entering the autocast: its fp32 values do not fit the prefill's cache.
+
+    generate runs the decode's attention function here: under autocast, CPU's sdpa rounds the scores to bf16,
+    while the GPU kernels and that function keep them in fp32
+    (``test_decode_attention_under_autocast_keeps_fp32_scores_as_sdpa_does``), and in bf16 that alone changes
+    sampled tokens. Eager attention is left out: its sums over the static cache's masked slots round differently."""
+    import vlm_grpo.fastpath.decode as decode
+    from vlm_grpo.fastpath.decode_attention import decode_attention
+
     trainer = make_trainer(
         tiny_models["qwen2_5_vl"], rows_file, tmp_path, bf16=True, use_cpu=True, compile_decode=compile_decode
     )
     trainer.model = trainer.model_wrapped = trainer.accelerator.prepare_model(trainer.model)  # as train() does
+    config = trainer.generation_config
+    config.temperature, config.top_k, config.top_p, config.repetition_penalty = 0.7, 50, 0.9, 1.2
+    config.min_new_tokens = config.max_new_tokens
+    batch = _tokenized_batch(trainer)
     dtypes = []
     down = trainer.model.get_decoder().layers[-1].mlp.down_proj  # not fused: it runs as itself in the decode
+
+    def generate(fast: bool) -> list[list[int]]:
+        trainer.args.fast_decode = fast
+        dtypes.clear()
+        torch.manual_seed(5)
+        # generate's steps in the decode's attention function (fast decode itself is off under that name)
+        with contextlib.nullcontext() if fast else decode_attention(peft_base(trainer.model).get_decoder().config):
+            return trainer._generate_single_turn(*batch, G)[0]
+
+    used = []
+    real = decode.fast_decode
+    monkeypatch.setattr(decode, "fast_decode", lambda *a, **k: used.append(k["autocast"]) or real(*a, **k))
     handle = down.register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
     try:
-        assert_samples_like_generate(trainer, monkeypatch)
+        reference = generate(fast=False)  # the shared prefill, then generate
+        assert not used and set(dtypes) == {torch.bfloat16}
+        assert generate(fast=True) == reference
+        assert used == [("cpu", torch.bfloat16)] and set(dtypes) == {torch.bfloat16}
+        assert len({tuple(c) for c in reference}) > 2  # really sampled: the G copies of a prompt differ
+        monkeypatch.setattr(decode, "_autocast", lambda state: contextlib.nullcontext())
+        with pytest.raises(RuntimeError, match="same dtype"):  # fp32 values against the prefill's bf16 ones
+            generate(fast=True)
     finally:
         handle.remove()
-    assert set(dtypes) == {torch.bfloat16}, dtypes
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

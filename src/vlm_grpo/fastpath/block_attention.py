@@ -80,7 +80,7 @@ def _packed_sdpa(
 ) -> torch.Tensor:
     """The packed rows, one by one. Outside compilation (``compile_layers``): the loop over the layout's
     Python ints would otherwise recompile a compiled decoder layer for every new layout."""
-    query, key, value = _autocast_inputs(query, key, value)
+    query, key, value = autocast_inputs(query, key, value)
     gqa = query.size(1) != key.size(1)
     total, block = query.size(2), layout.block_len
     rows = []
@@ -110,10 +110,11 @@ def _packed_sdpa(
     return torch.stack(rows)
 
 
-def _autocast_inputs(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """q, k, v in autocast's dtype, as autocast gives them to a plain sdpa call. The lower-right causal bias is a
-    tensor subclass: its ``__torch_function__`` checks the dtypes before autocast casts anything, so under mixed
-    precision without DeepSpeed (a bf16 model, fp32 rotary q/k, bf16 v) the call would fail where sdpa succeeds."""
+def autocast_inputs(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k, v in autocast's dtype, as autocast gives them to a plain sdpa call (unchanged without autocast). The
+    lower-right causal bias is a tensor subclass: its ``__torch_function__`` checks the dtypes before autocast casts
+    anything, so under mixed precision without DeepSpeed (fp32 weights: fp32 rotary q/k, bf16 v) the call would
+    fail where sdpa succeeds."""
     device = xs[0].device.type
     if not torch.is_autocast_enabled(device):
         return xs

@@ -29,7 +29,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from vlm_grpo.fastpath.block_attention import as_sdpa, block_sdpa
+from vlm_grpo.fastpath.block_attention import as_sdpa, autocast_inputs, block_sdpa
 
 NAME = "vlm_grpo_decode_sdpa"
 
@@ -60,7 +60,15 @@ def decode_sdpa(
         return block_sdpa(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
-    out = one_token_attention(query, key, value, attention_mask, dim**-0.5 if scaling is None else scaling)
+    # Under autocast (fp32 weights, --bf16 without DeepSpeed) sdpa takes q, k, v cast to its dtype and keeps its
+    # scores in fp32; autocast would instead round the scores GEMM's output to bf16. So: cast as sdpa's inputs
+    # are, then run as for bf16 weights, with autocast off.
+    scale = dim**-0.5 if scaling is None else scaling
+    if not torch.is_autocast_enabled(query.device.type):
+        return one_token_attention(query, key, value, attention_mask, scale).transpose(1, 2), None
+    query, key, value = autocast_inputs(query, key, value)
+    with torch.autocast(query.device.type, enabled=False):
+        out = one_token_attention(query, key, value, attention_mask, scale)
     return out.transpose(1, 2), None
 
 

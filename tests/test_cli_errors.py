@@ -164,6 +164,11 @@ def test_unknown_flags_say_what_to_pass_instead(dataset, tmp_path, capsys):
     assert "did you mean --learning_rate?" in _fails([*argv, "--learnig_rate", "1e-6"], capsys)
     assert "no such flag" in _fails([*argv, "--zzz_not_a_flag", "1"], capsys)
     assert "unexpected values ['stray']" in _fails([*argv, "stray"], capsys)
+    config = tmp_path / "run.yaml"  # a YAML key is not rewritten as its command-line alias is: say what to write
+    config.write_text("torch_dtype: bfloat16\nlearnig_rate: 1.0e-6\n")
+    line = _fails([*argv, "--config", str(config)], capsys)
+    assert "unknown key in the --config file: torch_dtype: write dtype:" in line
+    assert "learnig_rate: did you mean --learning_rate?" in line
 
 
 def test_dataset_name_is_never_silently_taken_for_data(dataset, tmp_path, capsys, caplog):

@@ -49,16 +49,20 @@ FOREIGN_FLAGS: dict[str, str] = {
     "--max_output_token_length": "pass --max_completion_length N",
     "--custom_reward_weights": "pass TRL's --reward_weights W1 W2 ... (space-separated, one per --reward_funcs)",
 }
-_UNUSED = "Some specified arguments are not used by the HfArgumentParser: "
+_UNUSED = "Some specified arguments are not used by the HfArgumentParser: "  # transformers' words, command line
+_CONFIG_UNUSED = "Unknown arguments from config file: "  # TRL's words, --config YAML keys
 
 
 def explain_unknown_flags(message: str, known: set[str]) -> str:
-    """HfArgumentParser's "not used" error rewritten as what to change for each unknown flag; other errors as
-    they are. ``known``: every flag the parser takes (close matches are offered for typos)."""
-    if not message.startswith(_UNUSED):
+    """HfArgumentParser's "not used" error (command line) or TrlParser's "unknown arguments" one (``--config``
+    YAML) rewritten as what to change for each unknown flag or key; other errors as they are. ``known``: every
+    flag the parser takes (close matches are offered for typos)."""
+    prefix = next((p for p in (_UNUSED, _CONFIG_UNUSED) if message.startswith(p)), None)
+    if prefix is None:
         return message
+    in_config = prefix == _CONFIG_UNUSED
     try:
-        remaining = ast.literal_eval(message[len(_UNUSED) :])
+        remaining = ast.literal_eval(message[len(prefix) :].split("]", 1)[0] + "]")
     except (ValueError, SyntaxError):
         return message
     parts = []
@@ -67,11 +71,15 @@ def explain_unknown_flags(message: str, known: set[str]) -> str:
         if not flag.startswith("-"):
             continue  # a value of the unknown flag before it
         hint = FOREIGN_FLAGS.get(flag)
+        if in_config and flag in FLAG_ALIASES:  # the command line reads these; a YAML key is not rewritten
+            hint = f"write {FLAG_ALIASES[flag][2:]}:, the name it stands for"
         if hint is None:
             spelled = sorted({"--" + k[2:].replace("-", "_") for k in known})  # --a-b is --a_b's other spelling
             close = difflib.get_close_matches("--" + flag.lstrip("-").replace("-", "_"), spelled, n=2, cutoff=0.75)
             hint = f"did you mean {' or '.join(close)}?" if close else "no such flag"
-        parts.append(f"{flag}: {hint}")
+        parts.append(f"{flag[2:] if in_config else flag}: {hint}")
     if not parts:
         return f"unexpected values {remaining}: a value without its --flag, or a flag's value split by a space"
+    if in_config:
+        return "unknown key in the --config file: " + "; ".join(parts) + " (--help lists every flag; keys are flags)"
     return "unknown flag " + "; ".join(parts) + " (--help lists every flag)"

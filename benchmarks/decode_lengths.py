@@ -22,6 +22,7 @@ left out of the medians.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -58,10 +59,11 @@ def configure(mode: str, compile_mode: str | None = None) -> None:
 
 def one_call(
     model, gen_config, prompt_len: int, unique: int, group: int, device, compile: bool, seed: int, fuse: bool = True,
-    attention_window: int | None = None,
+    attention_window: int | None = None, autocast: tuple[str, torch.dtype] | None = None,
 ):  # fmt: skip
     """Prefill ``unique`` prompts of ``prompt_len`` tokens, decode ``unique * group`` rows; (seconds, tokens).
-    ``attention_window``: ``decode.ATTENTION_WINDOW`` for this call (None: the package's)."""
+    ``attention_window``: ``decode.ATTENTION_WINDOW`` for this call (None: the package's). ``autocast``: the
+    prefill runs under it and the decode enters it, as the trainer's do under ``--bf16`` with fp32 weights."""
     from transformers import DynamicCache
 
     from vlm_grpo.fastpath import decode
@@ -79,7 +81,8 @@ def one_call(
         positions = _generation_positions(base, ids[:, :-1], prefill)
         if positions is not None:
             prefill["position_ids"] = positions
-        model(input_ids=ids[:, :-1], **decode.cache_kwarg(model, cache), use_cache=True, **prefill)
+        with torch.autocast(*autocast) if autocast else contextlib.nullcontext():
+            model(input_ids=ids[:, :-1], **decode.cache_kwarg(model, cache), use_cache=True, **prefill)
         next_pos = _next_positions(positions, getattr(backbone, "rope_deltas", None))
         index = torch.arange(unique, device=device).repeat_interleave(group)
         if device.type == "cuda":
@@ -91,7 +94,7 @@ def one_call(
         try:
             out = decode.fast_decode(
                 model, cache, index, ids[index], mask[index], next_pos, gen_config,
-                use_graph=device.type == "cuda", compile=compile, fuse=fuse,
+                use_graph=device.type == "cuda", compile=compile, fuse=fuse, autocast=autocast,
             )  # fmt: skip
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -177,6 +180,10 @@ def main(argv: list[str] | None = None) -> dict:
         "--cudnn_sdpa", type=flag_bool, default=False,
         help="leave cuDNN's sdpa kernel on (the trainer turns it off unless cudnn_attention=true)",
     )  # fmt: skip
+    p.add_argument(
+        "--fp32_autocast", type=flag_bool, default=False,
+        help="fp32 weights under a bf16 autocast (--bf16 without DeepSpeed and without --dtype bfloat16)",
+    )  # fmt: skip
     p.add_argument("--out", default="decode_lengths.json")
     args = p.parse_args(argv)
     device_defaults(args)
@@ -190,7 +197,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     from vlm_grpo.testing.tiny import build_model
 
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = torch.bfloat16 if device.type == "cuda" and not args.fp32_autocast else torch.float32
+    autocast = (device.type, torch.bfloat16) if args.fp32_autocast else None
     model, _ = build_model(args.preset, dtype=dtype, device=device)
     model.eval()
     gen_config = model.generation_config
@@ -212,7 +220,7 @@ def main(argv: list[str] | None = None) -> dict:
                 profiler.__enter__()
             captured = len(CAPTURES)
             seconds, tokens = one_call(
-                model, gen_config, length, args.unique, args.group, device, compile, n, args.fuse, window
+                model, gen_config, length, args.unique, args.group, device, compile, n, args.fuse, window, autocast
             )
             if profiler is not None:
                 profiler.__exit__(None, None, None)

@@ -10,6 +10,7 @@ import contextlib
 import json
 import logging
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -531,14 +532,18 @@ def test_fast_decode_runs_under_the_autocast_of_the_prepared_model(compile_decod
                                                                     monkeypatch):  # fmt: skip
     """``--bf16`` without DeepSpeed, fp32 weights: accelerate wraps the model's forward in a bf16 autocast and TRL's
     generate runs through it. The decode step calls the decoder past that wrapper, so it enters the same autocast:
-    bf16 GEMMs, a cache of fp32 keys and bf16 values, and the sampled tokens of generate after the same shared
-    prefill. The control decodes without entering the autocast: its fp32 values do not fit the prefill's cache.
+    bf16 GEMMs over weights cast once per call (o and down too), a cache of fp32 keys and bf16 values, and the
+    sampled tokens of generate after the same shared prefill. The control decodes without entering the autocast:
+    its fp32 values do not fit the prefill's cache.
 
     generate runs the decode's attention function here: under autocast, CPU's sdpa rounds the scores to bf16,
     while the GPU kernels and that function keep them in fp32
     (``test_decode_attention_under_autocast_keeps_fp32_scores_as_sdpa_does``), and in bf16 that alone changes
     sampled tokens. Eager attention is left out: its sums over the static cache's masked slots round differently."""
+    import torch.nn.functional as F
+
     import vlm_grpo.fastpath.decode as decode
+    from vlm_grpo.fastpath import decode_fusion
     from vlm_grpo.fastpath.decode_attention import decode_attention
 
     trainer = make_trainer(
@@ -560,15 +565,24 @@ def test_fast_decode_runs_under_the_autocast_of_the_prepared_model(compile_decod
         with contextlib.nullcontext() if fast else decode_attention(peft_base(trainer.model).get_decoder().config):
             return trainer._generate_single_turn(*batch, G)[0]
 
-    used = []
+    used, fused = [], []
     real = decode.fast_decode
     monkeypatch.setattr(decode, "fast_decode", lambda *a, **k: used.append(k["autocast"]) or real(*a, **k))
+
+    def linear(x, weight, bias=None):  # the fused GEMMs: weights pre-cast to bf16, o and down included
+        fused.append((weight.dtype, weight.size(0)))
+        return F.linear(x, weight, bias)
+
+    monkeypatch.setattr(decode_fusion, "F", SimpleNamespace(linear=linear))
     handle = down.register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
     try:
         reference = generate(fast=False)  # the shared prefill, then generate
         assert not used and set(dtypes) == {torch.bfloat16}
         assert generate(fast=True) == reference
         assert used == [("cpu", torch.bfloat16)] and set(dtypes) == {torch.bfloat16}
+        layer = trainer.model.get_decoder().layers[-1]
+        sizes = {m.weight.size(0) for m in (layer.self_attn.o_proj, layer.mlp.down_proj)}
+        assert {d for d, _ in fused} == {torch.bfloat16} and sizes <= {n for _, n in fused}
         assert len({tuple(c) for c in reference}) > 2  # really sampled: the G copies of a prompt differ
         monkeypatch.setattr(decode, "_autocast", lambda state: contextlib.nullcontext())
         with pytest.raises(RuntimeError, match="same dtype"):  # fp32 values against the prefill's bf16 ones

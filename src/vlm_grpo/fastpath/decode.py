@@ -304,7 +304,9 @@ def fast_decode(
     (:mod:`vlm_grpo.fastpath.decode_fusion`). ``autocast``: what the prefill ran under (:func:`autocast_seen`).
     """
     decoder = peft_base(model).get_decoder()
-    with fused_projections(decoder) if fuse else contextlib.nullcontext():
+    weights = next(decoder.parameters()).dtype
+    cast = autocast[1] if autocast is not None and autocast[1] != weights else None  # fp32 weights under autocast
+    with fused_projections(decoder, cast) if fuse else contextlib.nullcontext():
         return _fast_decode(
             model, prefill_cache, index, input_ids, attention_mask, next_positions, generation_config,
             use_graph, compile, autocast,

@@ -65,6 +65,7 @@ def explain_unknown_flags(message: str, known: set[str]) -> str:
         remaining = ast.literal_eval(message[len(prefix) :].split("]", 1)[0] + "]")
     except (ValueError, SyntaxError):
         return message
+    spelled = sorted({"--" + k[2:].replace("-", "_") for k in known})  # --a-b is --a_b's other spelling
     parts = []
     for token in remaining:
         flag = token.partition("=")[0]
@@ -74,7 +75,6 @@ def explain_unknown_flags(message: str, known: set[str]) -> str:
         if in_config and flag in FLAG_ALIASES:  # the command line reads these; a YAML key is not rewritten
             hint = f"write {FLAG_ALIASES[flag][2:]}:, the name it stands for"
         if hint is None:
-            spelled = sorted({"--" + k[2:].replace("-", "_") for k in known})  # --a-b is --a_b's other spelling
             close = difflib.get_close_matches("--" + flag.lstrip("-").replace("-", "_"), spelled, n=2, cutoff=0.75)
             hint = f"did you mean {' or '.join(close)}?" if close else "no such flag"
         parts.append(f"{flag[2:] if in_config else flag}: {hint}")

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from trl import GRPOConfig, ModelConfig, ScriptArguments, TrlParser
 
-from vlm_grpo.cli_aliases import explain_unknown_flags
+from vlm_grpo.cli_aliases import expand_flag_aliases, explain_unknown_flags
 from vlm_grpo.cli_errors import UserError
 
 
@@ -427,11 +427,12 @@ class VLMParser(TrlParser):
     A boolean flag given bare (``--bf16``, ``--gradient_checkpointing``, ``--use_peft``) means ``true``:
     HfArgumentParser accepts that only for fields typed plain ``bool``, not ``bool | None`` ones such as
     TrainingArguments' ``bf16``. ``--deepspeed FILE`` is read here, so a missing or broken file is named
-    before anything else runs.
+    before anything else runs. Other projects' spellings of our flags (``cli_aliases``: the Lewis seed's
+    ``--lo_rank``, older scripts' ``--torch_dtype``) are rewritten first, for every recipe.
     """
 
     def parse_args_and_config(self, args: Sequence[str] | None = None, **kwargs: Any) -> tuple[Any, ...]:
-        argv = self.with_bare_booleans(list(sys.argv[1:] if args is None else args))
+        argv = self.with_bare_booleans(expand_flag_aliases(sys.argv[1:] if args is None else args))
         try:
             return super().parse_args_and_config(args=argv, **kwargs)
         except ValueError as exc:  # raised by the configs' own checks: about the flags the user gave

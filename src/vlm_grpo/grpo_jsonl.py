@@ -27,7 +27,6 @@ logger = logging.getLogger("vlm_grpo")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig]:
-    from vlm_grpo.cli_aliases import expand_flag_aliases
     from vlm_grpo.configs import GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig, VLMParser
     from vlm_grpo.convert_config import easyr1_config_argv
     from vlm_grpo.utils import quiet_warnings
@@ -35,7 +34,6 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[GRPOScriptArguments, 
     quiet_warnings()  # before parsing: TrainingArguments warns about its own flag names there
     parser = VLMParser((GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig))
     argv = easyr1_config_argv(sys.argv[1:] if argv is None else argv)  # an EasyR1 YAML as --config
-    argv = expand_flag_aliases(argv)  # the Lewis seed's --lo_rank / ..., older scripts' --torch_dtype
     script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
     return script_args, training_args, model_args
 

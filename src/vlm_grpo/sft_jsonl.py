@@ -28,14 +28,12 @@ logger = logging.getLogger("vlm_grpo")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[GRPOScriptArguments, VLMSFTConfig, VLMModelConfig]:
-    from vlm_grpo.cli_aliases import expand_flag_aliases
     from vlm_grpo.configs import GRPOScriptArguments, VLMModelConfig, VLMParser
     from vlm_grpo.sft_trainer import VLMSFTConfig
     from vlm_grpo.utils import quiet_warnings
 
     quiet_warnings()  # before parsing: TrainingArguments warns about its own flag names there
     parser = VLMParser((GRPOScriptArguments, VLMSFTConfig, VLMModelConfig))
-    argv = expand_flag_aliases(sys.argv[1:] if argv is None else argv)  # open-r1's SFT scripts: --torch_dtype
     script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
     return script_args, training_args, model_args
 

@@ -63,12 +63,10 @@ def decode_sdpa(
     # Under autocast (fp32 weights, --bf16 without DeepSpeed) sdpa takes q, k, v cast to its dtype and keeps its
     # scores in fp32; autocast would instead round the scores GEMM's output to bf16. So: cast as sdpa's inputs
     # are, then run as for bf16 weights, with autocast off.
-    scale = dim**-0.5 if scaling is None else scaling
-    if not torch.is_autocast_enabled(query.device.type):
-        return one_token_attention(query, key, value, attention_mask, scale).transpose(1, 2), None
+    autocast = torch.is_autocast_enabled(query.device.type)
     query, key, value = autocast_inputs(query, key, value)
-    with torch.autocast(query.device.type, enabled=False):
-        out = one_token_attention(query, key, value, attention_mask, scale)
+    with torch.autocast(query.device.type, enabled=False) if autocast else contextlib.nullcontext():
+        out = one_token_attention(query, key, value, attention_mask, dim**-0.5 if scaling is None else scaling)
     return out.transpose(1, 2), None
 
 

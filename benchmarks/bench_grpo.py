@@ -85,8 +85,8 @@ class StepProfiler(TrainerCallback):
 
 def training_window(events: list[Any]) -> str:
     """What the GPU does between the start of the loss forward and the end of the backward: how much of
-    that window it is busy (the rest is host-bound), and which kernels / host ops fill it."""
-    from torch.autograd import DeviceType
+    that window it is busy (the rest is host-bound), and which kernels / host ops fill it. Then the same for the
+    generation phase and, within it, the decode (``fast_decode``)."""
 
     def spans(name: str) -> list[tuple[float, float]]:
         return [(e.time_range.start, e.time_range.end) for e in events if e.name == name]
@@ -95,6 +95,16 @@ def training_window(events: list[Any]) -> str:
     windows = [(a, next((e for s, e in steps if s <= a <= e), b)) for a, b in spans("phase:loss_forward")]
     if not windows:
         return "no loss_forward phase in the profiled step\n"
+    parts = [window_report(events, windows, "training window (loss forward + backward)")]
+    for phase in ("generation", "decode"):
+        if spans(f"phase:{phase}"):
+            parts.append(window_report(events, spans(f"phase:{phase}"), f"{phase} phase"))
+    return "\n\n".join(parts)
+
+
+def window_report(events: list[Any], windows: list[tuple[float, float]], title: str) -> str:
+    """GPU busy time (union of kernel intervals) within ``windows``, its kernels and the host ops there."""
+    from torch.autograd import DeviceType
 
     def inside(e: Any) -> bool:
         return any(s <= e.time_range.start < t for s, t in windows)
@@ -109,8 +119,8 @@ def training_window(events: list[Any]) -> str:
         reach = max(reach, end)
     wall = sum(t - s for s, t in windows)
     lines = [
-        f"training window (loss forward + backward): {wall / 1e3:.1f} ms wall, GPU busy {busy / 1e3:.1f} ms "
-        f"({busy / wall:.0%}), {len(device)} device events",
+        f"{title}: {wall / 1e3:.1f} ms wall, GPU busy {busy / 1e3:.1f} ms ({busy / max(wall, 1e-9):.0%}), "
+        f"{len(device)} device events",
         "",
         f"{'device ms':>10} {'calls':>7} {'mean us':>8}  kernel",
     ]
@@ -124,7 +134,7 @@ def training_window(events: list[Any]) -> str:
         if e.device_type == DeviceType.CPU and not e.name.startswith("phase:") and inside(e):
             host[e.name].append(e.self_cpu_time_total)
     lines += ["", f"{'host self ms':>12} {'calls':>7}  op"]
-    for name, times in sorted(host.items(), key=lambda kv: -sum(kv[1]))[:25]:
+    for name, times in sorted(host.items(), key=lambda kv: -sum(kv[1]))[:30]:
         lines.append(f"{sum(times) / 1e3:12.2f} {len(times):7d}  {name[:110]}")
     return "\n".join(lines) + "\n"
 

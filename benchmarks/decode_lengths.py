@@ -59,11 +59,13 @@ def configure(mode: str, compile_mode: str | None = None) -> None:
 
 def one_call(
     model, gen_config, prompt_len: int, unique: int, group: int, device, compile: bool, seed: int, fuse: bool = True,
-    attention_window: int | None = None, autocast: tuple[str, torch.dtype] | None = None,
+    attention_window: int | None = None, autocast: tuple[str, torch.dtype] | None = None, cast_head: bool = True,
 ):  # fmt: skip
-    """Prefill ``unique`` prompts of ``prompt_len`` tokens, decode ``unique * group`` rows; (seconds, tokens).
+    """Prefill ``unique`` prompts of ``prompt_len`` tokens, decode ``unique * group`` rows; (seconds, token ids).
     ``attention_window``: ``decode.ATTENTION_WINDOW`` for this call (None: the package's). ``autocast``: the
-    prefill runs under it and the decode enters it, as the trainer's do under ``--bf16`` with fp32 weights."""
+    prefill runs under it and the decode enters it, as the trainer's do under ``--bf16`` with fp32 weights.
+    ``cast_head`` False: the LM head runs as itself (under that autocast: cast at every step, as before it had a
+    stand-in)."""
     from transformers import DynamicCache
 
     from vlm_grpo.fastpath import decode
@@ -90,6 +92,9 @@ def one_call(
         window = decode.ATTENTION_WINDOW
         if attention_window is not None:
             decode.ATTENTION_WINDOW = attention_window
+        stand_in = decode.stand_in
+        if not cast_head:
+            decode.stand_in = lambda decoder, module: module
         start = time.perf_counter()
         try:
             out = decode.fast_decode(
@@ -99,8 +104,8 @@ def one_call(
             if device.type == "cuda":
                 torch.cuda.synchronize()
         finally:
-            decode.ATTENTION_WINDOW = window
-    return time.perf_counter() - start, out.size(1)
+            decode.ATTENTION_WINDOW, decode.stand_in = window, stand_in
+    return time.perf_counter() - start, out
 
 
 def _kind(name: str) -> str:
@@ -171,6 +176,12 @@ def main(argv: list[str] | None = None) -> dict:
         help="decode attention window in cache slots (0: off, one window over the whole cache; default: the "
         "package's); several values: each prompt length is decoded once per value, in turn",
     )  # fmt: skip
+    p.add_argument(
+        "--cast_head", type=flag_bool, nargs="+", default=[True],
+        help="with --fp32_autocast: the LM head as a bf16 copy made once per call (the package's); false: cast at "
+        "every step (before); 'true false': both, in turn, per prompt length (by_window keys 'window/cast_head=...')",
+    )  # fmt: skip
+    p.add_argument("--greedy", type=flag_bool, default=False, help="greedy decoding (tokens comparable by variant)")
     p.add_argument("--compile_mode", default=None, help="torch.compile mode of the decode step, e.g. max-autotune")
     p.add_argument(
         "--profile", default=None,
@@ -203,13 +214,16 @@ def main(argv: list[str] | None = None) -> dict:
     model.eval()
     gen_config = model.generation_config
     gen_config.max_new_tokens = gen_config.min_new_tokens = args.new_tokens
-    gen_config.do_sample, gen_config.temperature, gen_config.top_p, gen_config.top_k = True, 1.0, 1.0, 0
+    gen_config.do_sample, gen_config.temperature, gen_config.top_p, gen_config.top_k = not args.greedy, 1.0, 1.0, 0
 
-    windows = args.attention_window or [None]
+    heads = args.cast_head
+    windows = [(w, h) if len(heads) > 1 else w for w in args.attention_window or [None] for h in heads]
     calls = []
+    outputs: dict[tuple, torch.Tensor] = {}
     seen: set[int] = set()
     for n, length in enumerate(args.prompt_lengths):
-        for window in windows:
+        for variant in windows:
+            window, cast_head = variant if isinstance(variant, tuple) else (variant, heads[0])
             before = counters["stats"]["unique_graphs"]
             profiler = None
             if args.profile and n == len(args.prompt_lengths) - 1:
@@ -219,15 +233,18 @@ def main(argv: list[str] | None = None) -> dict:
                 profiler = torch.profiler.profile(activities=kinds)
                 profiler.__enter__()
             captured = len(CAPTURES)
-            seconds, tokens = one_call(
-                model, gen_config, length, args.unique, args.group, device, compile, n, args.fuse, window, autocast
-            )
+            seconds, out = one_call(
+                model, gen_config, length, args.unique, args.group, device, compile, n, args.fuse, window, autocast,
+                cast_head,
+            )  # fmt: skip
+            tokens = out.size(1)
+            outputs[(n, variant)] = out.cpu()
             if profiler is not None:
                 profiler.__exit__(None, None, None)
                 sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
                 averages = profiler.key_averages()
                 table = averages.table(sort_by=sort, row_limit=40, max_name_column_width=90)
-                suffix = f".w{window}" if len(windows) > 1 else ""
+                suffix = f".w{window}{'' if cast_head else '.uncast_head'}" if len(windows) > 1 else ""
                 Path(args.profile + suffix).write_text(table)
                 if device.type == "cuda":
                     kinds = kernel_kinds(averages, tokens)
@@ -235,7 +252,8 @@ def main(argv: list[str] | None = None) -> dict:
                     print(f"[profile] {json.dumps(kinds)}", flush=True)
             calls.append(
                 {
-                    "prompt_len": length, "attention_window": window, "seconds": seconds, "tokens": tokens,
+                    "prompt_len": length, "attention_window": window, "cast_head": cast_head, "seconds": seconds,
+                    "tokens": tokens,
                     "new_length": length not in seen, "graphs_compiled": counters["stats"]["unique_graphs"] - before,
                     "capture_s": sum(CAPTURES[captured:]), "captures": len(CAPTURES) - captured,
                 }
@@ -245,7 +263,23 @@ def main(argv: list[str] | None = None) -> dict:
     weights = decode_weight_bytes(model)
     bandwidth = hbm_bandwidth(args.device)
     floor_ms = 1e3 * weights / bandwidth if bandwidth else None
-    by_window = {str(w): _timings([c for c in calls if c["attention_window"] == w], floor_ms) for w in windows}
+
+    def key(variant) -> str:
+        return f"{variant[0]}/cast_head={variant[1]}" if isinstance(variant, tuple) else str(variant)
+
+    def of(variant) -> list[dict]:
+        window, cast_head = variant if isinstance(variant, tuple) else (variant, heads[0])
+        return [c for c in calls if c["attention_window"] == window and c["cast_head"] == cast_head]
+
+    by_window = {key(v): _timings(of(v), floor_ms) for v in windows}
+    agreement = None
+    if len(windows) > 1:  # each variant's tokens against the first's, per call (meaningful with --greedy)
+        calls_made = range(len(args.prompt_lengths))
+        pairs = [(outputs[(n, windows[0])], outputs[(n, v)]) for n in calls_made for v in windows[1:]]
+        agreement = {
+            "tokens_equal": sum(int((a == b).sum()) for a, b in pairs) / sum(a.numel() for a, _ in pairs),
+            "rows_equal": sum(int((a == b).all(1).sum()) for a, b in pairs) / sum(a.size(0) for a, _ in pairs),
+        }
     summary = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "versions": {"torch": torch.__version__},
@@ -253,10 +287,11 @@ def main(argv: list[str] | None = None) -> dict:
         "calls": calls,
         "first_call_s": calls[0]["seconds"],
         "total_s": sum(c["seconds"] for c in calls),
-        **by_window[str(windows[0])],
+        **by_window[key(windows[0])],
         "decode_weight_gb": weights / 1e9,
         "hbm_floor_ms_per_token": floor_ms,
         "by_window": by_window,
+        "agreement_with_first_variant": agreement,
     }
     print(json.dumps({k: v for k, v in summary.items() if k not in ("calls", "args")}), flush=True)
     Path(args.out).write_text(json.dumps(summary, indent=2))

@@ -96,7 +96,6 @@ def static_features(trainer: Any) -> dict[str, Any]:
                 "share_prefill",
                 "fast_decode",
                 "compile_decode",
-                "compile_layers",
                 "packed_attention",
                 "batch_vision_attention",
                 "cudnn_attention",
@@ -105,6 +104,7 @@ def static_features(trainer: Any) -> dict[str, Any]:
                 "bf16",
             )
         },
+        "compile_layers": getattr(trainer, "compile_layers", None),  # as the run resolved it (None: on for a GPU)
         "text_attention": base.config.get_text_config(decoder=True)._attn_implementation,
         "vision_attention": getattr(vision, "_attn_implementation", None),
         "vision_sync": bool(getattr(trainer, "_vision_syncs", None)),

@@ -302,13 +302,24 @@ def test_compiled_layers_match_trl_under_gradient_checkpointing(family, lora, ti
     assert layers and all("forward" not in layer.__dict__ for layer in layers), "layers restored after the pass"
 
 
-def test_compile_layers_is_refused_where_parameters_are_gathered_per_module():
-    from vlm_grpo.fastpath.compiled_layers import check_compile_layers
+def test_compile_layers_defaults_to_gpus_and_is_refused_where_parameters_are_gathered_per_module():
+    """Unset: on for a GPU, off on CPU and under ZeRO-3 / FSDP; asked for under ZeRO-3 / FSDP: a clear error."""
+    from vlm_grpo.fastpath.compiled_layers import resolve_compile_layers
 
     with pytest.raises(ValueError, match="compile_layers=True does not work with DeepSpeed ZeRO-3 or FSDP"):
-        check_compile_layers(True, sharded=True)
-    check_compile_layers(True, sharded=False)
-    check_compile_layers(False, sharded=True)
+        resolve_compile_layers(True, "cuda", sharded=True)
+    assert resolve_compile_layers(None, "cuda", sharded=False) is True
+    assert resolve_compile_layers(None, "cuda", sharded=True) is False
+    assert resolve_compile_layers(None, "cpu", sharded=False) is False
+    assert resolve_compile_layers(True, "cpu", sharded=False) is True
+    assert resolve_compile_layers(False, "cuda", sharded=False) is False
+
+
+def test_the_trainer_resolves_compile_layers_without_changing_its_arguments(tiny_models, rows_file, tmp_path):
+    default = make_trainer(tiny_models["qwen2_5_vl"], rows_file, tmp_path)
+    assert default.args.compile_layers is None and default.compile_layers is False  # CPU
+    asked = make_trainer(tiny_models["qwen2_5_vl"], rows_file, tmp_path / "asked", compile_layers=True)
+    assert asked.compile_layers is True
 
 
 def test_a_failed_layer_compilation_warns_once_and_trains_eagerly(tiny_models, rows_file, tmp_path, monkeypatch,

@@ -54,8 +54,8 @@ def test_fast_decode_runs_under_the_autocast_of_the_prepared_model(compile_decod
                                                                     monkeypatch):  # fmt: skip
     """``--bf16`` without DeepSpeed, fp32 weights: accelerate wraps the model's forward in a bf16 autocast and TRL's
     generate runs through it. The decode step calls the decoder past that wrapper, so it enters the same autocast:
-    bf16 GEMMs over weights cast once per call (o and down too), a cache of fp32 keys and bf16 values, and the
-    sampled tokens of generate after the same shared prefill. The control decodes without entering the autocast:
+    bf16 GEMMs over weights cast once per call (o, down and the LM head too), a cache of fp32 keys and bf16 values,
+    and the sampled tokens of generate after the same shared prefill. The control decodes without entering the autocast:
     its fp32 values do not fit the prefill's cache.
 
     generate runs the decode's attention function here: under autocast, CPU's sdpa rounds the scores to bf16,
@@ -91,7 +91,7 @@ def test_fast_decode_runs_under_the_autocast_of_the_prepared_model(compile_decod
     real = decode.fast_decode
     monkeypatch.setattr(decode, "fast_decode", lambda *a, **k: used.append(k["autocast"]) or real(*a, **k))
 
-    def linear(x, weight, bias=None):  # the fused GEMMs: weights pre-cast to bf16, o and down included
+    def linear(x, weight, bias=None):  # the fused GEMMs: weights pre-cast to bf16, o, down and the head included
         fused.append((weight.dtype, weight.size(0)))
         return F.linear(x, weight, bias)
 
@@ -103,7 +103,9 @@ def test_fast_decode_runs_under_the_autocast_of_the_prepared_model(compile_decod
         assert generate(fast=True) == reference
         assert used == [("cpu", torch.bfloat16)] and set(dtypes) == {torch.bfloat16}
         layer = trainer.model.get_decoder().layers[-1]
-        sizes = {m.weight.size(0) for m in (layer.self_attn.o_proj, layer.mlp.down_proj)}
+        head = peft_base(trainer.model).get_output_embeddings()
+        sizes = {m.weight.size(0) for m in (layer.self_attn.o_proj, layer.mlp.down_proj, head)}
+        assert head.weight.size(0) not in {layer.self_attn.o_proj.weight.size(0), layer.mlp.down_proj.weight.size(0)}
         assert {d for d, _ in fused} == {torch.bfloat16} and sizes <= {n for _, n in fused}
         assert len({tuple(c) for c in reference}) > 2  # really sampled: the G copies of a prompt differ
         monkeypatch.setattr(decode, "_autocast", lambda state: contextlib.nullcontext())

@@ -21,7 +21,7 @@ from trl import GRPOTrainer
 from vlm_grpo.configs import VLMGRPOConfig
 from vlm_grpo.dynamic_sampling import DynamicSamplingMixin
 from vlm_grpo.fastpath.block_attention import use_block_attention
-from vlm_grpo.fastpath.compiled_layers import check_compile_layers
+from vlm_grpo.fastpath.compiled_layers import resolve_compile_layers
 from vlm_grpo.fastpath.route import trl_generation_reason
 from vlm_grpo.fastpath.sharing import packed_logps, shared_prefill_generate
 from vlm_grpo.fastpath.vision_attention import use_batched_vision_attention
@@ -134,7 +134,8 @@ class VLMGRPOTrainer(
         self._warn_if_groups_split()
         self._check_dynamic_sampling()
         sharded = self.is_fsdp_enabled or is_zero3(self.accelerator)
-        check_compile_layers(self.args.compile_layers, sharded)
+        # compile_layers as this run resolves it (None: on GPU without ZeRO-3 / FSDP); the args stay as given.
+        self.compile_layers = resolve_compile_layers(self.args.compile_layers, self.accelerator.device.type, sharded)
         if not self.args.cudnn_attention and torch.backends.cuda.cudnn_sdp_enabled():
             logger.info("cudnn_attention=False: sdpa's cuDNN backend is off for this process (see its help)")
             torch.backends.cuda.enable_cudnn_sdp(False)

@@ -66,13 +66,17 @@ def decoder_layers(model: Any) -> list[torch.nn.Module]:
     return [m for m in model.get_decoder().modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
-def check_compile_layers(enabled: bool, sharded: bool) -> None:
-    """Refuse ``compile_layers`` where parameters are gathered per module (DeepSpeed ZeRO-3, FSDP)."""
-    if enabled and sharded:
+def resolve_compile_layers(setting: bool | None, device_type: str, sharded: bool) -> bool:
+    """Whether the packed passes compile their decoder layers. ``None`` (the default): on a CUDA device, unless
+    parameters are gathered per module (DeepSpeed ZeRO-3, FSDP); ``True`` there is refused."""
+    if setting and sharded:
         raise ValueError(
             "compile_layers=True does not work with DeepSpeed ZeRO-3 or FSDP: their per-module parameter hooks "
-            "would run inside the compiled layers. Set compile_layers=False."
+            "would run inside the compiled layers. Set compile_layers=False (or leave it unset)."
         )
+    if setting is None:
+        return device_type == "cuda" and not sharded
+    return setting
 
 
 @contextlib.contextmanager

@@ -33,7 +33,7 @@ import torch
 
 from vlm_grpo.fastpath.block_attention import as_sdpa
 from vlm_grpo.fastpath.decode_attention import decode_attention
-from vlm_grpo.fastpath.decode_fusion import fused_projections
+from vlm_grpo.fastpath.decode_fusion import fused_projections, stand_in
 from vlm_grpo.fastpath.fallback import EagerOnFailure
 from vlm_grpo.utils import peft_base
 
@@ -303,10 +303,12 @@ def fast_decode(
     EOS, like ``generate(...)[:, prompt_len:]``. ``fuse``: q|k|v and gate|up run as one GEMM each
     (:mod:`vlm_grpo.fastpath.decode_fusion`). ``autocast``: what the prefill ran under (:func:`autocast_seen`).
     """
-    decoder = peft_base(model).get_decoder()
+    base = peft_base(model)
+    decoder = base.get_decoder()
     weights = next(decoder.parameters()).dtype
     cast = autocast[1] if autocast is not None and autocast[1] != weights else None  # fp32 weights under autocast
-    with fused_projections(decoder, cast) if fuse else contextlib.nullcontext():
+    head = base.get_output_embeddings()
+    with fused_projections(decoder, cast, head) if fuse else contextlib.nullcontext():
         return _fast_decode(
             model, prefill_cache, index, input_ids, attention_mask, next_positions, generation_config,
             use_graph, compile, autocast,
@@ -320,7 +322,8 @@ def _fast_decode(
     from transformers import LogitsProcessorList, StaticCache
 
     base = peft_base(model)
-    decoder, head = base.get_decoder(), base.get_output_embeddings()
+    decoder = base.get_decoder()
+    head = stand_in(decoder, base.get_output_embeddings())  # under fused_projections: a copy cast for the autocast
     device = input_ids.device
     rows, prompt_len = input_ids.shape
     gc = _prepared_generation_config(base, generation_config, prompt_len, device)

@@ -22,6 +22,8 @@ Under a bf16 autocast with fp32 weights (``--bf16`` without DeepSpeed, TRL's def
 every decode step would read its fp32 weight and write and read a bf16 copy: about four times the bytes of bf16
 weights. ``dtype`` then builds every fused weight in the autocast's dtype, and o and down get a copy of their
 own too. The numbers are the same: autocast casts the weight to that dtype before the GEMM anyway.
+The LM head gets its copy too (3B: otherwise 1.2 GB of fp32 read and 0.6 GB of bf16 written and read again at
+every step). It lives outside the decoder and is not swapped: :func:`stand_in` gives the caller its stand-in.
 """
 
 from __future__ import annotations
@@ -151,16 +153,24 @@ def _innermost_linear(holder: nn.Module, key: str) -> tuple[nn.Module, str, nn.L
 
 
 _Swap = tuple[nn.Module, str, nn.Module, _Part]  # holder, attribute, the module there, its stand-in
-_Plan = tuple[list[_Group], list[_Swap]]
+# The groups, the swaps, and the stand-ins for modules outside the decoder (the LM head), which the caller calls
+# in their place (swapping them would need their holder, the whole model, in this cache: it would never be freed).
+_Plan = tuple[list[_Group], list[_Swap], dict[nn.Module, _Part]]
 # The parts of a decoder (per "every single too": see fused_projections), kept between generation calls: a
 # compiled decode step guards on the objects it traced through, so new objects at every call could recompile it
 # (tens of seconds at 3B).
-_PLANS: weakref.WeakKeyDictionary[nn.Module, dict[bool, _Plan]] = weakref.WeakKeyDictionary()
+_PLANS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, _Plan]] = weakref.WeakKeyDictionary()
+_ACTIVE: weakref.WeakKeyDictionary[nn.Module, _Plan] = weakref.WeakKeyDictionary()  # inside fused_projections
 
 
-def _plan(decoder: nn.Module, every_single: bool) -> _Plan:
+def _plan(decoder: nn.Module, every_single: bool, head: nn.Module | None) -> _Plan:
     groups: list[_Group] = []
     swaps: list[_Swap] = []
+    outside: dict[nn.Module, _Part] = {}
+    if type(head) is nn.Linear:  # the LM head: a group of one, called through stand_in
+        group = _Group([head], [None])
+        groups.append(group)
+        outside[head] = _Part(group, 0, head)
     for module in decoder.modules():
         singles = [(n,) for n in SINGLES if every_single or _foldable_lora(getattr(module, n, None))]
         for names in (*GROUPS, *singles):
@@ -187,7 +197,14 @@ def _plan(decoder: nn.Module, every_single: bool) -> _Plan:
             groups.append(group)
             for index, (holder, key, linear, _) in enumerate(found):
                 swaps.append((holder, key, getattr(holder, key), _Part(group, index, linear)))
-    return groups, swaps
+    return groups, swaps, outside
+
+
+def stand_in(decoder: nn.Module, module: nn.Module) -> nn.Module:
+    """What to call instead of ``module`` (the LM head passed to :func:`fused_projections`) while that context is
+    active for ``decoder``; ``module`` itself otherwise."""
+    plan = _ACTIVE.get(decoder)
+    return plan[2].get(module, module) if plan is not None else module
 
 
 def _unmerges_on_forward(module: nn.Module) -> bool:
@@ -197,17 +214,22 @@ def _unmerges_on_forward(module: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def fused_projections(decoder: nn.Module, dtype: torch.dtype | None = None) -> Iterator[int]:
+def fused_projections(
+    decoder: nn.Module, dtype: torch.dtype | None = None, head: nn.Module | None = None
+) -> Iterator[int]:
     """While active, every q|k|v and gate|up group of ``decoder`` runs as one GEMM (and every o / down projection
     with a foldable LoRA layer as one plain GEMM). ``dtype``: the autocast's, when it differs from the weights'
-    (see the module doc): every fused weight in it, and every o / down projection too. Yields the number of groups
-    fused (0 when none qualifies: the model runs unchanged). The modules are restored on exit."""
+    (see the module doc): every fused weight in it, and every o / down projection too. ``head``: the LM head; with
+    ``dtype``, :func:`stand_in` gives what to call in its place, a copy in ``dtype`` (a plain ``nn.Linear`` only).
+    Yields the number of groups fused (0 when none qualifies: the model runs unchanged). The modules are restored
+    on exit."""
     plans = _PLANS.setdefault(decoder, {})
     every_single = dtype is not None
-    plan = plans.get(every_single)
-    if plan is None or any(getattr(holder, key, None) is not original for holder, key, original, _ in plan[1]):
-        plan = plans[every_single] = _plan(decoder, every_single)  # first call, or the modules changed since
-    groups, swaps = plan
+    key = (every_single, head if every_single else None)
+    plan = plans.get(key)
+    if plan is None or any(getattr(holder, name, None) is not original for holder, name, original, _ in plan[1]):
+        plan = plans[key] = _plan(decoder, every_single, key[1])  # first call, or the modules changed since
+    groups, swaps, _ = plan
     if any(_unmerges_on_forward(m) for m in decoder.modules()):
         yield 0  # PEFT would change the base weights during the call: the model runs unchanged
         return
@@ -217,12 +239,14 @@ def fused_projections(decoder: nn.Module, dtype: torch.dtype | None = None) -> I
             for group in groups:
                 group.build(dtype)
         for swap in swaps:
-            holder, key, _, part = swap
-            setattr(holder, key, part)
+            holder, name, _, part = swap
+            setattr(holder, name, part)
             done.append(swap)
+        _ACTIVE[decoder] = plan
         yield len(groups)
     finally:
-        for holder, key, original, _ in reversed(done):
-            setattr(holder, key, original)
+        _ACTIVE.pop(decoder, None)
+        for holder, name, original, _ in reversed(done):
+            setattr(holder, name, original)
         for group in groups:
             group.drop()

@@ -97,18 +97,18 @@ SHAPES = {
 }  # fmt: skip
 
 
-def timed(fn, weights, replays: int = 20) -> float:
-    """Median microseconds per launch over ``replays`` replays of one graph of ``len(weights)`` launches."""
+def graph_us(step, units: int, replays: int = 20) -> float:
+    """Median microseconds per unit over ``replays`` replays of ``step`` captured in one CUDA graph (``units``
+    pieces of work per step), after two warm-up runs on a side stream."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for w in weights[:2]:
-            fn(w)
+        for _ in range(2):
+            step()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for w in weights:
-            fn(w)
+        step()
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -116,8 +116,18 @@ def timed(fn, weights, replays: int = 20) -> float:
         graph.replay()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / len(weights))
+        times.append(start.elapsed_time(end) * 1000 / units)
     return statistics.median(times)
+
+
+def timed(fn, weights) -> float:
+    """Microseconds per launch of ``fn`` over every weight in turn (one graph)."""
+
+    def step() -> None:
+        for w in weights:
+            fn(w)
+
+    return graph_us(step, len(weights))
 
 
 def sweep_configs() -> list[tuple[str, dict]]:

@@ -125,7 +125,8 @@ def timed_trainer_class(base: type) -> type:
             before = self.timer.totals["generation"] + self.timer.totals["old_ref_logps"]
             self.timer.sync()
             start = time.perf_counter()
-            inputs = super()._prepare_inputs(generation_batch)
+            with torch.profiler.record_function("phase:prepare_inputs"):  # StepProfiler: what is not generation
+                inputs = super()._prepare_inputs(generation_batch)
             self.timer.sync()
             inner = self.timer.totals["generation"] + self.timer.totals["old_ref_logps"] - before
             self.timer.totals["prepare_other"] += time.perf_counter() - start - inner

@@ -22,9 +22,12 @@ Multi-turn tool rollouts (2 tool rounds, each returning an image, vs vanilla TRL
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
 import itertools
 import json
+import pstats
 import re
 import statistics
 import sys
@@ -60,10 +63,12 @@ from transformers import TrainerCallback
 
 
 class StepProfiler(TrainerCallback):
-    """torch.profiler over one extra step after the measured ones; writes the top ops by device time."""
+    """torch.profiler over one extra step after the measured ones; writes the top ops by device time, the phase
+    windows (``*.train.txt``) and, from ``cProfile`` over the same step, the Python functions by cumulative time
+    (``*.python.txt``: where host time goes that no torch op accounts for, e.g. in the input preparation)."""
 
     def __init__(self, step: int, path: Path) -> None:
-        self.step, self.path, self.prof = step, path, None
+        self.step, self.path, self.prof, self.python = step, path, None, None
 
     def on_step_begin(self, args, state, control, **kwargs):
         if state.global_step == self.step:
@@ -72,9 +77,16 @@ class StepProfiler(TrainerCallback):
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self.prof = torch.profiler.profile(activities=activities)
             self.prof.__enter__()
+            self.python = cProfile.Profile()
+            self.python.enable()
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.prof is not None:
+            self.python.disable()
+            text = io.StringIO()
+            pstats.Stats(self.python, stream=text).sort_stats("cumulative").print_stats(80)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.with_suffix(".python.txt").write_text(text.getvalue())
             self.prof.__exit__(None, None, None)
             sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -86,10 +98,14 @@ class StepProfiler(TrainerCallback):
 def training_window(events: list[Any]) -> str:
     """What the GPU does between the start of the loss forward and the end of the backward: how much of
     that window it is busy (the rest is host-bound), and which kernels / host ops fill it. Then the same for the
-    generation phase and, within it, the decode (``fast_decode``)."""
+    generation phase, the decode within it (``fast_decode``) and the input preparation outside generation."""
+    from torch.autograd import DeviceType
 
     def spans(name: str) -> list[tuple[float, float]]:
-        return [(e.time_range.start, e.time_range.end) for e in events if e.name == name]
+        """The host-side ranges of a phase (on GPU the profiler also lists each range on the device timeline)."""
+        return [
+            (e.time_range.start, e.time_range.end) for e in events if e.name == name and e.device_type == DeviceType.CPU
+        ]
 
     steps = spans("phase:training_step")
     windows = [(a, next((e for s, e in steps if s <= a <= e), b)) for a, b in spans("phase:loss_forward")]
@@ -99,15 +115,22 @@ def training_window(events: list[Any]) -> str:
     for phase in ("generation", "decode"):
         if spans(f"phase:{phase}"):
             parts.append(window_report(events, spans(f"phase:{phase}"), f"{phase} phase"))
+    if spans("phase:prepare_inputs"):  # the input preparation around generation ("prepare_other")
+        inner = spans("phase:generation") + spans("phase:old_ref_logps")
+        title = "input preparation outside generation"
+        parts.append(window_report(events, spans("phase:prepare_inputs"), title, inner))
     return "\n\n".join(parts)
 
 
-def window_report(events: list[Any], windows: list[tuple[float, float]], title: str) -> str:
-    """GPU busy time (union of kernel intervals) within ``windows``, its kernels and the host ops there."""
+def window_report(
+    events: list[Any], windows: list[tuple[float, float]], title: str, exclude: list[tuple[float, float]] = ()
+) -> str:
+    """GPU busy time (union of kernel intervals) within ``windows`` (less ``exclude``), its kernels and host ops."""
     from torch.autograd import DeviceType
 
     def inside(e: Any) -> bool:
-        return any(s <= e.time_range.start < t for s, t in windows)
+        start = e.time_range.start
+        return any(s <= start < t for s, t in windows) and not any(s <= start < t for s, t in exclude)
 
     # On the device timeline the phase ranges themselves appear as annotations: not kernels.
     device = [e for e in events if e.device_type == DeviceType.CUDA and not e.name.startswith("phase:") and inside(e)]
@@ -117,7 +140,7 @@ def window_report(events: list[Any], windows: list[tuple[float, float]], title: 
         start, end = max(e.time_range.start, reach), e.time_range.end
         busy += max(0.0, end - start)
         reach = max(reach, end)
-    wall = sum(t - s for s, t in windows)
+    wall = sum(t - s for s, t in windows) - sum(t - s for s, t in exclude if any(a <= s < b for a, b in windows))
     lines = [
         f"{title}: {wall / 1e3:.1f} ms wall, GPU busy {busy / 1e3:.1f} ms ({busy / max(wall, 1e-9):.0%}), "
         f"{len(device)} device events",

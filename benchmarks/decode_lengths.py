@@ -16,7 +16,9 @@ over the whole cache, the behaviour before windows); ``capture_s`` sums every wi
 Several values compare them in one process, on one model: each prompt length is decoded once per value, in
 turn, and ``by_window`` has each value's medians (the top-level ones are the first value's). A value's first
 call compiles its own variant of the step (windows mark the mask's length dynamic); calls that compiled are
-left out of the medians.
+left out of the medians. ``--cast_head true false`` does the same for the LM head's bf16 copy under
+``--fp32_autocast`` (false: the head cast at every step, as before the twelfth session); with ``--greedy true`` the
+summary's ``agreement_with_first_variant`` says how many tokens and rows the variants share.
 """
 
 from __future__ import annotations

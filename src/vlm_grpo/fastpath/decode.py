@@ -310,20 +310,20 @@ def fast_decode(
     head = base.get_output_embeddings()
     with fused_projections(decoder, cast, head) if fuse else contextlib.nullcontext():
         return _fast_decode(
-            model, prefill_cache, index, input_ids, attention_mask, next_positions, generation_config,
-            use_graph, compile, autocast,
+            model, stand_in(decoder, head), prefill_cache, index, input_ids, attention_mask, next_positions,
+            generation_config, use_graph, compile, autocast,
         )  # fmt: skip
 
 
 def _fast_decode(
-    model: Any, prefill_cache: Any, index, input_ids, attention_mask, next_positions, generation_config: Any,
-    use_graph: bool, compile: bool, autocast: AutocastState,
+    model: Any, head: Any, prefill_cache: Any, index, input_ids, attention_mask, next_positions,
+    generation_config: Any, use_graph: bool, compile: bool, autocast: AutocastState,
 ) -> torch.Tensor:  # fmt: skip
+    """:func:`fast_decode` inside its fused projections; ``head``: the LM head or its stand-in (a cast copy)."""
     from transformers import LogitsProcessorList, StaticCache
 
     base = peft_base(model)
     decoder = base.get_decoder()
-    head = stand_in(decoder, base.get_output_embeddings())  # under fused_projections: a copy cast for the autocast
     device = input_ids.device
     rows, prompt_len = input_ids.shape
     gc = _prepared_generation_config(base, generation_config, prompt_len, device)

@@ -225,10 +225,10 @@ def fused_projections(
     on exit."""
     plans = _PLANS.setdefault(decoder, {})
     every_single = dtype is not None
-    key = (every_single, head if every_single else None)
-    plan = plans.get(key)
+    head = head if every_single else None  # the head only needs a stand-in to be cast
+    plan = plans.get((every_single, head))
     if plan is None or any(getattr(holder, name, None) is not original for holder, name, original, _ in plan[1]):
-        plan = plans[key] = _plan(decoder, every_single, key[1])  # first call, or the modules changed since
+        plan = plans[every_single, head] = _plan(decoder, every_single, head)  # first call, or the modules changed
     groups, swaps, _ = plan
     if any(_unmerges_on_forward(m) for m in decoder.modules()):
         yield 0  # PEFT would change the base weights during the call: the model runs unchanged

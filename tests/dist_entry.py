@@ -7,6 +7,7 @@ import sys
 import torch
 
 from vlm_grpo.grpo_jsonl import main, parse_args
+from vlm_grpo.recipe import end_distributed
 
 if __name__ == "__main__":
     trainer = main(*parse_args(sys.argv[1:]))
@@ -25,3 +26,4 @@ if __name__ == "__main__":
         json.dump({"dummy_passes": sum(s.dummy_passes for s in getattr(trainer, "_vision_syncs", []))}, f)
     with open(f"{out}/history{rank}.json", "w") as f:
         json.dump(trainer.state.log_history, f)
+    end_distributed()  # as the command line ends a run

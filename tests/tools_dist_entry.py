@@ -7,6 +7,7 @@ import sys
 import torch
 
 from vlm_grpo.grpo_jsonl import main, parse_args
+from vlm_grpo.recipe import end_distributed
 from vlm_grpo.trainer import VLMGRPOTrainer
 
 CALL = '<tool_call>\n{"name": "python", "arguments": {"code": "display(image.crop((0, 0, 24, 24)))"}}\n</tool_call>'
@@ -30,3 +31,4 @@ if __name__ == "__main__":
     logs = [e for e in trainer.state.log_history if "tools/calls_per_rollout" in e]
     with open(f"{out}/tools{rank}.json", "w") as f:
         json.dump({"world_size": trainer.args.world_size, "logs": logs}, f)
+    end_distributed()  # as the command line ends a run

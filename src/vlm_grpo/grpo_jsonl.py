@@ -129,8 +129,14 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
 
 
 def cli(argv: Sequence[str] | None = None) -> None:
-    if not print_cached_help(argv):
+    if print_cached_help(argv):
+        return
+    try:
         run_cli(lambda args: main(*parse_args(args)), argv)
+    finally:
+        from vlm_grpo.recipe import end_distributed
+
+        end_distributed()
 
 
 if __name__ == "__main__":

@@ -75,6 +75,18 @@ def preflight(script_args: GRPOScriptArguments, training_args: Any) -> None:
             raise UserError(f"--image_folders: '{folder}' is not a folder")
 
 
+def end_distributed() -> None:
+    """Tear down ``torch.distributed`` when a command-line run ends (accelerate's ``destroy_process_group``). A process
+    group left to the interpreter's exit can abort a rank that has finished ("terminate called without an active
+    exception", seen with gloo on CPU), and torchrun then reports the complete run as failed."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        from accelerate import PartialState
+
+        PartialState().destroy_process_group()
+
+
 def check_dataset_name(script_args: GRPOScriptArguments) -> None:
     """TRL's ``--dataset_name`` is never read here (VLM-R1's grpo_jsonl.py scripts pass ``this_is_not_used``;
     its older grpo_rec.py took a data-config YAML there): an error without ``--data_file_paths``, else a log line."""

@@ -156,8 +156,14 @@ def save_final_model(trainer: VLMSFTTrainer, args: VLMSFTConfig, base: str) -> N
 
 
 def cli(argv: Sequence[str] | None = None) -> None:
-    if not print_cached_help(argv):
+    if print_cached_help(argv):
+        return
+    try:
         run_cli(lambda args: main(*parse_args(args)), argv)
+    finally:
+        from vlm_grpo.recipe import end_distributed
+
+        end_distributed()
 
 
 if __name__ == "__main__":

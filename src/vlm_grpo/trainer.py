@@ -22,6 +22,7 @@ from vlm_grpo.configs import VLMGRPOConfig
 from vlm_grpo.dynamic_sampling import DynamicSamplingMixin
 from vlm_grpo.fastpath.block_attention import use_block_attention
 from vlm_grpo.fastpath.compiled_layers import resolve_compile_layers
+from vlm_grpo.fastpath.process_once import ProcessOnce
 from vlm_grpo.fastpath.route import trl_generation_reason
 from vlm_grpo.fastpath.sharing import packed_logps, shared_prefill_generate
 from vlm_grpo.fastpath.vision_attention import use_batched_vision_attention
@@ -215,6 +216,21 @@ class VLMGRPOTrainer(
         return super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **mm
         )
+
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        """TRL's, with the processor run once per distinct prompt (``process_prompts_once``).
+
+        TRL calls ``self.processing_class`` inside this method (for generation, then for the log-prob passes'
+        pixels) without a hook around either call: the stand-in takes its place for the method's duration only.
+        """
+        if not self.args.process_prompts_once:
+            return super()._generate_and_score_completions(inputs)
+        processor = self.processing_class
+        self.processing_class = ProcessOnce(processor, self.accelerator.device)
+        try:
+            return super()._generate_and_score_completions(inputs)
+        finally:
+            self.processing_class = processor
 
     def _generate_single_turn(
         self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False

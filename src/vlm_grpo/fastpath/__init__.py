@@ -6,6 +6,7 @@ What it does (every piece behind a ``VLMGRPOConfig`` flag, parity-tested against
   reference and policy log-probs) and ``share_prefill`` (prefill each unique prompt once, decode its G samples
   from the repeated cache);
 * ``decode``: ``fast_decode`` / ``compile_decode`` (static cache, CUDA-graph decode step per attention window);
+* ``process_once``: ``process_prompts_once`` (TRL's processor calls run on a batch's distinct prompts only);
 * ``route``: which generations may take the shared prefill; the rest (beam search, stop strings, a wrapped
   ``generate``, ...) go through TRL's own path, whole;
 * ``decode_attention``: the decode step's attention over grouped K/V heads, as two matmuls, without per-head copies;

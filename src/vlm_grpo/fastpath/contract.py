@@ -43,7 +43,19 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "trl:GRPOTrainer",
         "_generate_and_score_completions",
         ("inputs",),
-        why="dynamic sampling (extra rounds, kept groups) and the rollout log",
+        why="dynamic sampling (extra rounds, kept groups), the rollout log, process_prompts_once's stand-in",
+    ),
+    PrivateName(
+        "trl:GRPOTrainer",
+        "self.processing_class(images=",
+        source="trl:GRPOTrainer._generate_and_score_completions",
+        why="process_prompts_once: the log-prob passes' pixels come from this call, made on the stand-in",
+    ),
+    PrivateName(
+        "trl:GRPOTrainer",
+        "self.processing_class.apply_chat_template(",
+        source="trl:GRPOTrainer._tokenize_prompts",
+        why="process_prompts_once: generation's prompt ids and pixels come from this call, made on the stand-in",
     ),
     PrivateName(
         "trl:GRPOTrainer",

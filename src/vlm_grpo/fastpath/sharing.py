@@ -279,11 +279,13 @@ def shared_prefill_generate(
     module = trainer.vlm_module
     device = trainer.accelerator.device
     pad_id = trainer._tokenizer.pad_token_id
-    ids, mask = _left_pad(prompt_ids, pad_id, device)
-    fields = {k: v.to(device) for k, v in multimodal_fields.items() if isinstance(v, torch.Tensor)}
+    # Groups are found where the fields are (the host, from TRL's processor): only the leaders' pixels then go
+    # to the device, not a group's G equal copies (896 px, 16 rows: 45 ms of copies against 5 ms).
+    ids, mask = _left_pad(prompt_ids, pad_id, "cpu")
+    fields = {k: v for k, v in multimodal_fields.items() if isinstance(v, torch.Tensor)}
     per_token = {k: v for k, v in multimodal_fields.items() if isinstance(v, list)}
     if isinstance(multimodal_fields.get("pixel_values"), list):  # e.g. InternVL: TRL stacks it for generate
-        fields["pixel_values"] = torch.tensor(np.array(per_token.pop("pixel_values")), device=device)
+        fields["pixel_values"] = torch.tensor(np.array(per_token.pop("pixel_values")))
     plan = _plan_shared_prefill(module, ids, mask, fields, per_token, images)
     if own_history:
         if plan is None or not trainer.args.fast_decode:
@@ -294,7 +296,7 @@ def shared_prefill_generate(
 
     leaders = [g.rows[0] for g in groups]
     lead_ids, lead_mask = _left_pad([prompt_ids[r] for r in leaders], pad_id, device)
-    inputs: dict[str, Any] = dict(module.group_vision_inputs(groups, mm))
+    inputs: dict[str, Any] = {k: v.to(device) for k, v in module.group_vision_inputs(groups, mm).items()}
     if "mm_token_type_ids" in per_token:
         inputs["mm_token_type_ids"] = _left_pad([per_token["mm_token_type_ids"][r] for r in leaders], 0, device)[0]
     # Row k of the expanded batch is a copy of group index[k]; order[k] is the batch row it answers.

@@ -205,39 +205,31 @@ class ProcessOnce:
         if not per_row:
             return self._processor(*args, **kwargs)
 
-        def leaders_call(leaders: list[int]) -> Any:
-            return self._processor(
-                **{**kwargs, "images": [images[r] for r in leaders], "text": [text[r] for r in leaders]}
-            )
+        def call(rows: list[int] | None) -> Any:
+            if rows is None:
+                return self._processor(**kwargs)
+            return self._processor(**{**kwargs, "images": [images[r] for r in rows], "text": [text[r] for r in rows]})
 
         counts = [len(x or []) for x in images]
-        return self._once(list(zip(text, images, strict=True)), counts, leaders_call, self._device, kwargs)
+        return self._once(list(zip(text, images, strict=True)), counts, call, self._device)
 
     def apply_chat_template(self, conversation: Any, *args: Any, **kwargs: Any) -> Any:
         counts = [_image_count(c) for c in conversation] if isinstance(conversation, list) else [None]
         if args or not (kwargs.get("tokenize") and kwargs.get("return_dict")) or len(counts) < 2 or None in counts:
             return self._processor.apply_chat_template(conversation, *args, **kwargs)
 
-        def leaders_call(leaders: list[int]) -> Any:
-            return self._processor.apply_chat_template([conversation[r] for r in leaders], **kwargs)
+        def call(rows: list[int] | None) -> Any:
+            chosen = conversation if rows is None else [conversation[r] for r in rows]
+            return self._processor.apply_chat_template(chosen, **kwargs)
 
-        everything = {"conversation": conversation, **kwargs}
-        return self._once(conversation, counts, leaders_call, None, everything, self._processor.apply_chat_template)
+        return self._once(conversation, counts, call, None)
 
-    def _once(
-        self,
-        rows: list[Any],
-        counts: list[int],
-        leaders_call: Callable[[list[int]], Any],
-        device: Any,
-        kwargs: dict[str, Any],
-        full_call: Callable[..., Any] | None = None,
-    ) -> Any:
-        full_call = full_call or self._processor
+    def _once(self, rows: list[Any], counts: list[int], call: Callable[[list[int] | None], Any], device: Any) -> Any:
+        """``call(leaders)`` repeated per row; ``call(None)`` (every row) when nothing repeats or cannot be laid out."""
         leaders, index = self._rows.distinct(rows)
         if len(leaders) == len(rows):
-            return full_call(**kwargs)
-        out = leaders_call(leaders)
+            return call(None)
+        out = call(leaders)
         repeated = repeat_rows(out, index, [counts[r] for r in leaders], device)
         if repeated is None:
             keys = ", ".join(sorted(out))
@@ -247,5 +239,5 @@ class ProcessOnce:
                 "this batch is processed row by row",
                 logging.INFO,
             )
-            return full_call(**kwargs)
+            return call(None)
         return repeated

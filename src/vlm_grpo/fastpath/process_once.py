@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 from transformers import BatchFeature
 
 from vlm_grpo.utils import warn_once
@@ -36,8 +37,6 @@ _CONTENT_TYPES = frozenset({"text", "image"})
 
 
 def _is_image(value: Any) -> bool:
-    from PIL import Image
-
     return isinstance(value, Image.Image)
 
 
@@ -128,32 +127,24 @@ def repeat_rows(
     ``leader_images``: the number of images of each leader, in order. ``device``: where the repeated tensors go
     (None: where they are).
     """
-    if set(out) - ROW_KEYS - IMAGE_KEYS - PIXEL_KEYS:
-        return None
     n_images = sum(leader_images)
     first_image = np.cumsum([0, *leader_images]).tolist()
     grid = out.get("image_grid_thw")
-    if grid is not None:
-        if len(grid) != n_images:
-            return None
-        units = torch.as_tensor(grid).prod(-1).tolist()
-    else:
-        units = [1] * n_images  # one row of pixels per image (e.g. InternVL without tiles)
+    if grid is not None and len(grid) != n_images:  # checked first: the pixel layout below is read from it
+        return None
+    units = torch.as_tensor(grid).prod(-1).tolist() if grid is not None else [1] * n_images  # [1]: one per image
     first_unit = np.cumsum([0, *units]).tolist()
     image_rows = [i for lead in index for i in range(first_image[lead], first_image[lead + 1])]
     unit_rows = [u for i in image_rows for u in range(first_unit[i], first_unit[i + 1])]
-    result: dict[str, Any] = {}
-    for key, value in out.items():
-        positions, expected = (
-            (index, len(leader_images))
-            if key in ROW_KEYS
-            else (image_rows, n_images)
-            if key in IMAGE_KEYS
-            else (unit_rows, first_unit[-1])
-        )
-        if len(value) != expected:
-            return None
-        result[key] = _take(value, positions, device)
+    # Per key: the leaders' entries each row takes, and how many entries the leaders' output must hold.
+    layouts = {
+        **dict.fromkeys(ROW_KEYS, (index, len(leader_images))),
+        **dict.fromkeys(IMAGE_KEYS, (image_rows, n_images)),
+        **dict.fromkeys(PIXEL_KEYS, (unit_rows, first_unit[-1])),
+    }
+    if set(out) - layouts.keys() or any(len(value) != layouts[key][1] for key, value in out.items()):
+        return None
+    result = {key: _take(value, layouts[key][0], device) for key, value in out.items()}
     return BatchFeature(data=result)
 
 

@@ -48,10 +48,10 @@ def configure(mode: str, compile_mode: str | None = None) -> None:
     if getattr(capture, "timed", False):
         return  # main() ran before in this process: timed already
 
-    def timed_capture(self) -> None:  # the fixed cost of a call, measured here rather than in the package
+    def timed_capture(self, *model) -> None:  # the fixed cost of a call, measured here rather than in the package
         torch.cuda.synchronize()
         start = time.perf_counter()
-        capture(self)
+        capture(self, *model)
         torch.cuda.synchronize()
         CAPTURES.append(time.perf_counter() - start)
 
@@ -62,12 +62,13 @@ def configure(mode: str, compile_mode: str | None = None) -> None:
 def one_call(
     model, gen_config, prompt_len: int, unique: int, group: int, device, compile: bool, seed: int, fuse: bool = True,
     attention_window: int | None = None, autocast: tuple[str, torch.dtype] | None = None, cast_head: bool = True,
+    keep: bool = False,
 ):  # fmt: skip
     """Prefill ``unique`` prompts of ``prompt_len`` tokens, decode ``unique * group`` rows; (seconds, token ids).
     ``attention_window``: ``decode.ATTENTION_WINDOW`` for this call (None: the package's). ``autocast``: the
     prefill runs under it and the decode enters it, as the trainer's do under ``--bf16`` with fp32 weights.
     ``cast_head`` False: the LM head runs as itself (under that autocast: cast at every step, as before it had a
-    stand-in)."""
+    stand-in). ``keep``: fast_decode's (the workspace and its graphs kept for the next call)."""
     from transformers import DynamicCache
 
     from vlm_grpo.fastpath import decode
@@ -101,7 +102,7 @@ def one_call(
         try:
             out = decode.fast_decode(
                 model, cache, index, ids[index], mask[index], next_pos, gen_config,
-                use_graph=device.type == "cuda", compile=compile, fuse=fuse, autocast=autocast,
+                use_graph=device.type == "cuda", compile=compile, fuse=fuse, autocast=autocast, keep=keep,
             )  # fmt: skip
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -183,6 +184,12 @@ def main(argv: list[str] | None = None) -> dict:
         help="with --fp32_autocast: the LM head as a bf16 copy made once per call (the package's); false: cast at "
         "every step (before); 'true false': both, in turn, per prompt length (by_window keys 'window/cast_head=...')",
     )  # fmt: skip
+    p.add_argument(
+        "--keep", type=flag_bool, nargs="+", default=[False],
+        help="fast_decode's keep (keep_decode_graphs): the workspace and its CUDA graphs kept from call to call; "
+        "'true false': both, in turn, per prompt length (by_window keys '.../keep=...'; a call not kept leaves "
+        "the kept state alone)",
+    )  # fmt: skip
     p.add_argument("--greedy", type=flag_bool, default=False, help="greedy decoding (tokens comparable by variant)")
     p.add_argument("--compile_mode", default=None, help="torch.compile mode of the decode step, e.g. max-autotune")
     p.add_argument(
@@ -218,14 +225,14 @@ def main(argv: list[str] | None = None) -> dict:
     gen_config.max_new_tokens = gen_config.min_new_tokens = args.new_tokens
     gen_config.do_sample, gen_config.temperature, gen_config.top_p, gen_config.top_k = not args.greedy, 1.0, 1.0, 0
 
-    heads = args.cast_head
-    windows = [(w, h) if len(heads) > 1 else w for w in args.attention_window or [None] for h in heads]
+    heads, keeps = args.cast_head, args.keep
+    windows = [(w, h, k) for w in args.attention_window or [None] for h in heads for k in keeps]
     calls = []
     outputs: dict[tuple, torch.Tensor] = {}
     seen: set[int] = set()
     for n, length in enumerate(args.prompt_lengths):
         for variant in windows:
-            window, cast_head = variant if isinstance(variant, tuple) else (variant, heads[0])
+            window, cast_head, keep = variant
             before = counters["stats"]["unique_graphs"]
             profiler = None
             if args.profile and n == len(args.prompt_lengths) - 1:
@@ -237,7 +244,7 @@ def main(argv: list[str] | None = None) -> dict:
             captured = len(CAPTURES)
             seconds, out = one_call(
                 model, gen_config, length, args.unique, args.group, device, compile, n, args.fuse, window, autocast,
-                cast_head,
+                cast_head, keep,
             )  # fmt: skip
             tokens = out.size(1)
             outputs[(n, variant)] = out.cpu()
@@ -246,7 +253,8 @@ def main(argv: list[str] | None = None) -> dict:
                 sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
                 averages = profiler.key_averages()
                 table = averages.table(sort_by=sort, row_limit=40, max_name_column_width=90)
-                suffix = f".w{window}{'' if cast_head else '.uncast_head'}" if len(windows) > 1 else ""
+                suffix = f".w{window}{'' if cast_head else '.uncast_head'}{'.kept' if keep else ''}"
+                suffix = suffix if len(windows) > 1 else ""
                 Path(args.profile + suffix).write_text(table)
                 if device.type == "cuda":
                     kinds = kernel_kinds(averages, tokens)
@@ -254,7 +262,8 @@ def main(argv: list[str] | None = None) -> dict:
                     print(f"[profile] {json.dumps(kinds)}", flush=True)
             calls.append(
                 {
-                    "prompt_len": length, "attention_window": window, "cast_head": cast_head, "seconds": seconds,
+                    "prompt_len": length, "attention_window": window, "cast_head": cast_head, "keep": keep,
+                    "seconds": seconds,
                     "tokens": tokens,
                     "new_length": length not in seen, "graphs_compiled": counters["stats"]["unique_graphs"] - before,
                     "capture_s": sum(CAPTURES[captured:]), "captures": len(CAPTURES) - captured,
@@ -267,11 +276,13 @@ def main(argv: list[str] | None = None) -> dict:
     floor_ms = 1e3 * weights / bandwidth if bandwidth else None
 
     def key(variant) -> str:
-        return f"{variant[0]}/cast_head={variant[1]}" if isinstance(variant, tuple) else str(variant)
+        window, cast_head, keep = variant
+        return "/".join(
+            [str(window)] + [f"cast_head={cast_head}"] * (len(heads) > 1) + [f"keep={keep}"] * (len(keeps) > 1)
+        )
 
     def of(variant) -> list[dict]:
-        window, cast_head = variant if isinstance(variant, tuple) else (variant, heads[0])
-        return [c for c in calls if c["attention_window"] == window and c["cast_head"] == cast_head]
+        return [c for c in calls if (c["attention_window"], c["cast_head"], c["keep"]) == variant]
 
     by_window = {key(v): _timings(of(v), floor_ms) for v in windows}
     agreement = None

@@ -77,12 +77,23 @@ def test_decode_lengths_tiny_cpu_times_each_call_and_profiles_the_last(tmp_path)
     cmd = [
         sys.executable, str(REPO / "benchmarks" / "decode_lengths.py"), "--preset", "tiny", "--device", "cpu",
         "--new_tokens", "4", "--prompt_lengths", "20", "24", "--profile", str(profile), "--out", str(out),
+        "--keep", "true", "false", "--greedy", "true",
     ]  # fmt: skip
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(out.read_text())
-    assert [c["prompt_len"] for c in summary["calls"]] == [20, 24] and all(c["tokens"] == 4 for c in summary["calls"])
-    assert summary["decode_ms_per_token"] > 0 and "Self CPU" in profile.read_text()
+    assert [(c["prompt_len"], c["keep"]) for c in summary["calls"]] == [
+        (20, True),
+        (20, False),
+        (24, True),
+        (24, False),
+    ]
+    assert all(c["tokens"] == 4 for c in summary["calls"]) and set(summary["by_window"]) == {
+        "None/keep=True",
+        "None/keep=False",
+    }
+    assert summary["agreement_with_first_variant"] == {"tokens_equal": 1.0, "rows_equal": 1.0}
+    assert summary["decode_ms_per_token"] > 0 and "Self CPU" in Path(f"{profile}.wNone.kept").read_text()
 
 
 def test_decode_lengths_sorts_kernels_into_kinds():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 
@@ -55,6 +56,16 @@ def test_deepspeed_config_missing_or_broken(dataset, tmp_path, capsys):
     (tmp_path / "bad.json").write_text("{'zero_optimization': ")
     line = _fails([*_args(dataset, tmp_path), "--deepspeed", str(tmp_path / "bad.json")], capsys)
     assert "bad.json: not valid JSON" in line
+
+
+@pytest.mark.parametrize("flag", ["--keep_decode_graphs", "--compile_layers"])
+def test_speed_settings_zero3_refuses_are_named_before_the_model_load(flag, dataset, tmp_path, capsys):
+    """Both are refused under ZeRO-3 when set to true; said from the flags, before the (missing) model is looked
+    at. Unset, the same command gets past them to the model (the control)."""
+    zero3 = str(Path(__file__).resolve().parents[1] / "local_scripts" / "zero3.json")
+    line = _fails([*_args(dataset, tmp_path), "--deepspeed", zero3, flag, "true"], capsys)
+    assert f"{flag[2:]}=True does not work with DeepSpeed ZeRO-3" in line and f"{flag[2:]}=False" in line
+    assert "no/such/model" in _fails([*_args(dataset, tmp_path), "--deepspeed", zero3], capsys)
 
 
 def test_missing_data_file(dataset, tmp_path, capsys):

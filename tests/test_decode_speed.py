@@ -30,7 +30,7 @@ def test_cache_lengths_round_up_to_the_bucket():
     assert decode.cache_length(427) == decode.cache_length(458) == 512  # 300..331-token prompts, 128 new
 
 
-def _decode(model, prompt_len: int, compile: bool):
+def _decode(model, prompt_len: int, compile: bool, keep: bool | None = False):
     """Prefill two random text prompts of ``prompt_len`` tokens and decode G rows each, greedily;
     returns fast_decode's tokens and generate's on the same rows."""
     g = torch.Generator().manual_seed(prompt_len)
@@ -49,7 +49,7 @@ def _decode(model, prompt_len: int, compile: bool):
         model(input_ids=ids[:, :-1], **decode.cache_kwarg(model, cache), use_cache=True, **prefill)
         nxt = _next_positions(positions, base.model.rope_deltas)
         ours = decode.fast_decode(
-            model, cache, index, ids[index], mask[index], nxt, config, use_graph=False, compile=compile
+            model, cache, index, ids[index], mask[index], nxt, config, use_graph=False, compile=compile, keep=keep
         )
         plain = model.generate(input_ids=ids[index], attention_mask=mask[index], generation_config=config)
     return ours.tolist(), plain[:, prompt_len:].tolist()

@@ -217,7 +217,7 @@ def test_warm_ups_that_write_garbage_mid_decode_change_no_token(restore, tiny_mo
     """Each window's warm-up writes into the live cache, mid-decode. Here they write garbage K/V: restored, the
     tokens are generate's; without the restore (control) the decode attends the garbage and they change."""
     _windows_on(monkeypatch, window=4, bucket=256)  # room past the last step: unrestored lengths run on
-    monkeypatch.setattr(decode._Step, "_warm_up", lambda self, rewind: _garbage_passes(self.cache, rewind))
+    monkeypatch.setattr(decode._Step, "_warm_up", lambda self, rewind, *model: _garbage_passes(self.cache, rewind))
     if not restore:
 
         @contextlib.contextmanager

@@ -73,6 +73,23 @@ def preflight(script_args: GRPOScriptArguments, training_args: Any) -> None:
     for folder in [f for f in (script_args.image_folders or "").split(":") if f]:
         if not Path(folder).is_dir():
             raise UserError(f"--image_folders: '{folder}' is not a folder")
+    check_sharded_settings(training_args)
+
+
+def check_sharded_settings(training_args: Any) -> None:
+    """Speed settings that DeepSpeed ZeRO-3 / FSDP refuse when set to true: said before the model load rather
+    than by the trainer after it."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    from vlm_grpo.fastpath.compiled_layers import resolve_compile_layers
+    from vlm_grpo.fastpath.decode import resolve_keep_decode_graphs
+
+    sharded = is_deepspeed_zero3_enabled() or bool(getattr(training_args, "fsdp", None))
+    try:
+        resolve_compile_layers(getattr(training_args, "compile_layers", None), "cuda", sharded)
+        resolve_keep_decode_graphs(getattr(training_args, "keep_decode_graphs", None), sharded)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
 
 
 def end_distributed() -> None:

@@ -22,6 +22,7 @@ from vlm_grpo.configs import VLMGRPOConfig
 from vlm_grpo.dynamic_sampling import DynamicSamplingMixin
 from vlm_grpo.fastpath.block_attention import use_block_attention
 from vlm_grpo.fastpath.compiled_layers import resolve_compile_layers
+from vlm_grpo.fastpath.decode import resolve_keep_decode_graphs
 from vlm_grpo.fastpath.process_once import ProcessOnce
 from vlm_grpo.fastpath.route import trl_generation_reason
 from vlm_grpo.fastpath.sharing import packed_logps, shared_prefill_generate
@@ -137,6 +138,7 @@ class VLMGRPOTrainer(
         sharded = self.is_fsdp_enabled or is_zero3(self.accelerator)
         # compile_layers as this run resolves it (None: on GPU without ZeRO-3 / FSDP); the args stay as given.
         self.compile_layers = resolve_compile_layers(self.args.compile_layers, self.accelerator.device.type, sharded)
+        self.keep_decode_graphs = resolve_keep_decode_graphs(self.args.keep_decode_graphs, sharded)
         if not self.args.cudnn_attention and torch.backends.cuda.cudnn_sdp_enabled():
             logger.info("cudnn_attention=False: sdpa's cuDNN backend is off for this process (see its help)")
             torch.backends.cuda.enable_cudnn_sdp(False)

@@ -5,7 +5,8 @@ What it does (every piece behind a ``VLMGRPOConfig`` flag, parity-tested against
 * ``sharing``: ``share_prompt`` (one forward per group over ``[prompt | c1 | ... | cG]`` for the old,
   reference and policy log-probs) and ``share_prefill`` (prefill each unique prompt once, decode its G samples
   from the repeated cache);
-* ``decode``: ``fast_decode`` / ``compile_decode`` (static cache, CUDA-graph decode step per attention window);
+* ``decode``: ``fast_decode`` / ``compile_decode`` / ``keep_decode_graphs`` (static cache, CUDA-graph decode step
+  per attention window, kept from one generation call to the next);
 * ``process_once``: ``process_prompts_once`` (TRL's processor calls run on a batch's distinct prompts only);
 * ``route``: which generations may take the shared prefill; the rest (beam search, stop strings, a wrapped
   ``generate``, ...) go through TRL's own path, whole;

@@ -18,6 +18,12 @@ slots: each window has its own step and graph, sharing the input buffers, the ca
 it; its warm-up passes write into the live cache mid-decode, so :func:`cache_restored` puts back what they
 wrote. Eager attention keeps one window over the whole cache (transformers' eager path adds the mask to
 scores over every slot).
+
+Kept graphs (``keep_decode_graphs``): capturing costs two warm-up passes and the capture, ~0.04-0.08 s per call
+at 3B on an H100. A kept :class:`_Workspace` (cache, buffers, mask, the steps and their graphs) and the kept fused
+copy serve the next call: it loads its prompt into the same buffers and replays. It is used only while nothing a
+graph bakes in has changed (the key: rows, dtypes, settings, module modes; the addresses of every tensor of the
+model it reads) and its cache is long enough; otherwise the call makes a new one.
 """
 
 from __future__ import annotations
@@ -26,16 +32,18 @@ import contextlib
 import copy
 import inspect
 import logging
+import weakref
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from vlm_grpo.fastpath.block_attention import as_sdpa
 from vlm_grpo.fastpath.decode_attention import decode_attention
-from vlm_grpo.fastpath.decode_fusion import fused_projections, stand_in
+from vlm_grpo.fastpath.decode_fusion import fused_nbytes, fused_projections, kept_tensors, release_kept, stand_in
 from vlm_grpo.fastpath.fallback import EagerOnFailure
-from vlm_grpo.utils import peft_base
+from vlm_grpo.utils import peft_base, warn_once
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +57,9 @@ CACHE_BUCKET = 256
 # holds its prompt + t + 1 tokens (capped at the cache length). One graph per window; 0: one window, the whole
 # cache (the behaviour before windows). Smaller windows read fewer unwritten slots but capture more graphs.
 ATTENTION_WINDOW = 256
+# keep_decode_graphs None: keep the decode workspace and the fused copy between generation calls when together
+# they take at most this fraction of the card's memory (3B on an 80 GB card: ~4.6 GB, kept; 7B: ~10 GB, not).
+KEEP_FRACTION = 0.1
 # Tests: take the windowed path (a step per window, its warm-ups under cache_restored, sliced attention)
 # without CUDA graphs too, so that CPU runs cover it.
 _WINDOWS_WITHOUT_GRAPH = False
@@ -200,25 +211,27 @@ def _window_mask(mask: torch.Tensor, length: int, compile: bool) -> torch.Tensor
 
 
 class _Step:
-    """Static input buffers + a static cache; ``__call__`` runs (or replays) one decode step.
+    """One decode step over static buffers (the cache, the fed tokens and positions, a mask window);
+    ``__call__(decoder, head)`` runs (or replays) it. The model is passed per call, not held: a step kept between
+    generation calls (``keep_decode_graphs``) must not keep the model alive.
 
     ``compile``: the step goes through ``torch.compile`` (inductor fuses the ~700 small elementwise and
     norm kernels a decoder step launches), and the CUDA graph then captures the compiled kernels. If
     compilation fails, the step warns once and runs eagerly.
 
     The graph is captured on the first call, mid-decode for a later window (see :func:`cache_restored`), in
-    ``pool`` (the windows of a call share one memory pool: they replay in capture order, never together).
-    ``warm_up``: also run the warm-up passes without a graph (tests, on CPU).
+    ``pool`` (the windows of a workspace share one memory pool: one runs at a time, and each one's logits are
+    copied out before another replays). ``warm_up``: also run the warm-up passes without a graph (tests, on CPU).
     """
 
     def __init__(
-        self, decoder: Any, head: Any, cache: Any, tokens, positions, mask, use_graph: bool, compile: bool = False,
+        self, cache: Any, cache_kw: dict[str, Any], tokens, positions, mask, use_graph: bool, compile: bool = False,
         warmups: int = 2, pool: Any = None, warm_up: bool = False, autocast: AutocastState = None,
     ) -> None:  # fmt: skip
-        self.decoder, self.head, self.cache, self.autocast = decoder, head, cache, autocast
+        self.cache, self.autocast = cache, autocast
         self.tokens, self.positions, self.mask = tokens, positions, mask
         self.use_graph, self.warmups, self.pool = use_graph, warmups, pool
-        self._cache_kwarg = cache_kwarg(decoder, cache)
+        self._cache_kwarg = cache_kw  # how the decoder takes the cache (see cache_kwarg)
         failed = "compile_decode: compiling the decode step failed"
         self._fn = EagerOnFailure(_compiled(), _decode_forward, logger, failed) if compile else _decode_forward
         self.graph = None
@@ -229,12 +242,12 @@ class _Step:
     def compiled(self) -> bool:
         return isinstance(self._fn, EagerOnFailure) and self._fn.compiled
 
-    def _forward(self) -> torch.Tensor:
+    def _forward(self, decoder: Any, head: Any) -> torch.Tensor:
         # Grouped K/V not copied per query head (sdpa); the prefill's autocast (see autocast_seen).
-        with decode_attention(self.decoder.config), _autocast(self.autocast):
-            return self._fn(self.decoder, self.head, self.tokens, self.positions, self.mask, self._cache_kwarg)
+        with decode_attention(decoder.config), _autocast(self.autocast):
+            return self._fn(decoder, head, self.tokens, self.positions, self.mask, self._cache_kwarg)
 
-    def _warm_up(self, rewind: Callable[[], None]) -> None:
+    def _warm_up(self, rewind: Callable[[], None], decoder: Any, head: Any) -> None:
         """Compilation, lazy cuBLAS / kernel selection: on a side stream under a graph. Each pass rewinds the
         cache first, so all of them write the step's own slot."""
         stream = torch.cuda.Stream() if self.use_graph else None
@@ -243,27 +256,68 @@ class _Step:
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for _ in range(self.warmups):
                 rewind()
-                self._forward()
+                self._forward(decoder, head)
         if stream is not None:
             torch.cuda.current_stream().wait_stream(stream)
 
-    def _capture(self) -> None:
+    def _capture(self, decoder: Any, head: Any) -> None:
         """Warm-up, then capture (under a graph), with the cache put back as it was (see cache_restored)."""
         with cache_restored(self.cache) as rewind:
-            self._warm_up(rewind)
+            self._warm_up(rewind, decoder, head)
             if self.use_graph:
                 self.graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(self.graph, pool=self.pool):
-                    self.logits = self._forward()
+                    self.logits = self._forward(decoder, head)
 
-    def __call__(self) -> torch.Tensor:
+    def __call__(self, decoder: Any, head: Any) -> torch.Tensor:
         if self._pending:
             self._pending = False
-            self._capture()
+            self._capture(decoder, head)
         if self.graph is None:
-            return self._forward()
+            return self._forward(decoder, head)
         self.graph.replay()
         return self.logits
+
+
+@dataclass(eq=False)
+class _Workspace:
+    """What the decode steps read and write besides the model: the static cache (``slots`` per row), the fed
+    tokens and positions, the mask, the graphs' memory pool, and one step per attention window (by its length).
+    Made per generation call, or kept for the next one (see :func:`fast_decode`'s ``keep``) under ``key`` (every
+    setting a step's graph bakes in) and ``pointers`` (the addresses of every tensor of the model it reads)."""
+
+    key: tuple
+    pointers: tuple[int, ...]
+    slots: int
+    cache: Any
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor
+    pool: Any
+    steps: dict[int, _Step] = field(default_factory=dict)
+
+
+# One kept workspace per decoder (keep_decode_graphs); its steps hold no reference to the model.
+_KEPT: weakref.WeakKeyDictionary[torch.nn.Module, _Workspace] = weakref.WeakKeyDictionary()
+
+
+def _pointers(decoder: Any, head: Any) -> tuple[int, ...]:
+    """Addresses of every tensor a decode step reads from the model: its parameters and buffers, the head's, and
+    the fused copies (a graph replays reads from these addresses; ZeRO-3 or ``model.to`` would move them)."""
+    tensors = (*decoder.parameters(), *decoder.buffers(), *head.parameters(), *head.buffers(), *kept_tensors(decoder))
+    return tuple(t.data_ptr() for t in tensors)
+
+
+def _modes(decoder: Any) -> tuple:
+    """Per module, what a forward reads besides tensors and a graph would bake in: its class, train / eval, and a
+    LoRA layer's active adapters, their switches and scalings."""
+    modes = []
+    for m in decoder.modules():
+        mode: tuple = (type(m), m.training)
+        if hasattr(m, "active_adapters") and hasattr(m, "scaling"):
+            mode += (tuple(m.active_adapters), m.disable_adapters, m.merged, tuple(sorted(m.scaling.items())))
+        modes.append(mode)
+    return tuple(modes)
 
 
 def _prepared_generation_config(base: Any, generation_config: Any, prompt_len: int, device) -> Any:
@@ -294,6 +348,7 @@ def fast_decode(
     compile: bool = False,
     fuse: bool = True,
     autocast: AutocastState = None,
+    keep: bool | None = False,
 ) -> torch.Tensor:
     """Tokens generated after ``input_ids`` (rows expanded by ``index``); their last token is not in the cache.
 
@@ -302,29 +357,19 @@ def fast_decode(
     token: ``(U,)`` for 1-D models, ``(3, U)`` for mrope. Returns ``(rows, steps)`` token ids, pad after
     EOS, like ``generate(...)[:, prompt_len:]``. ``fuse``: q|k|v and gate|up run as one GEMM each
     (:mod:`vlm_grpo.fastpath.decode_fusion`). ``autocast``: what the prefill ran under (:func:`autocast_seen`).
+    ``keep``: keep the workspace (cache, buffers, captured graphs) and the fused copy for the next call, which
+    then replays the graphs instead of capturing them again, as long as the batch's rows, the settings, the
+    model's module modes and the addresses of its tensors are the same and the cache is long enough (else it
+    makes a new one); None: keep them under a CUDA graph when they take at most ``KEEP_FRACTION`` of the card.
     """
-    base = peft_base(model)
-    decoder = base.get_decoder()
-    weights = next(decoder.parameters()).dtype
-    cast = autocast[1] if autocast is not None and autocast[1] != weights else None  # fp32 weights under autocast
-    head = base.get_output_embeddings()
-    with fused_projections(decoder, cast, head) if fuse else contextlib.nullcontext():
-        return _fast_decode(
-            model, stand_in(decoder, head), prefill_cache, index, input_ids, attention_mask, next_positions,
-            generation_config, use_graph, compile, autocast,
-        )  # fmt: skip
-
-
-def _fast_decode(
-    model: Any, head: Any, prefill_cache: Any, index, input_ids, attention_mask, next_positions,
-    generation_config: Any, use_graph: bool, compile: bool, autocast: AutocastState,
-) -> torch.Tensor:  # fmt: skip
-    """:func:`fast_decode` inside its fused projections; ``head``: the LM head or its stand-in (a cast copy)."""
-    from transformers import LogitsProcessorList, StaticCache
+    from transformers import LogitsProcessorList
 
     base = peft_base(model)
     decoder = base.get_decoder()
     device = input_ids.device
+    weights = next(decoder.parameters()).dtype
+    cast = autocast[1] if autocast is not None and autocast[1] != weights else None  # fp32 weights under autocast
+    head = base.get_output_embeddings()
     rows, prompt_len = input_ids.shape
     gc = _prepared_generation_config(base, generation_config, prompt_len, device)
     steps = gc.max_length - prompt_len
@@ -346,31 +391,121 @@ def _fast_decode(
     # A window spanning the whole cache would be contiguous, and a lowering may guard on that (sdpa's did): a recompile.
     slots = size + 1 if windowed else size
     layers = prefill_cache.layers
+    key = (
+        rows, tuple((x.dtype, x.size(1), x.size(-1)) for layer in layers for x in (layer.keys, layer.values)),
+        attn, windowed, tuple(next_positions.shape[:-1]), use_graph, compile, fuse, autocast, _modes(decoder),
+    )  # fmt: skip
+    kept = _KEPT.get(decoder)
+    if keep is None:
+        held = max(slots, kept.slots if kept is not None and kept.key == key else 0)
+        per_slot = sum(
+            x.size(1) * x.size(-1) * x.element_size() for layer in layers for x in (layer.keys, layer.values)
+        )
+        fused = fused_nbytes(decoder, cast, head) if fuse else 0
+        keep = _keep_by_default(use_graph, device, fused + held * rows * per_slot)
+        if not keep:  # over the budget now (a longer decode): what was kept goes
+            _KEPT.pop(decoder, None)
+            release_kept(decoder)
+    if keep and (kept is None or kept.key != key or kept.slots < slots):
+        _KEPT.pop(decoder, None)  # freed before this call makes its own
+    # keep False leaves a kept workspace alone: it is neither used nor freed by this call.
+    with fused_projections(decoder, cast, head, keep=keep) if fuse else contextlib.nullcontext():
+        head = stand_in(decoder, head)
+        pointers = _pointers(decoder, head)
+        ws = _KEPT.get(decoder) if keep else None
+        if ws is None or ws.pointers != pointers:
+            ws = _workspace(base, layers, rows, slots, attn, next_positions, key, pointers, use_graph)
+        if keep:
+            _KEPT[decoder] = ws
+        try:
+            return _decode(
+                decoder, head, ws, layers, index, input_ids, attention_mask, next_positions, gc, processors,
+                prefix, steps, windowed, use_graph, compile, autocast,
+            )  # fmt: skip
+        except BaseException:
+            if keep:
+                _KEPT.pop(decoder, None)  # a step may be half captured
+            raise
+
+
+def resolve_keep_decode_graphs(setting: bool | None, sharded: bool) -> bool | None:
+    """``keep_decode_graphs`` for this run: off where parameters are gathered into new memory at every generation
+    call (DeepSpeed ZeRO-3, FSDP), where ``True`` is refused; otherwise as given (None: see :func:`fast_decode`)."""
+    if setting and sharded:
+        raise ValueError(
+            "keep_decode_graphs=True does not work with DeepSpeed ZeRO-3 or FSDP: parameters are gathered into new "
+            "memory at every generation call, so a kept decode graph could never be replayed. Set "
+            "keep_decode_graphs=False (or leave it unset)."
+        )
+    return False if sharded else setting
+
+
+def _keep_by_default(use_graph: bool, device: torch.device, nbytes: int) -> bool:
+    """``keep`` None: keep under a CUDA graph when the kept copy and cache take at most KEEP_FRACTION of the card."""
+    if not use_graph:
+        return False
+    total = torch.cuda.get_device_properties(device).total_memory
+    if nbytes <= KEEP_FRACTION * total:
+        return True
+    warn_once(
+        logger,
+        f"keep_decode_graphs: the decode graphs are captured again at every generation call: kept, the fused "
+        f"weights and the cache would hold {nbytes / 2**30:.1f} GiB between calls, more than {KEEP_FRACTION:.0%} of "
+        f"the card's {total / 2**30:.0f} GiB. Set keep_decode_graphs=True to keep them anyway.",
+        logging.INFO,
+    )
+    return False
+
+
+def _workspace(
+    base: Any, layers: Any, rows: int, slots: int, attn: str, next_positions: torch.Tensor, key: tuple,
+    pointers: tuple[int, ...], use_graph: bool,
+) -> _Workspace:  # fmt: skip
+    from transformers import StaticCache
+
     cache = StaticCache(config=base.config, max_cache_len=slots)
     # Each layer's keys and values keep the prefill's dtypes, which may differ: under autocast with fp32 weights
     # the rotary embedding returns fp32 keys while the values stay bf16 (generate's dynamic cache holds the same).
     for layer, src in zip(cache.layers, layers, strict=True):
         layer.lazy_initialization(*(x.new_empty(rows, x.size(1), 0, x.size(-1)) for x in (src.keys, src.values)))
-    kv_dtype = layers[0].keys.dtype
+    device = next_positions.device
     if attn == "sdpa":
         mask = torch.ones(rows, 1, 1, slots, dtype=torch.bool, device=device)
-        attend, blocked = True, False
     else:  # eager adds the mask to the scores
-        mask = torch.zeros(rows, 1, 1, slots, dtype=kv_dtype, device=device)
-        attend, blocked = 0.0, torch.finfo(kv_dtype).min
-    tokens = input_ids[:, -1:].clone()
-    positions = next_positions[..., index].clone().unsqueeze(-1)  # (rows, 1) or (3, rows, 1)
-    windows = dict(window_schedule(prefix, steps, ATTENTION_WINDOW if windowed else 0, size))
+        mask = torch.zeros(rows, 1, 1, slots, dtype=layers[0].keys.dtype, device=device)
+    tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
+    positions = next_positions.new_zeros(*next_positions.shape[:-1], rows, 1)  # (rows, 1) or (3, rows, 1)
     pool = torch.cuda.graph_pool_handle() if use_graph else None
+    return _Workspace(key, pointers, slots, cache, tokens, positions, mask, pool)
 
-    # Load the prompt. The steps capture later, on their first call, and put back what their warm-ups write.
+
+def _decode(
+    decoder: Any, head: Any, ws: _Workspace, layers: Any, index, input_ids, attention_mask, next_positions,
+    gc: Any, processors: Any, prefix: int, steps: int, windowed: bool, use_graph: bool, compile: bool,
+    autocast: AutocastState,
+) -> torch.Tensor:  # fmt: skip
+    """The decode loop of :func:`fast_decode` over the workspace ``ws``; ``head``: the LM head or its stand-in."""
+    device = input_ids.device
+    rows, prompt_len = input_ids.shape
+    cache, mask, tokens, positions = ws.cache, ws.mask, ws.tokens, ws.positions
+    size = ws.slots - 1 if windowed else ws.slots
+    if mask.dtype == torch.bool:
+        attend, blocked = True, False
+    else:
+        attend, blocked = 0.0, torch.finfo(mask.dtype).min
+    windows = dict(window_schedule(prefix, steps, ATTENTION_WINDOW if windowed else 0, size))
+
+    # Load the prompt (the slots past it hold the last call's tokens, masked out). The steps capture later, on
+    # their first call, and put back what their warm-ups write.
     for layer, src in zip(cache.layers, layers, strict=True):
         layer.keys[:, :, :prefix].copy_(src.keys[index])
         layer.values[:, :, :prefix].copy_(src.values[index])
         layer.cumulative_length.fill_(prefix)
     mask.fill_(blocked)
     mask[:, 0, 0, :prefix].masked_fill_(attention_mask[:, :prefix].bool(), attend)
-    del prefill_cache, layers
+    tokens.copy_(input_ids[:, -1:])
+    positions.copy_(next_positions[..., index].unsqueeze(-1))
+    del layers
 
     pad = gc._pad_token_tensor
     eos = gc._eos_token_tensor
@@ -383,21 +518,22 @@ def _fast_decode(
     # The sampler's state before each draw since the last check is kept, to hand back what generate leaves.
     rng = _default_generator(device) if gc.do_sample else None
     states: dict[int, torch.Tensor] = {}
-    # One step per window reached (rows that all end early never capture later windows). All stay alive to the
-    # end: their graphs share one memory pool. A later graph may reuse memory an earlier one freed, never
-    # its live output; and each step's logits are copied out before the next replay.
-    made: list[_Step] = []
+    cache_kw = cache_kwarg(decoder, cache)
+    step: _Step | None = None
     t = -1
     for t in range(steps):
         if t in windows:
-            view = _window_mask(mask, windows[t], compile) if windowed else mask
-            warmups = 1 if made else 2  # later windows: the kernels are compiled and loaded already
-            made.append(_Step(
-                decoder, head, cache, tokens, positions, view, use_graph, compile, warmups, pool,
-                warm_up=windowed, autocast=autocast,
-            ))  # fmt: skip
+            length = windows[t]
+            step = ws.steps.get(length)
+            if step is None:  # a window not reached before: its step captures on its first call
+                view = _window_mask(mask, length, compile) if windowed else mask
+                warmups = 1 if ws.steps else 2  # later windows: the kernels are compiled and loaded already
+                step = ws.steps[length] = _Step(
+                    cache, cache_kw, tokens, positions, view, use_graph, compile, warmups, ws.pool,
+                    warm_up=windowed, autocast=autocast,
+                )  # fmt: skip
         mask[:, 0, 0, prefix + t] = attend  # the token fed now attends to itself
-        logits = made[-1]().to(copy=True, dtype=torch.float32)  # consumed before the next replay
+        logits = step(decoder, head).to(copy=True, dtype=torch.float32)  # consumed before the next replay
         scores = processors(generated[:, : prompt_len + t], logits)
         if gc.do_sample:
             if rng is not None:
@@ -419,5 +555,4 @@ def _fast_decode(
     length = int(produced) if eos is not None else steps
     if rng is not None and length < t + 1:
         rng.set_state(states[length])  # the sampler as generate leaves it: later draws (next step, next batch) agree
-    del made, cache
     return generated[:, prompt_len : prompt_len + length]

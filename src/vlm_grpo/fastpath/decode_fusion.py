@@ -5,18 +5,19 @@ weight. Profiled on an H100 (Qwen2.5-VL-3B, 16 rows): the k and v projections (1
 as q (8 MB), ~5.8 us each, and the three ran at a third of the card's bandwidth; gate and up at ~70%.
 One GEMM over the concatenated weights reads the same bytes in one launch at a higher bandwidth.
 
-The fused weights are built from the live weights when a generation call starts (training has changed
-them since the last call) and dropped when it ends; they cost one extra copy of the fused projections
-for that time (3B: ~3.6 GB; 7B: ~8.5 GB). The model's modules are not rewritten: for the duration of the
-call, each projection's ``nn.Linear`` is replaced by a :class:`_Part` that returns its slice of the group's
-one GEMM, computed by whichever part of the group is called first for an input. Under PEFT, a LoRA layer
-without dropout is replaced as a whole and its active adapters' ``scaling * B @ A`` is added to its rows
-of the fused copy (the model's own weights are never changed), so a LoRA decode step costs what a full
-one does; with dropout, only the base Linear is replaced and the layer adds its adapter term itself. The
-projections outside the groups (o, down) get the same folding, each a group of one, when they carry a foldable
-LoRA layer: its adapter would otherwise add two small GEMMs and an add per layer and token (H100, 3B, LoRA r64
-on every projection: 6.1 ms per decoded token against 4.7 for full fine-tuning). A plain Linear outside the
-groups is left alone (a copy of its weight would gain nothing), except under a mixed-precision autocast.
+The fused weights are built from the live weights when a generation call starts (training has changed them since
+the last call) and dropped when it ends; they cost one extra copy of the fused projections for that time (3B: ~3.6
+GB; 7B: ~8.5 GB). Under ``keep_decode_graphs`` the copy is kept instead, and each call refills the same storage,
+the addresses a kept CUDA graph reads. The model's modules are not rewritten: for the duration of the call, each
+projection's ``nn.Linear`` is replaced by a :class:`_Part` that returns its slice of the group's one GEMM, computed
+by whichever part of the group is called first for an input. Under PEFT, a LoRA layer without dropout is replaced
+as a whole and its active adapters' ``scaling * B @ A`` is added to its rows of the fused copy (the model's own
+weights are never changed), so a LoRA decode step costs what a full one does; with dropout, only the base Linear is
+replaced and the layer adds its adapter term itself. The projections outside the groups (o, down) get the same
+folding, each a group of one, when they carry a foldable LoRA layer: its adapter would otherwise add two small
+GEMMs and an add per layer and token (H100, 3B, LoRA r64 on every projection: 6.1 ms per decoded token against 4.7
+for full fine-tuning). A plain Linear outside the groups is left alone (a copy of its weight would gain nothing),
+except under a mixed-precision autocast.
 
 Under a bf16 autocast with fp32 weights (``--bf16`` without DeepSpeed, TRL's default fp32 load), every GEMM of
 every decode step would read its fp32 weight and write and read a bf16 copy: about four times the bytes of bf16
@@ -55,27 +56,50 @@ class _Group:
         self.sizes = [m.out_features for m in linears]
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
+        self.kept: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (weight, bias) kept between calls
         self.outputs: tuple[torch.Tensor, ...] | None = None
         self.pending = 0  # parts still to hand their slice of ``outputs`` out
 
-    def build(self, dtype: torch.dtype | None = None) -> None:
-        """Concatenate the live weights (training changed them since the last generation call); in ``dtype``."""
+    def build(self, dtype: torch.dtype | None = None, keep: bool = False) -> None:
+        """Concatenate the live weights (training changed them since the last generation call); in ``dtype``.
+        ``keep``: into the kept storage, made by the first such call and refilled by the later ones (a kept CUDA
+        graph reads it there; see ``keep_decode_graphs``); otherwise into new storage, freed by :meth:`drop`."""
         linears = self.linears
-        weights = []
-        for linear, lora in zip(linears, self.loras, strict=True):
+        first = linears[0].weight
+        dtype = dtype or first.dtype
+        shape, has_bias = (sum(self.sizes), first.size(1)), any(m.bias is not None for m in linears)
+        kept = self.kept if keep else None
+        if kept is None or not _fits(kept[0], shape, dtype, first.device):
+            if keep:
+                self.kept = None  # a kept copy of another shape is freed before the new one is made
+            bias = torch.empty(shape[:1], dtype=dtype, device=first.device) if has_bias else None
+            kept = (torch.empty(shape, dtype=dtype, device=first.device), bias)
+            if keep:
+                self.kept = kept
+        weight, bias = kept
+        for linear, lora, out in zip(linears, self.loras, weight.split(self.sizes), strict=True):
             delta = _lora_delta(lora) if lora is not None else None
             w = linear.weight
-            weights.append(w if delta is None else (w.float() + delta).to(w.dtype))
-        self.weight = torch.cat(weights, dim=0).to(dtype or weights[0].dtype)
-        if any(m.bias is not None for m in linears):
-            zeros = [m.weight.new_zeros(m.out_features) for m in linears]
-            bias = torch.cat([m.bias if m.bias is not None else z for m, z in zip(linears, zeros, strict=True)])
-            self.bias = bias.to(dtype or bias.dtype)
+            out.copy_(w if delta is None else (w.float() + delta).to(w.dtype))
+        if bias is not None:
+            for m, out in zip(linears, bias.split(self.sizes), strict=True):
+                out.copy_(m.bias) if m.bias is not None else out.zero_()
+        self.weight, self.bias = weight, bias
         self.pending = 0
 
+    def nbytes(self, dtype: torch.dtype | None = None) -> int:
+        first = self.linears[0].weight
+        size = (dtype or first.dtype).itemsize
+        return sum(self.sizes) * (first.size(1) + any(m.bias is not None for m in self.linears)) * size
+
     def drop(self) -> None:
+        """End of a call: the call's references go (a kept copy stays in ``kept``)."""
         self.weight = self.bias = self.outputs = None
         self.pending = 0
+
+
+def _fits(t: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> bool:
+    return t is not None and tuple(t.shape) == shape and t.dtype == dtype and t.device == device
 
 
 def _is_lora_layer(module: Any) -> bool:
@@ -213,22 +237,43 @@ def _unmerges_on_forward(module: nn.Module) -> bool:
     return _is_lora_layer(module) and bool(module.disable_adapters) and bool(module.merged)
 
 
+def _current_plan(decoder: nn.Module, every_single: bool, head: nn.Module | None) -> _Plan:
+    plans = _PLANS.setdefault(decoder, {})
+    plan = plans.get((every_single, head))
+    if plan is None or any(getattr(holder, name, None) is not original for holder, name, original, _ in plan[1]):
+        plan = plans[every_single, head] = _plan(decoder, every_single, head)  # first call, or the modules changed
+    return plan
+
+
+def fused_nbytes(decoder: nn.Module, dtype: torch.dtype | None = None, head: nn.Module | None = None) -> int:
+    """Bytes of the copy :func:`fused_projections` makes with these arguments."""
+    every_single = dtype is not None
+    groups = _current_plan(decoder, every_single, head if every_single else None)[0]
+    return sum(group.nbytes(dtype) for group in groups)
+
+
+def kept_tensors(decoder: nn.Module) -> list[torch.Tensor]:
+    """The fused weights (and biases) of the active call: what a captured decode step reads besides the model."""
+    plan = _ACTIVE.get(decoder)
+    groups = plan[0] if plan is not None else []
+    return [t for group in groups for t in (group.weight, group.bias) if t is not None]
+
+
 @contextlib.contextmanager
 def fused_projections(
-    decoder: nn.Module, dtype: torch.dtype | None = None, head: nn.Module | None = None
+    decoder: nn.Module, dtype: torch.dtype | None = None, head: nn.Module | None = None, keep: bool = False
 ) -> Iterator[int]:
     """While active, every q|k|v and gate|up group of ``decoder`` runs as one GEMM (and every o / down projection
     with a foldable LoRA layer as one plain GEMM). ``dtype``: the autocast's, when it differs from the weights'
     (see the module doc): every fused weight in it, and every o / down projection too. ``head``: the LM head; with
     ``dtype``, :func:`stand_in` gives what to call in its place, a copy in ``dtype`` (a plain ``nn.Linear`` only).
-    Yields the number of groups fused (0 when none qualifies: the model runs unchanged). The modules are restored
-    on exit."""
-    plans = _PLANS.setdefault(decoder, {})
+    ``keep``: the copy is made in storage kept after the call, which the next such call refills (a kept decode
+    graph reads it there; :func:`release_kept` frees it); otherwise in storage of the call's own, freed on exit
+    (a kept copy is left alone). Yields the number of groups fused (0 when none
+    qualifies: the model runs unchanged). The modules are restored on exit."""
     every_single = dtype is not None
     head = head if every_single else None  # the head only needs a stand-in to be cast
-    plan = plans.get((every_single, head))
-    if plan is None or any(getattr(holder, name, None) is not original for holder, name, original, _ in plan[1]):
-        plan = plans[every_single, head] = _plan(decoder, every_single, head)  # first call, or the modules changed
+    plan = _current_plan(decoder, every_single, head)
     groups, swaps, _ = plan
     if any(_unmerges_on_forward(m) for m in decoder.modules()):
         yield 0  # PEFT would change the base weights during the call: the model runs unchanged
@@ -237,7 +282,7 @@ def fused_projections(
     try:
         with torch.no_grad():
             for group in groups:
-                group.build(dtype)
+                group.build(dtype, keep)
         for swap in swaps:
             holder, name, _, part = swap
             setattr(holder, name, part)
@@ -250,3 +295,10 @@ def fused_projections(
             setattr(holder, name, original)
         for group in groups:
             group.drop()
+
+
+def release_kept(decoder: nn.Module) -> None:
+    """Free the fused copies kept for ``decoder`` (see ``keep`` in :func:`fused_projections`)."""
+    for groups, _, _ in _PLANS.get(decoder, {}).values():
+        for group in groups:
+            group.kept = None

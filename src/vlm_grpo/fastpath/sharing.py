@@ -335,6 +335,7 @@ def shared_prefill_generate(
                 trainer.generation_config, use_graph=device.type == "cuda",
                 compile=device.type == "cuda" if compile_decode is None else compile_decode,
                 fuse=trainer.args.fuse_decode_projections, autocast=amp[0],
+                keep=trainer.keep_decode_graphs,
             )  # fmt: skip
         else:
             if trainer.args.fast_decode:

@@ -62,10 +62,15 @@ def test_deepspeed_config_missing_or_broken(dataset, tmp_path, capsys):
 def test_speed_settings_zero3_refuses_are_named_before_the_model_load(flag, dataset, tmp_path, capsys):
     """Both are refused under ZeRO-3 when set to true; said from the flags, before the (missing) model is looked
     at. Unset, the same command gets past them to the model (the control)."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
     zero3 = str(Path(__file__).resolve().parents[1] / "local_scripts" / "zero3.json")
-    line = _fails([*_args(dataset, tmp_path), "--deepspeed", zero3, flag, "true"], capsys)
-    assert f"{flag[2:]}=True does not work with DeepSpeed ZeRO-3" in line and f"{flag[2:]}=False" in line
-    assert "no/such/model" in _fails([*_args(dataset, tmp_path), "--deepspeed", zero3], capsys)
+    try:
+        line = _fails([*_args(dataset, tmp_path), "--deepspeed", zero3, flag, "true"], capsys)
+        assert f"{flag[2:]}=True does not work with DeepSpeed ZeRO-3" in line and f"{flag[2:]}=False" in line
+        assert "no/such/model" in _fails([*_args(dataset, tmp_path), "--deepspeed", zero3], capsys)
+    finally:
+        unset_hf_deepspeed_config()  # the parsed --deepspeed sets transformers' process-wide ZeRO-3 switch
 
 
 def test_missing_data_file(dataset, tmp_path, capsys):

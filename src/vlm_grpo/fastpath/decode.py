@@ -412,8 +412,10 @@ def fast_decode(
     with fused_projections(decoder, cast, head, keep=keep) if fuse else contextlib.nullcontext():
         head = stand_in(decoder, head)
         pointers = _pointers(decoder, head)
-        ws = _KEPT.get(decoder) if keep else None
-        if ws is None or ws.pointers != pointers:
+        ws = _KEPT.pop(decoder, None) if keep else None
+        if ws is not None and ws.pointers != pointers:
+            ws = None  # its graphs read tensors that have moved: freed before the new one is made
+        if ws is None:
             ws = _workspace(base, layers, rows, slots, attn, next_positions, key, pointers, use_graph)
         if keep:
             _KEPT[decoder] = ws

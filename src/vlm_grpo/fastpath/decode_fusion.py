@@ -69,14 +69,15 @@ class _Group:
         dtype = dtype or first.dtype
         shape, has_bias = (sum(self.sizes), first.size(1)), any(m.bias is not None for m in linears)
         kept = self.kept if keep else None
-        if kept is None or not _fits(kept[0], shape, dtype, first.device):
+        storage = kept if kept is not None and _fits(kept[0], shape, dtype, first.device) else None
+        if storage is None:
             if keep:
                 self.kept = None  # a kept copy of another shape is freed before the new one is made
             bias = torch.empty(shape[:1], dtype=dtype, device=first.device) if has_bias else None
-            kept = (torch.empty(shape, dtype=dtype, device=first.device), bias)
+            storage = (torch.empty(shape, dtype=dtype, device=first.device), bias)
             if keep:
-                self.kept = kept
-        weight, bias = kept
+                self.kept = storage
+        weight, bias = storage
         for linear, lora, out in zip(linears, self.loras, weight.split(self.sizes), strict=True):
             delta = _lora_delta(lora) if lora is not None else None
             w = linear.weight
@@ -98,8 +99,8 @@ class _Group:
         self.pending = 0
 
 
-def _fits(t: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> bool:
-    return t is not None and tuple(t.shape) == shape and t.dtype == dtype and t.device == device
+def _fits(t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> bool:
+    return tuple(t.shape) == shape and t.dtype == dtype and t.device == device
 
 
 def _is_lora_layer(module: Any) -> bool:
@@ -269,8 +270,8 @@ def fused_projections(
     ``dtype``, :func:`stand_in` gives what to call in its place, a copy in ``dtype`` (a plain ``nn.Linear`` only).
     ``keep``: the copy is made in storage kept after the call, which the next such call refills (a kept decode
     graph reads it there; :func:`release_kept` frees it); otherwise in storage of the call's own, freed on exit
-    (a kept copy is left alone). Yields the number of groups fused (0 when none
-    qualifies: the model runs unchanged). The modules are restored on exit."""
+    (a kept copy is left alone). Yields the number of groups fused (0 when none qualifies: the model runs
+    unchanged). The modules are restored on exit."""
     every_single = dtype is not None
     head = head if every_single else None  # the head only needs a stand-in to be cast
     plan = _current_plan(decoder, every_single, head)

@@ -287,7 +287,7 @@ class _Workspace:
     setting a step's graph bakes in) and ``pointers`` (the addresses of every tensor of the model it reads)."""
 
     key: tuple
-    pointers: tuple[int, ...]
+    pointers: tuple
     slots: int
     cache: Any
     tokens: torch.Tensor
@@ -301,11 +301,12 @@ class _Workspace:
 _KEPT: weakref.WeakKeyDictionary[torch.nn.Module, _Workspace] = weakref.WeakKeyDictionary()
 
 
-def _pointers(decoder: Any, head: Any) -> tuple[int, ...]:
-    """Addresses of every tensor a decode step reads from the model: its parameters and buffers, the head's, and
-    the fused copies (a graph replays reads from these addresses; ZeRO-3 or ``model.to`` would move them)."""
+def _pointers(decoder: Any, head: Any) -> tuple:
+    """Address, shape and strides of every tensor a decode step reads from the model: its parameters and buffers,
+    the head's, and the fused copies (a graph replays reads from these addresses as it laid them out when captured;
+    ZeRO-3 or ``model.to`` would move them)."""
     tensors = (*decoder.parameters(), *decoder.buffers(), *head.parameters(), *head.buffers(), *kept_tensors(decoder))
-    return tuple(t.data_ptr() for t in tensors)
+    return tuple((t.data_ptr(), tuple(t.shape), t.stride()) for t in tensors)
 
 
 def _modes(decoder: Any) -> tuple:
@@ -461,7 +462,7 @@ def _keep_by_default(use_graph: bool, device: torch.device, nbytes: int) -> bool
 
 def _workspace(
     base: Any, layers: Any, rows: int, slots: int, attn: str, next_positions: torch.Tensor, key: tuple,
-    pointers: tuple[int, ...], use_graph: bool,
+    pointers: tuple, use_graph: bool,
 ) -> _Workspace:  # fmt: skip
     from transformers import StaticCache
 

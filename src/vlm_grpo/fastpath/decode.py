@@ -396,8 +396,8 @@ def fast_decode(
         rows, tuple((x.dtype, x.size(1), x.size(-1)) for layer in layers for x in (layer.keys, layer.values)),
         attn, windowed, tuple(next_positions.shape[:-1]), use_graph, compile, fuse, autocast, _modes(decoder),
     )  # fmt: skip
-    kept = _KEPT.get(decoder)
     if keep is None:
+        kept = _KEPT.get(decoder)
         held = max(slots, kept.slots if kept is not None and kept.key == key else 0)
         per_slot = sum(
             x.size(1) * x.size(-1) * x.element_size() for layer in layers for x in (layer.keys, layer.values)
@@ -407,15 +407,13 @@ def fast_decode(
         if not keep:  # over the budget now (a longer decode): what was kept goes
             _KEPT.pop(decoder, None)
             release_kept(decoder)
-    if keep and (kept is None or kept.key != key or kept.slots < slots):
-        _KEPT.pop(decoder, None)  # freed before this call makes its own
     # keep False leaves a kept workspace alone: it is neither used nor freed by this call.
     with fused_projections(decoder, cast, head, keep=keep) if fuse else contextlib.nullcontext():
         head = stand_in(decoder, head)
-        pointers = _pointers(decoder, head)
+        pointers = _pointers(decoder, head) if keep else ()
         ws = _KEPT.pop(decoder, None) if keep else None
-        if ws is not None and ws.pointers != pointers:
-            ws = None  # its graphs read tensors that have moved: freed before the new one is made
+        if ws is not None and (ws.key != key or ws.slots < slots or ws.pointers != pointers):
+            ws = None  # its graphs bake in something else, or read tensors that moved: freed before the new one
         if ws is None:
             ws = _workspace(base, layers, rows, slots, attn, next_positions, key, pointers, use_graph)
         if keep:

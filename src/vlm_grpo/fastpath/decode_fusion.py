@@ -66,8 +66,7 @@ class _Group:
         graph reads it there; see ``keep_decode_graphs``); otherwise into new storage, freed by :meth:`drop`."""
         linears = self.linears
         first = linears[0].weight
-        dtype = dtype or first.dtype
-        shape, has_bias = (sum(self.sizes), first.size(1)), any(m.bias is not None for m in linears)
+        shape, dtype, has_bias = self._layout(dtype)
         kept = self.kept if keep else None
         storage = kept if kept is not None and _fits(kept[0], shape, dtype, first.device) else None
         if storage is None:
@@ -88,10 +87,15 @@ class _Group:
         self.weight, self.bias = weight, bias
         self.pending = 0
 
-    def nbytes(self, dtype: torch.dtype | None = None) -> int:
+    def _layout(self, dtype: torch.dtype | None) -> tuple[tuple[int, int], torch.dtype, bool]:
+        """(shape, dtype, whether it has a bias) of the fused copy in ``dtype`` (None: the weights' own)."""
         first = self.linears[0].weight
-        size = (dtype or first.dtype).itemsize
-        return sum(self.sizes) * (first.size(1) + any(m.bias is not None for m in self.linears)) * size
+        has_bias = any(m.bias is not None for m in self.linears)
+        return (sum(self.sizes), first.size(1)), dtype or first.dtype, has_bias
+
+    def nbytes(self, dtype: torch.dtype | None = None) -> int:
+        (rows, cols), dtype, has_bias = self._layout(dtype)
+        return rows * (cols + has_bias) * dtype.itemsize
 
     def drop(self) -> None:
         """End of a call: the call's references go (a kept copy stays in ``kept``)."""

@@ -309,7 +309,8 @@ def is_vanilla(kind: str) -> bool:
 def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
     """``name`` or ``name:key=value,key=value`` -> (name, VLMGRPOConfig overrides).
 
-    ``cache_implementation=static`` goes into ``generation_kwargs``; true/false become booleans.
+    ``cache_implementation=static`` goes into ``generation_kwargs``; true/false become booleans. Keys in
+    :data:`BENCH_ONLY` are the benchmark's own switches (see :func:`bench_switches`), not config fields.
     """
     name, _, rest = spec.partition(":")
     overrides: dict[str, Any] = {}
@@ -317,6 +318,25 @@ def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
         key, _, value = item.partition("=")
         overrides[key] = {"true": True, "false": False}.get(value.lower(), value)
     return name, overrides
+
+
+BENCH_ONLY = {"compile_vision"}
+
+
+@contextmanager
+def bench_switches(kind: str):
+    """The variant's benchmark-only switches, for the duration of its run. ``compile_vision=false``: the packed
+    passes compile the decoder layers only, not the vision blocks (``compile_layers`` does both), to measure what
+    the vision blocks' compilation is worth."""
+    from vlm_grpo.fastpath import compiled_layers
+
+    real = compiled_layers.vision_blocks
+    if parse_variant(kind)[1].get("compile_vision") is False:
+        compiled_layers.vision_blocks = lambda model, vlm_module: []
+    try:
+        yield
+    finally:
+        compiled_layers.vision_blocks = real
 
 
 def flag_bool(text: str) -> bool:
@@ -376,7 +396,7 @@ def grpo_config(
 
     from vlm_grpo.configs import VLMGRPOConfig
 
-    overrides = extra | parse_variant(kind)[1]
+    overrides = {k: v for k, v in (extra | parse_variant(kind)[1]).items() if k not in BENCH_ONLY}
     generation_kwargs = {"min_new_tokens": scenario.completion_length}
     if "cache_implementation" in overrides:
         generation_kwargs["cache_implementation"] = overrides.pop("cache_implementation")

@@ -44,6 +44,7 @@ from bench_common import (
     PhaseTimer,
     Result,
     Scenario,
+    bench_switches,
     build_policy,
     decode_weight_bytes,
     format_table,
@@ -192,7 +193,7 @@ def run_one(kind: str, args: argparse.Namespace, scenario: Scenario, workdir: Pa
     )  # fmt: skip
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    with timed_fast_decode(timer):
+    with timed_fast_decode(timer), bench_switches(kind):
         trainer.train()
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     measured = timer.per_step[args.warmup : measured_steps] or timer.per_step

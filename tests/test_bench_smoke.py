@@ -33,6 +33,25 @@ def test_bench_grpo_tiny_cpu_prints_both_rows(tmp_path):
         assert r["samples_per_s"] > 0 and r["phases_s"]["generation"] > 0 and r["completion_tokens"] > 0
 
 
+def test_train_window_times_each_variant_on_one_batch(tmp_path):
+    """Both variants take turns on one generated batch: every repeat timed, a median each; a config field given
+    as a variant's switch is refused (it would be silently ignored: the variants share one trainer)."""
+    out = tmp_path / "window.json"
+    script = str(REPO / "benchmarks" / "train_window.py")
+    cmd = [
+        sys.executable, script, "--preset", "tiny", "--device", "cpu", "--repeats", "2", "--warmup", "1",
+        "--num_generations", "4", "--trainer", "ours:compile_layers=true", "--out", str(out),
+    ]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    payload = json.loads(out.read_text())
+    assert set(payload["times_s"]) == {"ours", "text"} and all(len(t) == 2 for t in payload["times_s"].values())
+    assert all(m > 0 for m in payload["median_s"].values())
+    bad = subprocess.run([*cmd[:2], "--variants", "x:compile_layers=true"], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)  # fmt: skip
+    assert bad.returncode != 0 and "['compile_layers'] are config fields; give them to --trainer" in bad.stderr
+
+
 def test_max_fit_tiny_cpu_doubles_then_bisects(tmp_path):
     """Both modes train real steps; a simulated OOM above 2 prompts drives doubling (1, 2, 4) then bisection (3)."""
     out = tmp_path / "max_fit.json"

@@ -1,4 +1,4 @@
-"""``torch.compile`` for the text decoder layers in the shared-prompt training passes (``compile_layers``).
+"""``torch.compile`` for the decoder layers and vision blocks in the shared-prompt training passes (``compile_layers``).
 
 After sharing, those passes are partly host-bound: at 896² and 128 completion tokens on an H200 the kernels
 of the loss forward + backward fill about two-thirds of its time, over ~12,000 kernel launches
@@ -13,6 +13,12 @@ Two things stand in the way, and are handled here without touching transformers'
   "checkpoint (as configured) around the compiled original forward", and restored afterwards.
 * the packed attention kernel (:mod:`vlm_grpo.fastpath.block_attention`) loops over the layout's Python ints; it
   runs as a compiler-disabled island, so new layouts do not recompile the layer.
+
+The vision tower's blocks (32 in Qwen2.5-VL, trained in full fine-tuning) are compiled the same way where their
+attention is one the compiler can leave alone or trace: the batched varlen kernel of
+:mod:`vlm_grpo.fastpath.vision_attention` is an island like the packed one (its segment plan needs host ints), and
+towers without ``cu_seqlens`` segments (InternVL) trace whole. A Qwen tower on plain sdpa / eager splits its
+sequence with ``.tolist()`` inside the attention, which would break every graph; it stays eager.
 
 Generation does not go through this (its decode step has its own compilation, ``compile_decode``).
 """
@@ -29,6 +35,7 @@ import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from vlm_grpo.fastpath.fallback import EagerOnFailure
+from vlm_grpo.fastpath.vision_attention import NAME as VARLEN
 from vlm_grpo.utils import warn_once
 
 logger = logging.getLogger(__name__)
@@ -45,7 +52,7 @@ def _compiled_forward(layer: torch.nn.Module) -> Callable | None:
     if original not in _compiled:
         compiled = torch.compile(original, backend=_BACKEND)
         # Only dynamo's own errors: any other error of a layer is the user's to see.
-        failed = "compile_layers: compiling the decoder layer failed"
+        failed = f"compile_layers: compiling {type(layer).__name__} failed"
         _compiled[original] = EagerOnFailure(compiled, original, logger, failed, torch._dynamo.exc.TorchDynamoException)
     return _compiled[original]
 
@@ -66,6 +73,24 @@ def decoder_layers(model: Any) -> list[torch.nn.Module]:
     return [m for m in model.get_decoder().modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
+def vision_blocks(model: Any, vlm_module: Any) -> list[torch.nn.Module]:
+    """The vision tower's checkpointing layers (``model`` unwrapped down to the transformers model) that compile
+    cleanly; [] for a tower whose attention splits its sequence on the host (see the module's docstring)."""
+    config = getattr(model.config, "vision_config", None)
+    if vlm_module is None or config is None:
+        return []
+    if getattr(vlm_module, "varlen_vision", False) and config._attn_implementation != VARLEN:
+        return []
+    blocks = []
+    for prefix in vlm_module.vision_prefixes:
+        try:
+            tower = model.get_submodule(prefix)
+        except AttributeError:
+            continue
+        blocks += [m for m in tower.modules() if isinstance(m, GradientCheckpointingLayer)]
+    return blocks
+
+
 def resolve_compile_layers(setting: bool | None, device_type: str, sharded: bool) -> bool:
     """Whether the packed passes compile their decoder layers. ``None`` (the default): on a CUDA device, unless
     parameters are gathered per module (DeepSpeed ZeRO-3, FSDP); ``True`` there is refused."""
@@ -80,17 +105,19 @@ def resolve_compile_layers(setting: bool | None, device_type: str, sharded: bool
 
 
 @contextlib.contextmanager
-def compiled_layers(model: Any, enabled: bool = True) -> Iterator[None]:
-    """Within the block, the decoder layers of ``model`` (a transformers model) run compiled."""
-    layers = decoder_layers(model) if enabled else []
+def compiled_layers(model: Any, enabled: bool = True, vlm_module: Any = None) -> Iterator[None]:
+    """Within the block, the decoder layers of ``model`` (a transformers model) run compiled, and the vision
+    blocks of its tower where :func:`vision_blocks` finds them (``vlm_module`` names the tower)."""
+    stacks = [decoder_layers(model), vision_blocks(model, vlm_module)] if enabled else []
     swapped = []
-    for layer in layers:
-        compiled = _compiled_forward(layer)
-        if compiled is None:  # every packed forward comes here: say it once
-            warn_once(logger, f"compile_layers: {type(layer).__name__} has no wrapped forward to compile; eager")
-            break
-        layer.forward = _layer_forward(layer, compiled)
-        swapped.append(layer)
+    for layers in stacks:
+        for layer in layers:
+            compiled = _compiled_forward(layer)
+            if compiled is None:  # every packed forward comes here: say it once
+                warn_once(logger, f"compile_layers: {type(layer).__name__} has no wrapped forward to compile; eager")
+                break
+            layer.forward = _layer_forward(layer, compiled)
+            swapped.append(layer)
     try:
         yield
     finally:

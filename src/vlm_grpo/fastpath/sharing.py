@@ -200,7 +200,7 @@ def _packed_forward(
     with (
         trainer.accelerator.autocast(),
         mask_scope,
-        compiled_layers(inner, trainer.compile_layers),
+        compiled_layers(inner, trainer.compile_layers, module),
     ):
         outputs = model(**inputs, shift_labels=labels, fused_lm_head=True)
     index = torch.tensor(gather, device=device)[:, None] + torch.arange(C, device=device)[None, :]

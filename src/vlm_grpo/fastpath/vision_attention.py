@@ -105,7 +105,23 @@ def varlen_sdpa(
     if attention_mask is not None or query.size(0) != 1:
         raise NotImplementedError(f"{NAME} takes one packed sequence without a mask")
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
-    plan = segment_plan(cu_seq_lens_q, query.device)
+    return _segmented_sdpa(query, key, value, cu_seq_lens_q, causal, dropout, scaling), None
+
+
+@torch.compiler.disable
+def _segmented_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    causal: bool,
+    dropout: float,
+    scaling: float | None,
+) -> torch.Tensor:
+    """One sdpa per distinct segment length. Outside compilation, an island in a compiled vision block
+    (``compile_layers``): the plan reads ``cu_seqlens`` on the host, looked up by the tensor's identity, and
+    traced, its ints would recompile the block for every new set of images."""
+    plan = segment_plan(cu_seqlens, query.device)
     # (1, heads, N, dim) -> (N, heads, dim): tokens first, so gathers and the inverse act on dim 0
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
     gqa = q.size(1) != k.size(1)
@@ -119,7 +135,7 @@ def varlen_sdpa(
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
     if plan.inverse is not None:
         out = out.index_select(0, plan.inverse)
-    return out.unsqueeze(0), None
+    return out.unsqueeze(0)
 
 
 def _segments(x: torch.Tensor, index: torch.Tensor | None, count: int, length: int) -> torch.Tensor:

@@ -302,53 +302,6 @@ def test_compiled_layers_match_trl_under_gradient_checkpointing(family, lora, ti
     assert layers and all("forward" not in layer.__dict__ for layer in layers), "layers restored after the pass"
 
 
-@pytest.mark.parametrize(
-    ("family", "vision_param", "batched"),
-    [
-        ("qwen2_5_vl", "modules_qkv_parameters", True),
-        ("internvl", "layernorm_before", True),
-        ("qwen2_5_vl", None, False),
-    ],
-    ids=["qwen2_5_vl", "internvl", "qwen2_5_vl_unbatched_control"],
-)
-def test_compile_layers_compiles_the_vision_blocks_too(family, vision_param, batched, tiny_models, rows_file,
-                                                       tmp_path, monkeypatch):  # fmt: skip
-    """Full fine-tuning trains the vision tower: its blocks run compiled in the packed pass (Qwen's batched varlen
-    kernel an island, read from one segment plan per ``cu_seqlens``), with TRL's numbers. A Qwen tower on plain
-    sdpa splits its sequence with ``.tolist()`` inside the attention: its blocks stay eager (the control)."""
-    import vlm_grpo.fastpath.compiled_layers as compiled_layers
-    import vlm_grpo.fastpath.vision_attention as vision_attention
-
-    graphs, plans = [], []
-    build_plan = vision_attention._build_plan
-
-    def recording(graph, example_inputs):
-        graphs.append(" ".join(n.name for n in graph.graph.nodes if n.op == "placeholder"))
-        return graph.forward
-
-    monkeypatch.setattr(compiled_layers, "_compiled", {})
-    monkeypatch.setattr(compiled_layers, "_BACKEND", recording)
-    monkeypatch.setattr(vision_attention, "_build_plan", lambda *a: plans.append(1) or build_plan(*a))
-    trainer = make_trainer(tiny_models[family], rows_file, tmp_path, compile_layers=True,
-                           batch_vision_attention=batched)  # fmt: skip
-    inputs = real_batch(trainer)
-    trainer.model.gradient_checkpointing_enable({"use_reentrant": False})
-    trainer.model.train()
-    torch._dynamo.reset()
-    plans.clear()
-    assert_parity(trainer, inputs)
-    blocks = compiled_layers.vision_blocks(trainer.model, trainer.vlm_module)
-    text = [g for g in graphs if "input_layernorm" in g]
-    assert text, "the decoder layers compile in every case"
-    if vision_param is None:
-        assert blocks == [] and not any("norm1" in g for g in graphs), "an unbatched Qwen tower must stay eager"
-        return
-    assert blocks and any(vision_param in g for g in graphs), graphs
-    if family == "qwen2_5_vl":  # TRL's pass and ours, each: one plan for the windows, one for the full layers
-        assert len(plans) == 4, f"{len(plans)} segment plans: the island lost the cu_seqlens tensor's identity"
-    assert all("forward" not in block.__dict__ for block in blocks), "blocks restored after the pass"
-
-
 def test_compile_layers_defaults_to_gpus_and_is_refused_where_parameters_are_gathered_per_module():
     """Unset: on for a GPU, off on CPU and under ZeRO-3 / FSDP; asked for under ZeRO-3 / FSDP: a clear error."""
     from vlm_grpo.fastpath.compiled_layers import resolve_compile_layers

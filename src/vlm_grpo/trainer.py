@@ -42,7 +42,13 @@ from vlm_grpo.tools.rollouts import (
     rollout_tool_stats,
     tile_fields,
 )
-from vlm_grpo.trainer_common import CheckpointReloadMixin, CompleteCheckpointMixin, as_vlm_config, prepare_vlm
+from vlm_grpo.trainer_common import (
+    CheckpointReloadMixin,
+    CompleteCheckpointMixin,
+    as_vlm_config,
+    drop_stacked_input_grad_hooks,
+    prepare_vlm,
+)
 from vlm_grpo.utils import is_zero3, peft_base
 
 logger = logging.getLogger(__name__)
@@ -220,19 +226,20 @@ class VLMGRPOTrainer(
         )
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        """TRL's, with the processor run once per distinct prompt (``process_prompts_once``).
+        """TRL's, with the processor run once per distinct prompt (``process_prompts_once``), and without the
+        input-embedding hooks its gradient-checkpointing toggles leave behind (:func:`drop_stacked_input_grad_hooks`).
 
         TRL calls ``self.processing_class`` inside this method (for generation, then for the log-prob passes'
         pixels) without a hook around either call: the stand-in takes its place for the method's duration only.
         """
-        if not self.args.process_prompts_once:
-            return super()._generate_and_score_completions(inputs)
         processor = self.processing_class
-        self.processing_class = ProcessOnce(processor, self.accelerator.device)
+        if self.args.process_prompts_once:
+            self.processing_class = ProcessOnce(processor, self.accelerator.device)
         try:
             return super()._generate_and_score_completions(inputs)
         finally:
             self.processing_class = processor
+            drop_stacked_input_grad_hooks(self.model)
 
     def _generate_single_turn(
         self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False

@@ -209,3 +209,28 @@ def log_metrics_to_logger(trainer: Any) -> None:
     """Swap transformers' progress callback for :class:`LoggedProgressCallback` (recipes call this)."""
     if trainer.pop_callback(ProgressCallback) is not None:
         trainer.add_callback(LoggedProgressCallback())
+
+
+def drop_stacked_input_grad_hooks(model: torch.nn.Module) -> int:
+    """Remove the input-embedding hooks transformers has lost track of; returns how many.
+
+    TRL turns gradient checkpointing off and on again around every generation (``unwrap_model_for_generation``,
+    ``disable_gradient_checkpointing``: twice a step). Each time it comes back on, transformers'
+    ``enable_input_require_grads`` registers a new forward hook on the input embeddings and overwrites its handle
+    to the previous one without removing it, so the hooks pile up (9 after 4 steps) and every embedding call runs
+    all of them: thousands in a long run, and a changed module for a compiled decode step to guard on. A hook
+    counts as stacked when it runs the same code as the one transformers holds a handle to
+    (``_require_grads_hooks``); other hooks on the embeddings are left alone.
+    """
+    removed = 0
+    for owner in model.modules():
+        for handle in getattr(owner, "_require_grads_hooks", None) or []:
+            hooks = handle.hooks_dict_ref()  # the embedding's ``_forward_hooks``
+            code = getattr(hooks.get(handle.id) if hooks is not None else None, "__code__", None)
+            if code is None:
+                continue
+            stale = [k for k, fn in hooks.items() if k != handle.id and getattr(fn, "__code__", None) is code]
+            for key in stale:  # registered without kwargs or always_call: ``_forward_hooks`` is their only entry
+                del hooks[key]
+            removed += len(stale)
+    return removed

@@ -220,12 +220,15 @@ def drop_stacked_input_grad_hooks(model: torch.nn.Module) -> int:
     to the previous one without removing it, so the hooks pile up (9 after 4 steps) and every embedding call runs
     all of them: thousands in a long run, and a changed module for a compiled decode step to guard on. A hook
     counts as stacked when it runs the same code as the one transformers holds a handle to
-    (``_require_grads_hooks``); other hooks on the embeddings are left alone.
+    (``_require_grads_hooks``); other hooks on the embeddings are left alone. That attribute and torch's
+    ``RemovableHandle.hooks_dict_ref`` / ``id`` are private: if they change, nothing is removed and
+    ``tests/test_long_runs.py`` fails.
     """
     removed = 0
     for owner in model.modules():
         for handle in getattr(owner, "_require_grads_hooks", None) or []:
-            hooks = handle.hooks_dict_ref()  # the embedding's ``_forward_hooks``
+            ref = getattr(handle, "hooks_dict_ref", None)  # a renamed private: hooks pile up as in TRL, no error
+            hooks = ref() if ref is not None else None  # the embedding's ``_forward_hooks``
             code = getattr(hooks.get(handle.id) if hooks is not None else None, "__code__", None)
             if code is None:
                 continue

@@ -339,6 +339,15 @@ def bench_switches(kind: str):
         compiled_layers.vision_blocks = real
 
 
+def busy_time(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of ``(start, end)`` intervals (kernels on a GPU timeline: its busy time)."""
+    busy, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        busy += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    return busy
+
+
 def flag_bool(text: str) -> bool:
     """An argparse ``type`` for on/off flags written ``true``/``false`` (also 1/0, yes/no)."""
     return text.lower() in ("1", "true", "yes")

@@ -46,6 +46,7 @@ from bench_common import (
     Scenario,
     bench_switches,
     build_policy,
+    busy_time,
     decode_weight_bytes,
     format_table,
     grpo_config,
@@ -136,11 +137,7 @@ def window_report(
     # On the device timeline the phase ranges themselves appear as annotations: not kernels.
     device = [e for e in events if e.device_type == DeviceType.CUDA and not e.name.startswith("phase:") and inside(e)]
     device.sort(key=lambda e: e.time_range.start)
-    busy, reach = 0.0, float("-inf")
-    for e in device:  # union of kernel intervals
-        start, end = max(e.time_range.start, reach), e.time_range.end
-        busy += max(0.0, end - start)
-        reach = max(reach, end)
+    busy = busy_time([(e.time_range.start, e.time_range.end) for e in device])
     wall = sum(t - s for s, t in windows) - sum(t - s for s, t in exclude if any(a <= s < b for a, b in windows))
     lines = [
         f"{title}: {wall / 1e3:.1f} ms wall, GPU busy {busy / 1e3:.1f} ms ({busy / max(wall, 1e-9):.0%}), "

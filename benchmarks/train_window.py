@@ -29,6 +29,7 @@ from bench_common import (
     Scenario,
     bench_switches,
     build_policy,
+    busy_time,
     device_defaults,
     grpo_config,
     grpo_trainer,
@@ -90,14 +91,9 @@ def profiled(trainer, inputs, sync) -> dict[str, float]:
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         wall = window(trainer, inputs, sync)
-    kernels = sorted(
-        (e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-    )
-    busy, end = 0.0, float("-inf")
-    for s, e in kernels:
-        busy += max(0.0, e - max(s, end))
-        end = max(end, e)
-    return {"wall_s": wall, "gpu_busy_s": busy / 1e6, "device_events": len(kernels)}
+    cuda = torch.autograd.DeviceType.CUDA
+    kernels = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == cuda]
+    return {"wall_s": wall, "gpu_busy_s": busy_time(kernels) / 1e6, "device_events": len(kernels)}
 
 
 def main(argv: list[str] | None = None) -> dict:

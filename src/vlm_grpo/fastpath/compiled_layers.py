@@ -36,6 +36,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from vlm_grpo.fastpath.fallback import EagerOnFailure
 from vlm_grpo.fastpath.vision_attention import NAME as VARLEN
+from vlm_grpo.fastpath.vision_attention import vision_towers
 from vlm_grpo.utils import warn_once
 
 logger = logging.getLogger(__name__)
@@ -81,14 +82,8 @@ def vision_blocks(model: Any, vlm_module: Any) -> list[torch.nn.Module]:
         return []
     if getattr(vlm_module, "varlen_vision", False) and config._attn_implementation != VARLEN:
         return []
-    blocks = []
-    for prefix in vlm_module.vision_prefixes:
-        try:
-            tower = model.get_submodule(prefix)
-        except AttributeError:
-            continue
-        blocks += [m for m in tower.modules() if isinstance(m, GradientCheckpointingLayer)]
-    return blocks
+    towers = vision_towers(model, vlm_module)
+    return [m for tower in towers for m in tower.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
 def resolve_compile_layers(setting: bool | None, device_type: str, sharded: bool) -> bool:

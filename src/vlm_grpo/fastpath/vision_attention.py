@@ -147,6 +147,17 @@ def _segments(x: torch.Tensor, index: torch.Tensor | None, count: int, length: i
 AttentionInterface.register(NAME, varlen_sdpa)
 
 
+def vision_towers(model: Any, vlm_module: Any) -> list[torch.nn.Module]:
+    """The submodules of ``model`` (a transformers model) at the family's ``vision_prefixes`` that it has."""
+    towers = []
+    for prefix in vlm_module.vision_prefixes:
+        try:
+            towers.append(model.get_submodule(prefix))
+        except AttributeError:
+            continue
+    return towers
+
+
 def use_batched_vision_attention(model: Any, enabled: bool, vlm_module: Any = None) -> bool:
     """Switch the vision tower of ``model`` between ``sdpa`` and :data:`NAME`; True when it runs :data:`NAME`.
 
@@ -163,11 +174,7 @@ def use_batched_vision_attention(model: Any, enabled: bool, vlm_module: Any = No
     if config is None or not getattr(vlm_module, "varlen_vision", False):
         return False
     configs = {id(config): config}
-    for prefix in vlm_module.vision_prefixes:  # where the attention modules read it (normally the same object)
-        try:
-            tower = base.get_submodule(prefix)
-        except AttributeError:
-            continue
+    for tower in vision_towers(base, vlm_module):  # where the attention modules read it (normally the same object)
         for sub in tower.modules():
             sub_config = getattr(sub, "config", None)
             if sub_config is not None and hasattr(sub_config, "_attn_implementation"):

@@ -320,23 +320,26 @@ def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
     return name, overrides
 
 
-BENCH_ONLY = {"compile_vision"}
+BENCH_ONLY = {"compile_vision", "select_in_graph"}
 
 
 @contextmanager
 def bench_switches(kind: str):
     """The variant's benchmark-only switches, for the duration of its run. ``compile_vision=false``: the packed
     passes compile the decoder layers only, not the vision blocks (``compile_layers`` does both), to measure what
-    the vision blocks' compilation is worth."""
-    from vlm_grpo.fastpath import compiled_layers
+    the vision blocks' compilation is worth. ``select_in_graph=false``: fast_decode chooses each token after the
+    decode graph's replay, as before the sixteenth session, not inside the graph."""
+    from vlm_grpo.fastpath import compiled_layers, decode
 
-    real = compiled_layers.vision_blocks
-    if parse_variant(kind)[1].get("compile_vision") is False:
+    switches = parse_variant(kind)[1]
+    real, select = compiled_layers.vision_blocks, decode.SELECT_IN_GRAPH
+    if switches.get("compile_vision") is False:
         compiled_layers.vision_blocks = lambda model, vlm_module: []
+    decode.SELECT_IN_GRAPH = switches.get("select_in_graph", select) is not False
     try:
         yield
     finally:
-        compiled_layers.vision_blocks = real
+        compiled_layers.vision_blocks, decode.SELECT_IN_GRAPH = real, select
 
 
 def busy_time(intervals: list[tuple[float, float]]) -> float:

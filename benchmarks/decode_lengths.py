@@ -62,13 +62,15 @@ def configure(mode: str, compile_mode: str | None = None) -> None:
 def one_call(
     model, gen_config, prompt_len: int, unique: int, group: int, device, compile: bool, seed: int, fuse: bool = True,
     attention_window: int | None = None, autocast: tuple[str, torch.dtype] | None = None, cast_head: bool = True,
-    keep: bool = False,
+    keep: bool = False, select_in_graph: bool = True,
 ):  # fmt: skip
     """Prefill ``unique`` prompts of ``prompt_len`` tokens, decode ``unique * group`` rows; (seconds, token ids).
     ``attention_window``: ``decode.ATTENTION_WINDOW`` for this call (None: the package's). ``autocast``: the
     prefill runs under it and the decode enters it, as the trainer's do under ``--bf16`` with fp32 weights.
     ``cast_head`` False: the LM head runs as itself (under that autocast: cast at every step, as before it had a
-    stand-in). ``keep``: fast_decode's (the workspace and its graphs kept for the next call)."""
+    stand-in). ``keep``: fast_decode's (the workspace and its graphs kept for the next call). ``select_in_graph``:
+    ``decode.SELECT_IN_GRAPH`` for this call (False: the next token is chosen after each replay). The sampler is
+    seeded with ``seed`` before the decode, so the variants of one call draw comparable tokens."""
     from transformers import DynamicCache
 
     from vlm_grpo.fastpath import decode
@@ -95,9 +97,11 @@ def one_call(
         window = decode.ATTENTION_WINDOW
         if attention_window is not None:
             decode.ATTENTION_WINDOW = attention_window
-        stand_in = decode.stand_in
+        stand_in, select = decode.stand_in, decode.SELECT_IN_GRAPH
         if not cast_head:
             decode.stand_in = lambda decoder, module: module
+        decode.SELECT_IN_GRAPH = select_in_graph
+        torch.manual_seed(seed)
         start = time.perf_counter()
         try:
             out = decode.fast_decode(
@@ -107,7 +111,7 @@ def one_call(
             if device.type == "cuda":
                 torch.cuda.synchronize()
         finally:
-            decode.ATTENTION_WINDOW, decode.stand_in = window, stand_in
+            decode.ATTENTION_WINDOW, decode.stand_in, decode.SELECT_IN_GRAPH = window, stand_in, select
     return time.perf_counter() - start, out
 
 
@@ -190,7 +194,12 @@ def main(argv: list[str] | None = None) -> dict:
         "'true false': both, in turn, per prompt length (by_window keys '.../keep=...'; a call not kept leaves "
         "the kept state alone)",
     )  # fmt: skip
-    p.add_argument("--greedy", type=flag_bool, default=False, help="greedy decoding (tokens comparable by variant)")
+    p.add_argument(
+        "--select_in_graph", type=flag_bool, nargs="+", default=[True],
+        help="the next token chosen inside the decode graph (the package's); false: after each replay; 'true false': "
+        "both, in turn, per prompt length (by_window keys '.../select_in_graph=...')",
+    )  # fmt: skip
+    p.add_argument("--greedy", type=flag_bool, default=False, help="greedy decoding (sampled: seeded per call)")
     p.add_argument("--compile_mode", default=None, help="torch.compile mode of the decode step, e.g. max-autotune")
     p.add_argument(
         "--profile", default=None,
@@ -225,14 +234,14 @@ def main(argv: list[str] | None = None) -> dict:
     gen_config.max_new_tokens = gen_config.min_new_tokens = args.new_tokens
     gen_config.do_sample, gen_config.temperature, gen_config.top_p, gen_config.top_k = not args.greedy, 1.0, 1.0, 0
 
-    heads, keeps = args.cast_head, args.keep
-    windows = [(w, h, k) for w in args.attention_window or [None] for h in heads for k in keeps]
+    heads, keeps, selects = args.cast_head, args.keep, args.select_in_graph
+    windows = [(w, h, k, s) for w in args.attention_window or [None] for h in heads for k in keeps for s in selects]
     calls = []
     outputs: dict[tuple, torch.Tensor] = {}
     seen: set[int] = set()
     for n, length in enumerate(args.prompt_lengths):
         for variant in windows:
-            window, cast_head, keep = variant
+            window, cast_head, keep, select = variant
             before = counters["stats"]["unique_graphs"]
             profiler = None
             if args.profile and n == len(args.prompt_lengths) - 1:
@@ -244,7 +253,7 @@ def main(argv: list[str] | None = None) -> dict:
             captured = len(CAPTURES)
             seconds, out = one_call(
                 model, gen_config, length, args.unique, args.group, device, compile, n, args.fuse, window, autocast,
-                cast_head, keep,
+                cast_head, keep, select,
             )  # fmt: skip
             tokens = out.size(1)
             outputs[(n, variant)] = out.cpu()
@@ -254,6 +263,7 @@ def main(argv: list[str] | None = None) -> dict:
                 averages = profiler.key_averages()
                 table = averages.table(sort_by=sort, row_limit=40, max_name_column_width=90)
                 suffix = f".w{window}{'' if cast_head else '.uncast_head'}{'.kept' if keep else ''}"
+                suffix += "" if select else ".select_after"
                 suffix = suffix if len(windows) > 1 else ""
                 Path(args.profile + suffix).write_text(table)
                 if device.type == "cuda":
@@ -263,6 +273,7 @@ def main(argv: list[str] | None = None) -> dict:
             calls.append(
                 {
                     "prompt_len": length, "attention_window": window, "cast_head": cast_head, "keep": keep,
+                    "select_in_graph": select,
                     "seconds": seconds,
                     "tokens": tokens,
                     "new_length": length not in seen, "graphs_compiled": counters["stats"]["unique_graphs"] - before,
@@ -276,17 +287,20 @@ def main(argv: list[str] | None = None) -> dict:
     floor_ms = 1e3 * weights / bandwidth if bandwidth else None
 
     def key(variant) -> str:
-        window, cast_head, keep = variant
+        window, cast_head, keep, select = variant
         return "/".join(
-            [str(window)] + [f"cast_head={cast_head}"] * (len(heads) > 1) + [f"keep={keep}"] * (len(keeps) > 1)
+            [str(window)]
+            + [f"cast_head={cast_head}"] * (len(heads) > 1)
+            + [f"keep={keep}"] * (len(keeps) > 1)
+            + [f"select_in_graph={select}"] * (len(selects) > 1)
         )
 
     def of(variant) -> list[dict]:
-        return [c for c in calls if (c["attention_window"], c["cast_head"], c["keep"]) == variant]
+        return [c for c in calls if (c["attention_window"], c["cast_head"], c["keep"], c["select_in_graph"]) == variant]
 
     by_window = {key(v): _timings(of(v), floor_ms) for v in windows}
     agreement = None
-    if len(windows) > 1:  # each variant's tokens against the first's, per call (meaningful with --greedy)
+    if len(windows) > 1:  # each variant's tokens against the first's, per call (same seed per call)
         calls_made = range(len(args.prompt_lengths))
         pairs = [(outputs[(n, windows[0])], outputs[(n, v)]) for n in calls_made for v in windows[1:]]
         agreement = {

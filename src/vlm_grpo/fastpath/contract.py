@@ -116,6 +116,15 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         ("generation_config", "input_ids_seq_length"),
         why="fast_decode samples with generate's own processors",
     ),
+    *(
+        PrivateName(
+            "transformers.generation.logits_process:MinNewTokensLengthLogitsProcessor",
+            name,
+            source="transformers.generation.logits_process:MinNewTokensLengthLogitsProcessor.__call__",
+            why="decode_select: min_new_tokens counted on the device (inside the decode graph) from its settings",
+        )
+        for name in ("prompt_length_to_skip", "min_new_tokens", "eos_token_id")
+    ),
     PrivateName(
         "transformers:Qwen2VLForConditionalGeneration",
         "_prepare_position_ids_for_generation",

@@ -7,7 +7,8 @@ head) is captured into a CUDA graph and replayed. Token selection stays HF's own
 the logits processors ``generate`` would build (temperature, top-k/p, min-p, repetition penalty,
 suppressed tokens, ``min_new_tokens``), the same softmax / multinomial / argmax and EOS handling,
 so sampling follows the same distribution and greedy tokens equal ``generate``'s (tested on CPU,
-where the same loop runs without the graph).
+where the same loop runs without the graph). Where the processors read only the scores, that selection is part
+of the captured step, so a token is one replay (:mod:`vlm_grpo.fastpath.decode_select`).
 
 Attention windows (sdpa models under the graph): the static cache is sized for the whole completion, but
 step t only attends over the prompt and the t tokens written so far. Reading every slot costs ~1.2 ms of a
@@ -42,6 +43,7 @@ import torch
 from vlm_grpo.fastpath.block_attention import as_sdpa
 from vlm_grpo.fastpath.decode_attention import decode_attention
 from vlm_grpo.fastpath.decode_fusion import fused_nbytes, fused_projections, kept_tensors, release_kept, stand_in
+from vlm_grpo.fastpath.decode_select import InStep, Selection, in_graph_blocker, signature
 from vlm_grpo.fastpath.fallback import EagerOnFailure
 from vlm_grpo.utils import peft_base, warn_once
 
@@ -63,6 +65,11 @@ KEEP_FRACTION = 0.1
 # Tests: take the windowed path (a step per window, its warm-ups under cache_restored, sliced attention)
 # without CUDA graphs too, so that CPU runs cover it.
 _WINDOWS_WITHOUT_GRAPH = False
+# Token selection (processors, sampling, EOS bookkeeping) inside the step's graph where its processors allow it
+# (vlm_grpo.fastpath.decode_select); False: after each replay, eagerly (benchmarks compare the two).
+SELECT_IN_GRAPH = True
+# Tests: run the selection inside the step without a CUDA graph too (the code a graph captures), on CPU.
+_SELECT_IN_STEP_WITHOUT_GRAPH = False
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -215,6 +222,9 @@ class _Step:
     ``__call__(decoder, head)`` runs (or replays) it. The model is passed per call, not held: a step kept between
     generation calls (``keep_decode_graphs``) must not keep the model alive.
 
+    ``in_step``: the step also opens the fed token's mask slot before its forward and selects the next token after
+    it (:mod:`vlm_grpo.fastpath.decode_select`), so the graph captures the whole token.
+
     ``compile``: the step goes through ``torch.compile`` (inductor fuses the ~700 small elementwise and
     norm kernels a decoder step launches), and the CUDA graph then captures the compiled kernels. If
     compilation fails, the step warns once and runs eagerly.
@@ -227,8 +237,9 @@ class _Step:
     def __init__(
         self, cache: Any, cache_kw: dict[str, Any], tokens, positions, mask, use_graph: bool, compile: bool = False,
         warmups: int = 2, pool: Any = None, warm_up: bool = False, autocast: AutocastState = None,
+        in_step: InStep | None = None,
     ) -> None:  # fmt: skip
-        self.cache, self.autocast = cache, autocast
+        self.cache, self.autocast, self.in_step = cache, autocast, in_step
         self.tokens, self.positions, self.mask = tokens, positions, mask
         self.use_graph, self.warmups, self.pool = use_graph, warmups, pool
         self._cache_kwarg = cache_kw  # how the decoder takes the cache (see cache_kwarg)
@@ -243,9 +254,14 @@ class _Step:
         return isinstance(self._fn, EagerOnFailure) and self._fn.compiled
 
     def _forward(self, decoder: Any, head: Any) -> torch.Tensor:
+        if self.in_step is not None:
+            self.in_step.before()
         # Grouped K/V not copied per query head (sdpa); the prefill's autocast (see autocast_seen).
         with decode_attention(decoder.config), _autocast(self.autocast):
-            return self._fn(decoder, head, self.tokens, self.positions, self.mask, self._cache_kwarg)
+            logits = self._fn(decoder, head, self.tokens, self.positions, self.mask, self._cache_kwarg)
+        if self.in_step is not None:
+            self.in_step.after(logits)
+        return logits
 
     def _warm_up(self, rewind: Callable[[], None], decoder: Any, head: Any) -> None:
         """Compilation, lazy cuBLAS / kernel selection: on a side stream under a graph. Each pass rewinds the
@@ -261,9 +277,16 @@ class _Step:
             torch.cuda.current_stream().wait_stream(stream)
 
     def _capture(self, decoder: Any, head: Any) -> None:
-        """Warm-up, then capture (under a graph), with the cache put back as it was (see cache_restored)."""
+        """Warm-up, then capture (under a graph), with the cache put back as it was (see cache_restored), and
+        the selection's buffers and the sampler too (see InStep.restored)."""
         with cache_restored(self.cache) as rewind:
-            self._warm_up(rewind, decoder, head)
+            with self.in_step.restored() if self.in_step else contextlib.nullcontext(lambda: None) as reset:
+
+                def again() -> None:
+                    rewind()
+                    reset()
+
+                self._warm_up(again, decoder, head)
             if self.use_graph:
                 self.graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(self.graph, pool=self.pool):
@@ -282,7 +305,8 @@ class _Step:
 @dataclass(eq=False)
 class _Workspace:
     """What the decode steps read and write besides the model: the static cache (``slots`` per row), the fed
-    tokens and positions, the mask, the graphs' memory pool, and one step per attention window (by its length).
+    tokens and positions, the mask, the graphs' memory pool, the token selection's buffers, and one step per
+    attention window (by its length).
     Made per generation call, or kept for the next one (see :func:`fast_decode`'s ``keep``) under ``key`` (every
     setting a step's graph bakes in) and ``pointers`` (the addresses of every tensor of the model it reads)."""
 
@@ -294,6 +318,7 @@ class _Workspace:
     positions: torch.Tensor
     mask: torch.Tensor
     pool: Any
+    selection: Selection
     steps: dict[int, _Step] = field(default_factory=dict)
 
 
@@ -392,9 +417,12 @@ def fast_decode(
     # A window spanning the whole cache would be contiguous, and a lowering may guard on that (sdpa's did): a recompile.
     slots = size + 1 if windowed else size
     layers = prefill_cache.layers
+    in_step = _select_in_step(processors, use_graph)
+    eos_count = None if gc._eos_token_tensor is None else gc._eos_token_tensor.numel()
     key = (
         rows, tuple((x.dtype, x.size(1), x.size(-1)) for layer in layers for x in (layer.keys, layer.values)),
         attn, windowed, tuple(next_positions.shape[:-1]), use_graph, compile, fuse, autocast, _modes(decoder),
+        eos_count, in_step and (gc.do_sample, signature(processors)),
     )  # fmt: skip
     if keep is None:
         kept = _KEPT.get(decoder)
@@ -415,18 +443,32 @@ def fast_decode(
         if ws is not None and (ws.key != key or ws.slots < slots or ws.pointers != pointers):
             ws = None  # its graphs bake in something else, or read tensors that moved: freed before the new one
         if ws is None:
-            ws = _workspace(base, layers, rows, slots, attn, next_positions, key, pointers, use_graph)
+            ws = _workspace(base, layers, rows, slots, attn, next_positions, key, pointers, use_graph, eos_count)
         if keep:
             _KEPT[decoder] = ws
         try:
             return _decode(
                 decoder, head, ws, layers, index, input_ids, attention_mask, next_positions, gc, processors,
-                prefix, steps, windowed, use_graph, compile, autocast,
+                prefix, steps, windowed, use_graph, compile, autocast, in_step,
             )  # fmt: skip
         except BaseException:
             if keep:
                 _KEPT.pop(decoder, None)  # a step may be half captured
             raise
+
+
+def _select_in_step(processors: Any, use_graph: bool) -> bool:
+    """Whether the decode steps select the next token themselves (inside the graph); says once why not."""
+    if not SELECT_IN_GRAPH or not (use_graph or _SELECT_IN_STEP_WITHOUT_GRAPH):
+        return False
+    reason = in_graph_blocker(processors)
+    if reason is not None:
+        warn_once(
+            logger,
+            f"fast_decode: the next token is chosen after each decode graph replay, not inside the graph: {reason}",
+            logging.INFO,
+        )
+    return reason is None
 
 
 def resolve_keep_decode_graphs(setting: bool | None, sharded: bool) -> bool | None:
@@ -460,7 +502,7 @@ def _keep_by_default(use_graph: bool, device: torch.device, nbytes: int) -> bool
 
 def _workspace(
     base: Any, layers: Any, rows: int, slots: int, attn: str, next_positions: torch.Tensor, key: tuple,
-    pointers: tuple, use_graph: bool,
+    pointers: tuple, use_graph: bool, eos_count: int | None,
 ) -> _Workspace:  # fmt: skip
     from transformers import StaticCache
 
@@ -477,18 +519,20 @@ def _workspace(
     tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
     positions = next_positions.new_zeros(*next_positions.shape[:-1], rows, 1)  # (rows, 1) or (3, rows, 1)
     pool = torch.cuda.graph_pool_handle() if use_graph else None
-    return _Workspace(key, pointers, slots, cache, tokens, positions, mask, pool)
+    selection = Selection(rows, slots + 1, eos_count, device)  # the prompt and every step fit in slots + 1 columns
+    return _Workspace(key, pointers, slots, cache, tokens, positions, mask, pool, selection)
 
 
 def _decode(
     decoder: Any, head: Any, ws: _Workspace, layers: Any, index, input_ids, attention_mask, next_positions,
     gc: Any, processors: Any, prefix: int, steps: int, windowed: bool, use_graph: bool, compile: bool,
-    autocast: AutocastState,
+    autocast: AutocastState, in_step: bool,
 ) -> torch.Tensor:  # fmt: skip
-    """The decode loop of :func:`fast_decode` over the workspace ``ws``; ``head``: the LM head or its stand-in."""
+    """The decode loop of :func:`fast_decode` over the workspace ``ws``; ``head``: the LM head or its stand-in.
+    ``in_step``: each step (its graph) selects the next token itself; else the loop does, after each replay."""
     device = input_ids.device
-    rows, prompt_len = input_ids.shape
-    cache, mask, tokens, positions = ws.cache, ws.mask, ws.tokens, ws.positions
+    prompt_len = input_ids.size(1)
+    cache, mask, tokens, positions, sel = ws.cache, ws.mask, ws.tokens, ws.positions, ws.selection
     size = ws.slots - 1 if windowed else ws.slots
     if mask.dtype == torch.bool:
         attend, blocked = True, False
@@ -506,15 +550,12 @@ def _decode(
     mask[:, 0, 0, :prefix].masked_fill_(attention_mask[:, :prefix].bool(), attend)
     tokens.copy_(input_ids[:, -1:])
     positions.copy_(next_positions[..., index].unsqueeze(-1))
+    sel.load(input_ids, prefix, gc, processors)
     del layers
+    selector = InStep(sel, mask, attend, gc.do_sample, tokens, positions) if in_step else None
 
-    pad = gc._pad_token_tensor
-    eos = gc._eos_token_tensor
-    unfinished = torch.ones(rows, dtype=torch.long, device=device)
-    # Steps produced while some row was unfinished: the output length generate would return. Counted on
-    # the device so the host checks for "all finished" only every _CHECK_EVERY tokens, not once per token.
-    produced = torch.zeros((), dtype=torch.long, device=device)
-    generated = torch.cat([input_ids, input_ids.new_zeros(rows, steps)], dim=-1)
+    # The selection counts, on the device, the steps produced while some row was unfinished (the output length
+    # generate would return); the host checks for "all finished" only every _CHECK_EVERY tokens, not every token.
     # generate draws once per token it returns; this loop may run up to _CHECK_EVERY - 1 steps past the end.
     # The sampler's state before each draw since the last check is kept, to hand back what generate leaves.
     rng = _default_generator(device) if gc.do_sample else None
@@ -531,29 +572,23 @@ def _decode(
                 warmups = 1 if ws.steps else 2  # later windows: the kernels are compiled and loaded already
                 step = ws.steps[length] = _Step(
                     cache, cache_kw, tokens, positions, view, use_graph, compile, warmups, ws.pool,
-                    warm_up=windowed, autocast=autocast,
+                    warm_up=windowed, autocast=autocast, in_step=selector,
                 )  # fmt: skip
-        mask[:, 0, 0, prefix + t] = attend  # the token fed now attends to itself
-        logits = step(decoder, head).to(copy=True, dtype=torch.float32)  # consumed before the next replay
-        scores = processors(generated[:, : prompt_len + t], logits)
-        if gc.do_sample:
+        if selector is not None:
             if rng is not None:
                 states[t] = rng.get_state()  # host-side (CPU state, or CUDA seed + offset): no device sync
-            next_tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+            step(decoder, head)
         else:
-            next_tokens = torch.argmax(scores, dim=-1)
-        if eos is not None:
-            produced += unfinished.any()
-            next_tokens = next_tokens * unfinished + pad * (1 - unfinished)
-            unfinished = unfinished & ~torch.isin(next_tokens, eos)
-        generated[:, prompt_len + t] = next_tokens
-        if eos is not None and (t + 1) % _CHECK_EVERY == 0:
-            if not bool(unfinished.any()):
+            sel.open(mask, attend)
+            logits = step(decoder, head)  # consumed (copied) by the selection before the next replay
+            if rng is not None:
+                states[t] = rng.get_state()
+            sel.select(logits, processors, sel.out[:, : prompt_len + t], gc.do_sample, tokens, positions)
+        if sel.eos is not None and (t + 1) % _CHECK_EVERY == 0:
+            if not bool(sel.unfinished.any()):
                 break
             states.clear()  # some row goes on: the output is longer than t + 1 tokens
-        tokens.copy_(next_tokens[:, None])
-        positions.add_(1)
-    length = int(produced) if eos is not None else steps
+    length = int(sel.produced) if sel.eos is not None else steps
     if rng is not None and length < t + 1:
         rng.set_state(states[length])  # the sampler as generate leaves it: later draws (next step, next batch) agree
-    return generated[:, prompt_len : prompt_len + length]
+    return sel.out[:, prompt_len : prompt_len + length].clone()  # a kept workspace's buffer: the next call reuses it

@@ -1,0 +1,192 @@
+"""Token selection inside the decode step (``vlm_grpo.fastpath.decode_select``): on a GPU the step's CUDA graph
+captures the processors, the draw and the EOS bookkeeping with the forward, so a token is one replay.
+
+CPU has no graphs; ``_SELECT_IN_STEP_WITHOUT_GRAPH`` runs the same in-step code eagerly, with attention windows on
+(``test_decode_windows``), so each window's warm-up passes run the selection too, as they do before a capture.
+Tokens must be generate's under the same seed, and the sampler must be left where generate leaves it (checked by
+``_generate_both``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, MinNewTokensLengthLogitsProcessor
+
+import test_group_sharing
+from test_decode_windows import STEPS, _windows_on
+from test_group_sharing import _generate_both, make_trainer
+from vlm_grpo.fastpath import decode, decode_select
+from vlm_grpo.testing.tiny import FAMILIES
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+rows_file = test_group_sharing.rows_file  # the fixture: two rows, one and two images
+
+
+def _in_step(monkeypatch) -> list[int]:
+    """Windows and the in-step selection on the CPU path; returns [tokens the steps selected themselves]."""
+    _windows_on(monkeypatch)
+    monkeypatch.setattr(decode, "_SELECT_IN_STEP_WITHOUT_GRAPH", True)
+    selected = [0]
+    real = decode_select.InStep.after
+
+    def after(self, logits):
+        selected[0] += 1
+        return real(self, logits)
+
+    monkeypatch.setattr(decode_select.InStep, "after", after)
+    return selected
+
+
+def _sampled(trainer, min_new_tokens: bool = True) -> None:
+    """TRL's sampling settings a user may set, none of them reading the generated ids."""
+    config = trainer.generation_config
+    config.temperature, config.top_k, config.top_p, config.repetition_penalty = 0.7, 50, 0.9, 1.0
+    config.min_new_tokens = config.max_new_tokens if min_new_tokens else None
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_in_step_selection_samples_what_generate_samples(family, tiny_models, rows_file, tmp_path, monkeypatch):
+    selected = _in_step(monkeypatch)
+    trainer = make_trainer(tiny_models[family], rows_file, tmp_path, max_completion_length=STEPS)
+    _sampled(trainer)
+    assert trainer.generation_config.suppress_tokens  # TRL's image-token suppression: in the graph as well
+    ours, plain, used = _generate_both(trainer, monkeypatch, seed=5)
+    assert used == ["fast"] and ours == plain
+    assert len({tuple(c) for c in ours}) > 2 and all(len(c) == STEPS for c in ours)
+    assert selected[0] >= STEPS + 2  # every token (and the warm-ups) chosen inside the steps
+
+
+@pytest.mark.parametrize("fork", [True, False], ids=["sampler_restored", "control_warm_ups_draw"])
+def test_warm_ups_draw_nothing_the_decode_draws(fork, tiny_models, rows_file, tmp_path, monkeypatch):
+    """Warm-up passes (before each window's capture) select a token too; the sampler is put back after them.
+    Control: without that, the warm-ups' draws shift the decode's and the tokens leave generate's."""
+    _in_step(monkeypatch)
+    if not fork:
+        monkeypatch.setattr(torch.random, "fork_rng", lambda **kw: torch.no_grad())  # a no-op context
+    trainer = make_trainer(tiny_models["qwen2_5_vl"], rows_file, tmp_path, max_completion_length=STEPS)
+    _sampled(trainer)
+    ours, plain, used = _generate_both(trainer, monkeypatch, seed=5) if fork else _unchecked_rng(trainer, monkeypatch)
+    assert used == ["fast"]
+    assert (ours == plain) is fork
+
+
+def _unchecked_rng(trainer, monkeypatch):
+    """_generate_both without its check of the sampler's final state (the control leaves it elsewhere)."""
+    real = torch.equal
+    monkeypatch.setattr(torch, "equal", lambda a, b: True if a.dtype == torch.uint8 else real(a, b))
+    return _generate_both(trainer, monkeypatch, seed=5)
+
+
+def test_in_step_selection_stops_rows_at_eos_like_generate(tiny_models, rows_file, tmp_path, monkeypatch):
+    """Rows end mid-decode at an EOS some rows draw and others never: the device counters give generate's widths."""
+    _in_step(monkeypatch)
+    trainer = make_trainer(tiny_models["qwen2_5_vl"], rows_file, tmp_path, max_completion_length=STEPS)
+    _sampled(trainer, min_new_tokens=False)
+    first, _, _ = _generate_both(trainer, monkeypatch, seed=5)
+
+    def cut(row, tok):
+        return row.index(tok) + 1 if tok in row else len(row)
+
+    eos = next(t for row in first for t in row if len({cut(r, t) for r in first}) > 1 and cut(row, t) > 4)
+    trainer.generation_config.eos_token_id = [eos]
+    trainer.eos_token_ids = [eos]
+    ours, plain, used = _generate_both(trainer, monkeypatch, seed=5)
+    assert used == ["fast"] and ours == plain
+    assert sorted(len(c) for c in ours) == sorted(cut(r, eos) for r in first)
+    assert len({len(c) for c in ours}) > 1
+
+
+def test_processors_that_read_the_ids_select_after_the_step(tiny_models, rows_file, tmp_path, monkeypatch, caplog):
+    """A repetition penalty reads the ids so far: the loop selects after each step (one info line says why), and
+    the tokens are still generate's."""
+    selected = _in_step(monkeypatch)
+    trainer = make_trainer(tiny_models["qwen2_5_vl"], rows_file, tmp_path, max_completion_length=STEPS)
+    _sampled(trainer)
+    trainer.generation_config.repetition_penalty = 1.3
+    with caplog.at_level(logging.INFO, logger="vlm_grpo.fastpath.decode"):
+        ours, plain, used = _generate_both(trainer, monkeypatch, seed=5)
+    assert used == ["fast"] and ours == plain
+    assert selected[0] == 0
+    assert any("RepetitionPenaltyLogitsProcessor" in r.getMessage() for r in caplog.records)
+
+
+def _processors(**settings) -> LogitsProcessorList:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=1, hidden_size=8, intermediate_size=8, vocab_size=16,
+                                         num_attention_heads=2, num_key_value_heads=2))  # fmt: skip
+    config, _ = model._prepare_generation_config(GenerationConfig(do_sample=True, eos_token_id=[2], **settings))
+    model._prepare_special_tokens(config, True, device="cpu")
+    return model._get_logits_processor(
+        generation_config=config, input_ids_seq_length=7, encoder_input_ids=torch.zeros(1, 7, dtype=torch.long),
+        prefix_allowed_tokens_fn=None, logits_processor=LogitsProcessorList(), device="cpu", model_kwargs={},
+    )  # fmt: skip
+
+
+def test_which_processors_run_in_the_graph():
+    trl_defaults = _processors(temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0, suppress_tokens=[5])
+    assert decode_select.in_graph_blocker(trl_defaults) is None
+    tuned = _processors(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, min_new_tokens=3, suppress_tokens=[5])
+    assert decode_select.in_graph_blocker(tuned) is None
+    assert "RepetitionPenalty" in decode_select.in_graph_blocker(_processors(repetition_penalty=1.2))
+    assert "NoRepeatNGram" in decode_select.in_graph_blocker(_processors(no_repeat_ngram_size=2))
+    # A kept graph is keyed on the settings, not on the prompt length min_new_tokens counts from.
+    assert decode_select.signature(_processors(temperature=0.7)) != decode_select.signature(trl_defaults)
+
+
+def test_min_new_tokens_on_the_device_masks_eos_like_transformers():
+    """Hand case: prompt of 4, min 3 new tokens, EOS ids 2 and 5. At 4, 5, 6 ids the EOS scores are -inf, at 7 and
+    8 (3 and 4 new tokens) nothing changes; transformers' processor, fed the ids, says the same."""
+    sel = decode_select.Selection(rows=2, width=10, eos_count=2, device=torch.device("cpu"))
+    original = MinNewTokensLengthLogitsProcessor(4, 3, [2, 5])
+    ours = decode_select._MinNewTokensOnDevice(original, sel)
+    sel.start.fill_(4)
+    scores = torch.randn(2, 8)
+    for length in range(4, 9):
+        sel.column.fill_(length)
+        got = ours(None, scores)
+        expected = original(torch.zeros(2, length, dtype=torch.long), scores)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        masked = got[:, [2, 5]].eq(-math.inf).all().item()
+        assert masked == (length - 4 < 3), length
+        torch.testing.assert_close(got[:, [0, 1, 3, 4, 6, 7]], scores[:, [0, 1, 3, 4, 6, 7]])
+
+
+def test_a_kept_workspace_selects_in_its_steps_for_every_prompt_length(tiny_models, monkeypatch):
+    """keep_decode_graphs: the second call (another prompt length, the same settings) reuses the workspace and its
+    steps, processors included; both calls draw generate's tokens."""
+    from transformers import DynamicCache
+
+    from test_decode_keep import _kept
+    from test_decode_speed import G, _tiny_qwen
+    from vlm_grpo.fastpath.sharing import _generation_positions, _next_positions
+
+    selected = _in_step(monkeypatch)
+    model = _tiny_qwen(tiny_models)
+    config = model.generation_config
+    config.do_sample, config.temperature, config.top_k, config.top_p = True, 0.7, 50, 0.9
+    config.max_new_tokens = config.min_new_tokens = 5
+    spaces, steps = [], []
+    for prompt_len in (20, 18):
+        ids = torch.randint(100, 1000, (2, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
+        mask, index = torch.ones_like(ids), torch.arange(2).repeat_interleave(G)
+        with torch.no_grad():
+            cache = DynamicCache(config=model.config)
+            prefill = {"attention_mask": mask[:, :-1]}
+            prefill["position_ids"] = positions = _generation_positions(model, ids[:, :-1], prefill)
+            model(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True, **prefill)
+            nxt = _next_positions(positions, model.model.rope_deltas)
+            torch.manual_seed(1)
+            ours = decode.fast_decode(model, cache, index, ids[index], mask[index], nxt, config, False, keep=True)
+            torch.manual_seed(1)
+            plain = model.generate(input_ids=ids[index], attention_mask=mask[index], generation_config=config)
+        assert ours.tolist() == plain[:, prompt_len:].tolist(), prompt_len
+        assert len({tuple(r) for r in ours.tolist()}) > 2
+        spaces.append(_kept(model))
+        steps.append(dict(spaces[-1].steps))
+    assert spaces[1] is spaces[0] and steps[1] == steps[0]  # no new step: on a GPU, no new capture
+    assert selected[0] >= 10

@@ -9,6 +9,7 @@ Tokens must be generate's under the same seed, and the sampler must be left wher
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 
@@ -64,21 +65,22 @@ def test_in_step_selection_samples_what_generate_samples(family, tiny_models, ro
 def test_warm_ups_draw_nothing_the_decode_draws(fork, tiny_models, rows_file, tmp_path, monkeypatch):
     """Warm-up passes (before each window's capture) select a token too; the sampler is put back after them.
     Control: without that, the warm-ups' draws shift the decode's and the tokens leave generate's."""
-    _in_step(monkeypatch)
+    from trl import GRPOTrainer
+
+    from test_group_sharing import G, _tokenized_batch
+
+    selected = _in_step(monkeypatch)
     if not fork:
-        monkeypatch.setattr(torch.random, "fork_rng", lambda **kw: torch.no_grad())  # a no-op context
+        monkeypatch.setattr(torch.random, "fork_rng", lambda **kw: contextlib.nullcontext())
     trainer = make_trainer(tiny_models["qwen2_5_vl"], rows_file, tmp_path, max_completion_length=STEPS)
     _sampled(trainer)
-    ours, plain, used = _generate_both(trainer, monkeypatch, seed=5) if fork else _unchecked_rng(trainer, monkeypatch)
-    assert used == ["fast"]
+    prompt_ids, images, fields = _tokenized_batch(trainer)
+    torch.manual_seed(5)
+    ours, _ = trainer._generate_single_turn(prompt_ids, images, fields, G)
+    torch.manual_seed(5)
+    plain, _ = GRPOTrainer._generate_single_turn(trainer, prompt_ids, images, fields, G)
+    assert selected[0] >= STEPS
     assert (ours == plain) is fork
-
-
-def _unchecked_rng(trainer, monkeypatch):
-    """_generate_both without its check of the sampler's final state (the control leaves it elsewhere)."""
-    real = torch.equal
-    monkeypatch.setattr(torch, "equal", lambda a, b: True if a.dtype == torch.uint8 else real(a, b))
-    return _generate_both(trainer, monkeypatch, seed=5)
 
 
 def test_in_step_selection_stops_rows_at_eos_like_generate(tiny_models, rows_file, tmp_path, monkeypatch):

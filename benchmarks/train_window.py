@@ -10,8 +10,9 @@ then the variants (``bench_grpo.py``'s benchmark-only ``name:key=value`` switche
 take turns on it: each repeat runs every variant once, in a rotating order, and times
 ``compute_loss`` + ``backward`` (no optimizer step, so the weights stay the same). ``--batches N`` generates N
 batches whose prompt lengths differ and cycles through them (the shapes change as in real steps; 1: the same
-shapes every time). The first ``--warmup`` repeats compile (with N batches, at least N of them). Reports the median per variant, every time, and with ``--profile`` one profiled
-window per variant: wall against GPU-busy time and the count of kernel launches.
+shapes every time). The first ``--warmup`` repeats compile (with N batches, at least N of them). Reports the
+median per variant, every time, and with ``--profile`` one profiled window per variant: wall against GPU-busy
+time, the count of kernel launches, and the host's costliest ops.
 """
 
 from __future__ import annotations

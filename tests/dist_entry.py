@@ -26,4 +26,4 @@ if __name__ == "__main__":
         json.dump({"dummy_passes": sum(s.dummy_passes for s in getattr(trainer, "_vision_syncs", []))}, f)
     with open(f"{out}/history{rank}.json", "w") as f:
         json.dump(trainer.state.log_history, f)
-    end_distributed()  # as the command line ends a run
+    end_distributed(synchronize=True)  # as the command line ends a run that ended normally

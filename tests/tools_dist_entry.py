@@ -31,4 +31,4 @@ if __name__ == "__main__":
     logs = [e for e in trainer.state.log_history if "tools/calls_per_rollout" in e]
     with open(f"{out}/tools{rank}.json", "w") as f:
         json.dump({"world_size": trainer.args.world_size, "logs": logs}, f)
-    end_distributed()  # as the command line ends a run
+    end_distributed(synchronize=True)  # as the command line ends a run that ended normally

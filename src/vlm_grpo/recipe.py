@@ -92,16 +92,23 @@ def check_sharded_settings(training_args: Any) -> None:
         raise UserError(str(exc)) from None
 
 
-def end_distributed() -> None:
+def end_distributed(synchronize: bool = False) -> None:
     """Tear down ``torch.distributed`` when a command-line run ends (accelerate's ``destroy_process_group``). A process
     group left to the interpreter's exit can abort a rank that has finished ("terminate called without an active
-    exception", seen with gloo on CPU), and torchrun then reports the complete run as failed."""
+    exception", seen with gloo on CPU), and torchrun then reports the complete run as failed.
+
+    ``synchronize``: the run ended normally, so every rank waits for the others first. A rank that tore its group
+    down while rank 0 was still writing the final model aborted the same way (once, on a loaded 2-core machine).
+    Not after an error: a rank waiting there would keep torchrun from ending a failed run."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         from accelerate import PartialState
 
-        PartialState().destroy_process_group()
+        state = PartialState()
+        if synchronize:
+            state.wait_for_everyone()
+        state.destroy_process_group()
 
 
 def check_dataset_name(script_args: GRPOScriptArguments) -> None:

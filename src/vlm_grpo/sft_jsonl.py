@@ -158,12 +158,14 @@ def save_final_model(trainer: VLMSFTTrainer, args: VLMSFTConfig, base: str) -> N
 def cli(argv: Sequence[str] | None = None) -> None:
     if print_cached_help(argv):
         return
+    ended = False
     try:
         run_cli(lambda args: main(*parse_args(args)), argv)
+        ended = True
     finally:
         from vlm_grpo.recipe import end_distributed
 
-        end_distributed()
+        end_distributed(synchronize=ended)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from vlm_grpo.cli_errors import run_cli
 from vlm_grpo.help_cache import print_cached_help
 
 if TYPE_CHECKING:
@@ -131,14 +130,9 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
 def cli(argv: Sequence[str] | None = None) -> None:
     if print_cached_help(argv):
         return
-    ended = False
-    try:
-        run_cli(lambda args: main(*parse_args(args)), argv)
-        ended = True
-    finally:
-        from vlm_grpo.recipe import end_distributed
+    from vlm_grpo.recipe import run_command  # after the cached help: recipes import the heavy modules
 
-        end_distributed(synchronize=ended)
+    run_command(lambda args: main(*parse_args(args)), argv)
 
 
 if __name__ == "__main__":

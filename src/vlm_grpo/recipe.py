@@ -7,10 +7,11 @@ import importlib.util
 import logging
 import os
 import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from vlm_grpo.cli_errors import UserError
+from vlm_grpo.cli_errors import UserError, run_cli
 from vlm_grpo.configs import GRPOScriptArguments, VLMModelConfig
 from vlm_grpo.data import prepare_rows, split_paths, to_datasets
 from vlm_grpo.data.sources import ColumnKeys, check_source, read_sources, split_sources
@@ -90,6 +91,17 @@ def check_sharded_settings(training_args: Any) -> None:
         resolve_keep_decode_graphs(getattr(training_args, "keep_decode_graphs", None), sharded)
     except ValueError as exc:
         raise UserError(str(exc)) from None
+
+
+def run_command(entry: Callable[[list[str]], Any], argv: Sequence[str] | None) -> None:
+    """A recipe's command line: :func:`~vlm_grpo.cli_errors.run_cli` (user errors as ``error: ...``), then
+    :func:`end_distributed`, with every rank waiting for the others only when the run ended normally."""
+    ended = False
+    try:
+        run_cli(entry, argv)
+        ended = True
+    finally:
+        end_distributed(synchronize=ended)
 
 
 def end_distributed(synchronize: bool = False) -> None:

@@ -17,7 +17,6 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from vlm_grpo.cli_errors import run_cli
 from vlm_grpo.help_cache import print_cached_help
 
 if TYPE_CHECKING:
@@ -158,14 +157,9 @@ def save_final_model(trainer: VLMSFTTrainer, args: VLMSFTConfig, base: str) -> N
 def cli(argv: Sequence[str] | None = None) -> None:
     if print_cached_help(argv):
         return
-    ended = False
-    try:
-        run_cli(lambda args: main(*parse_args(args)), argv)
-        ended = True
-    finally:
-        from vlm_grpo.recipe import end_distributed
+    from vlm_grpo.recipe import run_command  # after the cached help: recipes import the heavy modules
 
-        end_distributed(synchronize=ended)
+    run_command(lambda args: main(*parse_args(args)), argv)
 
 
 if __name__ == "__main__":

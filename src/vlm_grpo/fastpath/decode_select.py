@@ -6,11 +6,12 @@ EOS update, the writes for the next step): ~45 kernel launches a token, each its
 indices that move every token (the output column, the mask slot of the token fed next) held in device tensors,
 nothing here depends on a host value, so the step's CUDA graph can capture the selection too: one replay a token.
 
-That needs processors that read only the scores and their own settings, never the generated ids or the length
-(:data:`GRAPH_SAFE`). Others (repetition penalty, ``min_new_tokens``, ...) read ``input_ids`` up to the current
-token, a shape that changes every step: the selection then runs eagerly after the replay, on the same buffers,
-through the same code, with one info line. Either way the draws are ``torch.multinomial``'s on the same generator
-in the same order, so the tokens are the ones the eager loop (and ``generate``) draws under the same seed.
+That needs processors that read only the scores and their own settings, never the generated ids
+(:data:`GRAPH_SAFE`); ``min_new_tokens``, which reads the generated length, runs in the graph as a version that
+counts on the device. Others (repetition penalty, ``no_repeat_ngram_size``, ...) read ``input_ids`` up to the
+current token, a shape that changes every step: the selection then runs eagerly after the replay, on the same
+buffers, through the same code, with one info line. Either way the draws are ``torch.multinomial``'s on the same
+generator in the same order, so the tokens are the ones the eager loop (and ``generate``) draws under the same seed.
 """
 
 from __future__ import annotations
@@ -35,15 +36,15 @@ GRAPH_SAFE = frozenset(
 )
 # Reads the generated length (a host int): it runs in the graph as _MinNewTokensOnDevice, which counts on the device.
 MIN_NEW_TOKENS = "MinNewTokensLengthLogitsProcessor"
+# Processor settings a captured graph can bake in (tensors by their values, see signature).
+_SETTINGS = (torch.Tensor, bool, int, float, str, type(None))
 
 
 def _setting(value: Any) -> Any:
     """A processor attribute as a hashable value; tensors by their values (e.g. the suppressed token ids)."""
     if isinstance(value, torch.Tensor):
         return (str(value.dtype), tuple(value.flatten().tolist()))
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    raise TypeError(f"unexpected processor setting {type(value).__name__}")  # in_graph_blocker turned it away
+    return value  # one of _SETTINGS: in_graph_blocker turned other settings away
 
 
 def in_graph_blocker(processors: Any) -> str | None:
@@ -53,7 +54,7 @@ def in_graph_blocker(processors: Any) -> str | None:
         if name not in GRAPH_SAFE and name != MIN_NEW_TOKENS:
             return f"{name} is not known to read the scores only"
         for value in vars(p).values():
-            if not isinstance(value, (torch.Tensor, bool, int, float, str, type(None))):
+            if not isinstance(value, _SETTINGS):
                 return f"{name} holds a {type(value).__name__} setting"
     return None
 

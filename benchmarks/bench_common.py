@@ -320,7 +320,7 @@ def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
     return name, overrides
 
 
-BENCH_ONLY = {"compile_vision", "select_in_graph"}
+BENCH_ONLY = {"compile_vision", "select_in_graph", "varlen_blocks"}
 
 
 @contextmanager
@@ -328,18 +328,21 @@ def bench_switches(kind: str):
     """The variant's benchmark-only switches, for the duration of its run. ``compile_vision=false``: the packed
     passes compile the decoder layers only, not the vision blocks (``compile_layers`` does both), to measure what
     the vision blocks' compilation is worth. ``select_in_graph=false``: fast_decode chooses each token after the
-    decode graph's replay, as before the sixteenth session, not inside the graph."""
-    from vlm_grpo.fastpath import compiled_layers, decode
+    decode graph's replay, as before the sixteenth session, not inside the graph. ``varlen_blocks=false``: the packed
+    passes' attention runs as per-row calls (a compiler-disabled island), as before the seventeenth session, not as
+    one varlen flash call."""
+    from vlm_grpo.fastpath import block_attention, compiled_layers, decode
 
     switches = parse_variant(kind)[1]
-    real, select = compiled_layers.vision_blocks, decode.SELECT_IN_GRAPH
+    real, select, varlen = compiled_layers.vision_blocks, decode.SELECT_IN_GRAPH, block_attention.VARLEN
     if switches.get("compile_vision") is False:
         compiled_layers.vision_blocks = lambda model, vlm_module: []
     decode.SELECT_IN_GRAPH = switches.get("select_in_graph", select) is not False
+    block_attention.VARLEN = switches.get("varlen_blocks", varlen) is not False
     try:
         yield
     finally:
-        compiled_layers.vision_blocks, decode.SELECT_IN_GRAPH = real, select
+        compiled_layers.vision_blocks, decode.SELECT_IN_GRAPH, block_attention.VARLEN = real, select, varlen
 
 
 def busy_time(intervals: list[tuple[float, float]]) -> float:
@@ -349,6 +352,17 @@ def busy_time(intervals: list[tuple[float, float]]) -> float:
         busy += max(0.0, end - max(start, reach))
         reach = max(reach, end)
     return busy
+
+
+def one_batch_args(p: argparse.ArgumentParser) -> None:
+    """The arguments of the scripts that study one generated batch (``train_window.py``, ``varlen_check.py``)."""
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--image_size", type=int, default=448)
+    p.add_argument("--completion_length", type=int, default=128)
+    p.add_argument("--num_generations", type=int, default=8)
+    p.add_argument("--prompts_per_step", type=int, default=2)
 
 
 def flag_bool(text: str) -> bool:

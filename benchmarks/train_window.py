@@ -36,6 +36,7 @@ from bench_common import (
     device_defaults,
     grpo_config,
     grpo_trainer,
+    one_batch_args,
     parse_variant,
     write_images,
 )
@@ -43,13 +44,7 @@ from bench_common import (
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="tiny")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--image_size", type=int, default=448)
-    p.add_argument("--completion_length", type=int, default=128)
-    p.add_argument("--num_generations", type=int, default=8)
-    p.add_argument("--prompts_per_step", type=int, default=2)
+    one_batch_args(p)
     p.add_argument(
         "--trainer",
         default="ours",

@@ -52,6 +52,42 @@ def test_train_window_times_each_variant_on_one_batch(tmp_path):
     assert bad.returncode != 0 and "['compile_layers'] are config fields; give them to --trainer" in bad.stderr
 
 
+def test_varlen_check_compares_the_varlen_call_with_the_island_and_trl(tmp_path):
+    """On CPU through the stand-in kernel: the varlen variant runs no island call, and all three agree."""
+    out = tmp_path / "check.json"
+    cmd = [
+        sys.executable, str(REPO / "benchmarks" / "varlen_check.py"), "--preset", "tiny", "--device", "cpu",
+        "--completion_length", "8", "--num_generations", "4", "--cpu_stand_in", "--out", str(out),
+    ]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["per_row_island_calls"]["varlen"] == 0 < report["per_row_island_calls"]["island"]
+    for pair in ("varlen_vs_island", "varlen_vs_trl", "island_vs_trl"):
+        assert report[pair]["logp_max_abs"] < 1e-4 and report[pair]["grad_rel_l2"] < 1e-4, (pair, report[pair])
+
+
+def test_spy_summary_keeps_the_window_and_drops_compilation(tmp_path):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from spy_summary import summarise
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    raw = tmp_path / "raw.txt"
+    raw.write_text(
+        "thread (1): MainThread;main (w.py:1);window (w.py:9);mm (torch/a.py:3);cudaLaunchKernel (libcuda.so) 7\n"
+        "thread (1): MainThread;main (w.py:1);window (w.py:9);fx (torch/_inductor/compile_fx.py:5) 50\n"
+        "thread (1): MainThread;main (w.py:1);load (w.py:2) 4\n"
+        "thread (2);apply (torch/autograd/function.py:9) 3\n"
+    )
+    groups = summarise(raw, "window", 10)["groups"]
+    assert groups["within"]["samples"] == 7 and groups["compiling"]["samples"] == 50
+    assert groups["within"]["leaf"] == [("cudaLaunchKernel (libcuda.so)", 7)]
+    assert groups["within"]["py_leaf"] == [("mm (torch/a.py:3)", 7)]
+    assert ("window (w.py)", 7) in groups["within"]["py_incl"]
+    assert groups["main, elsewhere"]["samples"] == 4 and groups["other threads"]["samples"] == 3
+
+
 def test_max_fit_tiny_cpu_doubles_then_bisects(tmp_path):
     """Both modes train real steps; a simulated OOM above 2 prompts drives doubling (1, 2, 4) then bisection (3)."""
     out = tmp_path / "max_fit.json"

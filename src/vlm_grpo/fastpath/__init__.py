@@ -11,7 +11,8 @@ What it does (every piece behind a ``VLMGRPOConfig`` flag, parity-tested against
 * ``route``: which generations may take the shared prefill; the rest (beam search, stop strings, a wrapped
   ``generate``, ...) go through TRL's own path, whole;
 * ``decode_attention``: the decode step's attention over grouped K/V heads, as two matmuls, without per-head copies;
-* ``block_attention``: the packed pass's attention kernel (``packed_attention=blocks``);
+* ``block_attention``: the packed pass's attention kernel (``packed_attention=blocks``): one varlen flash call on
+  GPUs, per-row sdpa calls elsewhere;
 * ``compiled_layers``: ``compile_layers``; ``fallback``: compiled-with-eager-fallback;
 * ``vision_attention``: ``batch_vision_attention``; ``vision_sync``: vision passes kept in step across ranks.
 
@@ -27,5 +28,6 @@ installed versions, so an upgrade that drops one fails there, naming it:
   ``PretrainedConfig._attn_implementation``; ``GradientCheckpointingLayer._gradient_checkpointing_func``;
   ``integrations.sdpa_attention.sdpa_attention_forward``; ``masking_utils.sdpa_mask``;
   ``cache_utils.StaticLayer.cumulative_length`` (the static cache's write position).
-* torch ``torch._dynamo.exc.TorchDynamoException``, ``torch._dynamo.maybe_mark_dynamic``.
+* torch ``torch._dynamo.exc.TorchDynamoException``, ``torch._dynamo.maybe_mark_dynamic``,
+  ``torch.ops.aten._flash_attention_forward`` (the packed pass's varlen flash call).
 """

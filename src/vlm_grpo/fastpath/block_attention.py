@@ -8,10 +8,18 @@ entries are "block g does not see block h". Here the same attention is two kerne
 * the G blocks, batched, each attend to ``[prefix K/V, own K/V]`` with a lower-right causal bias
   (``torch.nn.attention.bias.causal_lower_right``: flash / memory-efficient on GPU, no mask tensor).
 
+On a GPU with flash attention (fp16 / bf16, dropout off) the whole packed batch is instead **one** variable-length
+flash call (:class:`VarlenLayout`): every row's prefix, each of its blocks and its right padding is one sequence of
+queries, and each block's keys are ``[prefix K/V, own K/V]`` gathered by index, with flash's causal mask aligned to
+the end of the keys (the same lower-right alignment). Its inputs are device tensors, and the longest sequences are
+the lengths of two empty tensors, so a compiled decoder layer (``compile_layers``) traces the call whole: no graph
+break, no recompilation for a new layout, and its backward is flash's own. The per-row calls above stay for
+everything else (CPU, fp32, dropout), as a compiler-disabled island.
+
 It is registered with transformers' ``AttentionInterface`` as :data:`NAME` and behaves exactly like
-``sdpa`` unless the forward carries a :class:`PackedLayout` in the ``vlm_grpo_layout`` keyword, which
-transformers hands through to every attention call (and which gradient checkpointing captures, so the
-recomputed layers see it too). The sdpa path with the dense mask stays the reference
+``sdpa`` unless the forward carries a :class:`PackedLayout` or :class:`VarlenLayout` in the ``vlm_grpo_layout``
+keyword, which transformers hands through to every attention call (and which gradient checkpointing captures, so
+the recomputed layers see it too). The sdpa path with the dense mask stays the reference
 (``packed_attention="dense"``).
 """
 
@@ -20,9 +28,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
@@ -36,6 +46,10 @@ logger = logging.getLogger(__name__)
 
 NAME = "vlm_grpo_sdpa"
 LAYOUT_KWARG = "vlm_grpo_layout"
+
+VARLEN = True  # benchmarks flip it (variant switch ``varlen_blocks=false``): the per-row calls even on GPUs
+CPU_VARLEN: Callable | None = None  # tests: a stand-in for flash's varlen kernel, so CPU runs take that path
+_HALF = (torch.float16, torch.bfloat16)
 
 _packing: contextvars.ContextVar[bool] = contextvars.ContextVar("vlm_grpo_packing", default=False)
 
@@ -61,11 +75,15 @@ def block_sdpa(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """``sdpa`` unless a :class:`PackedLayout` comes with the call; then prefix and blocks as described above."""
-    layout: PackedLayout | None = kwargs.get(LAYOUT_KWARG)
+    layout: PackedLayout | VarlenLayout | None = kwargs.get(LAYOUT_KWARG)
     if layout is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
+    if isinstance(layout, VarlenLayout):
+        if dropout == 0.0 and layout.fits(query, value):
+            return _varlen_sdpa(query, key, value, layout, scaling), None
+        layout = layout.packed
     return _packed_sdpa(query, key, value, layout, dropout, scaling), None
 
 
@@ -108,6 +126,98 @@ def _packed_sdpa(
             parts.append(query.new_zeros(total - end, query.size(1), value.size(-1)))
         rows.append(torch.cat(parts))
     return torch.stack(rows)
+
+
+class VarlenLayout:
+    """A :class:`PackedLayout` as one variable-length attention call over the ``(rows * total)`` packed tokens.
+
+    Sequences, in token order: per row its prefix, its blocks, its right padding (which attends to itself; nothing
+    reads it). ``cu_q`` / ``cu_k`` are their cumulative query / key lengths, ``kv_index`` gathers each sequence's
+    keys (a block's: the prefix, then the block). ``max_q`` / ``max_k`` are empty tensors whose lengths are the
+    longest sequences: as shapes, they are symbolic in a compiled layer, where ints would be specialized.
+    """
+
+    def __init__(self, packed: PackedLayout, total: int, kernel: Callable, device: torch.device) -> None:
+        q_lens, spans = [], []
+        for row, (prefix, blocks) in enumerate(zip(packed.prefixes, packed.blocks, strict=True)):
+            base, block, end = row * total, packed.block_len, prefix + blocks * packed.block_len
+            if prefix:
+                q_lens.append(prefix)
+                spans.append([(base, base + prefix)])
+            for b in range(blocks):
+                start = base + prefix + b * block
+                q_lens.append(block)
+                spans.append([(base, base + prefix), (start, start + block)])
+            if end < total:
+                q_lens.append(total - end)
+                spans.append([(base + end, base + total)])
+        k_lens = [sum(b - a for a, b in s) for s in spans]
+        index = np.concatenate([np.arange(a, b) for s in spans for a, b in s])
+        self.packed, self.kernel = packed, kernel
+        self.cu_q, self.cu_k = (
+            torch.from_numpy(np.cumsum([0, *n], dtype=np.int32)).to(device) for n in (q_lens, k_lens)
+        )
+        self.kv_index = torch.from_numpy(index).to(device)
+        self.max_q = torch.empty(max(q_lens), 0, device=device)
+        self.max_k = torch.empty(max(k_lens), 0, device=device)
+        for t in (self.kv_index, self.max_q, self.max_k):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+
+    def fits(self, query: torch.Tensor, value: torch.Tensor) -> bool:
+        """Whether the kernel takes these inputs (flash: fp16 / bf16 after autocast, head dims of 8k up to 256)."""
+        if self.kernel is not flash_varlen:
+            return True
+        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else query.dtype
+        dims = {query.size(-1), value.size(-1)}
+        return dtype in _HALF and all(d % 8 == 0 and d <= 256 for d in dims)
+
+
+def varlen_layout(packed: PackedLayout, total: int, device: torch.device) -> VarlenLayout | PackedLayout:
+    """The layout a packed forward passes: :class:`VarlenLayout` where a varlen kernel runs on ``device``."""
+    kernel = None
+    if VARLEN and device.type == "cuda":
+        ok = torch.backends.cuda.flash_sdp_enabled() and torch.cuda.get_device_capability(device) >= (8, 0)
+        kernel = flash_varlen if ok else None
+    elif VARLEN and device.type == "cpu":
+        kernel = CPU_VARLEN
+    return packed if kernel is None else VarlenLayout(packed, total, kernel, device)
+
+
+def flash_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float | None) -> torch.Tensor:
+    """Flash attention over variable-length sequences, causal aligned to the end of each key sequence; its autograd
+    formula is flash's backward. q: (tokens, heads, dim); k, v: (keys, kv_heads, dim)."""
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale)[0]
+
+
+def varlen_reference(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float | None) -> torch.Tensor:
+    """:func:`flash_varlen`'s attention through sdpa with a dense mask (any device; memory grows with tokens²)."""
+    cu_q, cu_k = cu_q.long(), cu_k.long()
+    seq_q = torch.searchsorted(cu_q[1:], torch.arange(q.size(0), device=q.device), right=True)
+    seq_k = torch.searchsorted(cu_k[1:], torch.arange(k.size(0), device=k.device), right=True)
+    pos_q = torch.arange(q.size(0), device=q.device) - cu_q[seq_q]
+    pos_k = torch.arange(k.size(0), device=k.device) - cu_k[seq_k]
+    shift = (cu_k.diff() - cu_q.diff())[seq_q]  # keys before the first query's diagonal
+    mask = (seq_q[:, None] == seq_k[None, :]) & (pos_k[None, :] <= (pos_q + shift)[:, None])
+    q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.size(1) != k.size(1))
+    return out[0].transpose(0, 1)
+
+
+def _varlen_sdpa(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: VarlenLayout, scaling: float | None
+) -> torch.Tensor:
+    """All packed rows in one kernel call; (rows, total, heads, dim) like :func:`_packed_sdpa`."""
+    query, key, value = autocast_inputs(query, key, value)
+    rows, heads, total = query.shape[:3]
+
+    def tokens(x: torch.Tensor) -> torch.Tensor:  # (rows, heads, total, dim) -> (rows * total, heads, dim)
+        return x.transpose(1, 2).reshape(rows * total, x.size(1), x.size(-1))
+
+    k, v = (tokens(x).index_select(0, layout.kv_index) for x in (key, value))
+    out = layout.kernel(
+        tokens(query), k, v, layout.cu_q, layout.cu_k, layout.max_q.size(0), layout.max_k.size(0), scaling
+    )
+    return out.view(rows, total, heads, value.size(-1))
 
 
 def autocast_inputs(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -11,8 +11,11 @@ Two things stand in the way, and are handled here without touching transformers'
 * transformers checkpoints inside the layer's ``forward``, and a checkpointed region cannot contain
   graph breaks. For the duration of a packed forward, each layer's ``forward`` is set on the instance to
   "checkpoint (as configured) around the compiled original forward", and restored afterwards.
-* the packed attention kernel (:mod:`vlm_grpo.fastpath.block_attention`) loops over the layout's Python ints; it
-  runs as a compiler-disabled island, so new layouts do not recompile the layer.
+* the packed attention's per-row calls (:mod:`vlm_grpo.fastpath.block_attention`) loop over the layout's Python
+  ints; they run as a compiler-disabled island, so new layouts do not recompile the layer. On GPUs with flash
+  attention the packed attention is instead one varlen flash call whose layout is tensors (``VarlenLayout``): the
+  layer traces whole, attention and its backward included (at 448² C128 on an H200 the loss forward + backward
+  went from 0.47 to 0.31 s, ``benchmarks/RESULTS.md``, seventeenth session).
 
 The vision tower's blocks (32 in Qwen2.5-VL, trained in full fine-tuning) are compiled the same way where their
 attention is one the compiler can leave alone or trace: the batched varlen kernel of

@@ -151,6 +151,12 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName(
         "torch._dynamo", "maybe_mark_dynamic", ("t", "index"), why="one compiled decode step for every attention window"
     ),
+    PrivateName(
+        "torch:ops.aten",
+        "_flash_attention_forward",
+        ("query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal", "scale"),
+        why="packed_attention=blocks: the packed rows' attention as one varlen flash call (flash_varlen)",
+    ),
     # Tool rollouts (vlm_grpo.tools; not the speed path, but the same kind of dependency)
     PrivateName(
         "trl:GRPOTrainer",
@@ -193,6 +199,17 @@ def _resolve(spec: str) -> object:
     return obj
 
 
+def _param_names(obj: object) -> list[str] | None:
+    """The parameter names of a function, or of a torch operator's schema; None when neither can be read."""
+    schema = getattr(getattr(obj, "default", None), "_schema", None)
+    if schema is not None:
+        return [argument.name for argument in schema.arguments]
+    try:
+        return list(inspect.signature(obj).parameters)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+
+
 def check(entry: PrivateName) -> str | None:
     """None if ``entry`` holds in the installed versions, else what is missing."""
     label = f"{entry.owner.replace(':', '.')}.{entry.name}"
@@ -209,9 +226,8 @@ def check(entry: PrivateName) -> str | None:
     if not hasattr(owner, entry.name):
         return f"{label}: missing"
     if entry.params:
-        try:
-            params = inspect.signature(getattr(owner, entry.name)).parameters
-        except (TypeError, ValueError):
+        params = _param_names(getattr(owner, entry.name))
+        if params is None:
             return None
         absent = [p for p in entry.params if p not in params]
         if absent:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from vlm_grpo.fastpath import decode
-from vlm_grpo.fastpath.block_attention import LAYOUT_KWARG, PackedLayout, packing, use_block_attention
+from vlm_grpo.fastpath.block_attention import LAYOUT_KWARG, PackedLayout, packing, use_block_attention, varlen_layout
 from vlm_grpo.fastpath.compiled_layers import compiled_layers
 from vlm_grpo.utils import is_zero3, peft_base, warn_once
 
@@ -189,7 +189,9 @@ def _packed_forward(
     }
     if use_block_attention(inner, trainer.args.packed_attention):
         prefixes = tuple(g.prompt.numel() - 1 for g in groups)
-        inputs[LAYOUT_KWARG] = PackedLayout(prefixes, tuple(len(g.rows) for g in groups), block)
+        inputs[LAYOUT_KWARG] = varlen_layout(
+            PackedLayout(prefixes, tuple(len(g.rows) for g in groups), block), total, device
+        )
         mask_scope = packing()
     else:
         attn = inner.config.get_text_config(decoder=True)._attn_implementation

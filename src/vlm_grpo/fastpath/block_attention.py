@@ -174,12 +174,11 @@ class VarlenLayout:
 
 def varlen_layout(packed: PackedLayout, total: int, device: torch.device) -> VarlenLayout | PackedLayout:
     """The layout a packed forward passes: :class:`VarlenLayout` where a varlen kernel runs on ``device``."""
-    kernel = None
-    if VARLEN and device.type == "cuda":
-        ok = torch.backends.cuda.flash_sdp_enabled() and torch.cuda.get_device_capability(device) >= (8, 0)
-        kernel = flash_varlen if ok else None
-    elif VARLEN and device.type == "cpu":
-        kernel = CPU_VARLEN
+    if not VARLEN:
+        return packed
+    kernel = CPU_VARLEN if device.type == "cpu" else None
+    if device.type == "cuda" and torch.backends.cuda.flash_sdp_enabled():
+        kernel = flash_varlen if torch.cuda.get_device_capability(device) >= (8, 0) else None
     return packed if kernel is None else VarlenLayout(packed, total, kernel, device)
 
 
@@ -192,10 +191,9 @@ def flash_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float | Non
 def varlen_reference(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float | None) -> torch.Tensor:
     """:func:`flash_varlen`'s attention through sdpa with a dense mask (any device; memory grows with tokens²)."""
     cu_q, cu_k = cu_q.long(), cu_k.long()
-    seq_q = torch.searchsorted(cu_q[1:], torch.arange(q.size(0), device=q.device), right=True)
-    seq_k = torch.searchsorted(cu_k[1:], torch.arange(k.size(0), device=k.device), right=True)
-    pos_q = torch.arange(q.size(0), device=q.device) - cu_q[seq_q]
-    pos_k = torch.arange(k.size(0), device=k.device) - cu_k[seq_k]
+    at_q, at_k = (torch.arange(x.size(0), device=x.device) for x in (q, k))
+    seq_q, seq_k = torch.searchsorted(cu_q[1:], at_q, right=True), torch.searchsorted(cu_k[1:], at_k, right=True)
+    pos_q, pos_k = at_q - cu_q[seq_q], at_k - cu_k[seq_k]
     shift = (cu_k.diff() - cu_q.diff())[seq_q]  # keys before the first query's diagonal
     mask = (seq_q[:, None] == seq_k[None, :]) & (pos_k[None, :] <= (pos_q + shift)[:, None])
     q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))

@@ -232,14 +232,20 @@ def timed_fast_decode(timer: PhaseTimer):
 # --------------------------------------------------------------------------- data
 
 
-def write_images(root: Path, scenario: Scenario, n_prompts: int, seed: int) -> list[list[Path]]:
+def write_images(root: Path, scenario: Scenario, n_prompts: int, seed: int, vary: int = 0) -> list[list[Path]]:
+    """Random images of ``scenario.image_size`` px; with ``vary`` > 0, image ``i`` is 0..vary patch pairs (28 px)
+    shorter and narrower, by different amounts, so the vision tower's segments (images, and Qwen2.5-VL's edge
+    windows) have several lengths, as in real data."""
     rng = np.random.default_rng(seed)
     paths = []
     for i in range(n_prompts):
         row = []
         for j in range(scenario.images_per_prompt):
-            pixels = rng.integers(0, 256, size=(scenario.image_size, scenario.image_size, 3), dtype=np.uint8)
-            path = root / f"img_{scenario.image_size}_{i}_{j}.png"
+            k = i * scenario.images_per_prompt + j
+            shape = [scenario.image_size - 28 * ((k * m + m - 1) % (vary + 1)) for m in (1, 2)] if vary else None
+            height, width = shape or (scenario.image_size, scenario.image_size)
+            pixels = rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+            path = root / f"img_{height}x{width}_{i}_{j}.png"
             Image.fromarray(pixels).save(path)
             row.append(path)
         paths.append(row)
@@ -320,7 +326,7 @@ def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
     return name, overrides
 
 
-BENCH_ONLY = {"compile_vision", "select_in_graph", "varlen_blocks"}
+BENCH_ONLY = {"compile_vision", "select_in_graph", "varlen_blocks", "varlen_vision"}
 
 
 @contextmanager
@@ -330,19 +336,23 @@ def bench_switches(kind: str):
     the vision blocks' compilation is worth. ``select_in_graph=false``: fast_decode chooses each token after the
     decode graph's replay, as before the sixteenth session, not inside the graph. ``varlen_blocks=false``: the packed
     passes' attention runs as per-row calls (a compiler-disabled island), as before the seventeenth session, not as
-    one varlen flash call."""
-    from vlm_grpo.fastpath import block_attention, compiled_layers, decode
+    one varlen flash call. ``varlen_vision=false``: the vision tower's attention runs as per-length sdpa calls (an
+    island), as before the eighteenth session, not as one varlen flash call per layer."""
+    from vlm_grpo.fastpath import block_attention, compiled_layers, decode, vision_attention
 
     switches = parse_variant(kind)[1]
-    real, select, varlen = compiled_layers.vision_blocks, decode.SELECT_IN_GRAPH, block_attention.VARLEN
+    real, select = compiled_layers.vision_blocks, decode.SELECT_IN_GRAPH
+    text_varlen, vision_varlen = block_attention.VARLEN, vision_attention.VARLEN
     if switches.get("compile_vision") is False:
         compiled_layers.vision_blocks = lambda model, vlm_module: []
     decode.SELECT_IN_GRAPH = switches.get("select_in_graph", select) is not False
-    block_attention.VARLEN = switches.get("varlen_blocks", varlen) is not False
+    block_attention.VARLEN = switches.get("varlen_blocks", text_varlen) is not False
+    vision_attention.VARLEN = switches.get("varlen_vision", vision_varlen) is not False
     try:
         yield
     finally:
-        compiled_layers.vision_blocks, decode.SELECT_IN_GRAPH, block_attention.VARLEN = real, select, varlen
+        compiled_layers.vision_blocks, decode.SELECT_IN_GRAPH = real, select
+        block_attention.VARLEN, vision_attention.VARLEN = text_varlen, vision_varlen
 
 
 def busy_time(intervals: list[tuple[float, float]]) -> float:
@@ -363,6 +373,12 @@ def one_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--completion_length", type=int, default=128)
     p.add_argument("--num_generations", type=int, default=8)
     p.add_argument("--prompts_per_step", type=int, default=2)
+    p.add_argument(
+        "--vary_images",
+        type=int,
+        default=0,
+        help="images 0..N patch pairs (28 px) smaller than --image_size, by prompt: vision segments of several lengths",
+    )
 
 
 def flag_bool(text: str) -> bool:
@@ -542,6 +558,12 @@ def parse(argv: list[str] | None = None, description: str | None = None) -> argp
     p.add_argument("--completion_lengths", type=int, nargs="+", default=None, help="default: 128 (GPU), 8 (CPU)")
     p.add_argument("--num_generations", type=int, default=8)
     p.add_argument("--prompts_per_step", type=int, default=2)
+    p.add_argument(
+        "--vary_images",
+        type=int,
+        default=0,
+        help="images 0..N patch pairs (28 px) smaller than --image_size, by prompt: vision segments of several lengths",
+    )
     p.add_argument("--steps", type=int, default=3, help="measured steps (after warm-up)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument(

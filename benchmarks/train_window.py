@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
     scenario = Scenario(args.image_size, 1, args.completion_length)
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        paths = write_images(workdir, scenario, args.prompts_per_step * args.batches, args.seed)
+        paths = write_images(workdir, scenario, args.prompts_per_step * args.batches, args.seed, args.vary_images)
         model, processor, module = build_policy(args, workdir, "ours")
         config = grpo_config(args.trainer, args, scenario, workdir, max_steps=1)
         trainer = grpo_trainer(args.trainer, model, processor, module, config, paths, workdir, vary_prompts=6)

@@ -1,13 +1,15 @@
-"""Flash's varlen call against the per-row calls and TRL, on a GPU: log-probs and gradients of one real batch.
+"""Flash's varlen calls against the per-segment calls and TRL, on a GPU: log-probs and gradients of one real batch.
 
     python benchmarks/varlen_check.py --preset qwen2_5_vl_3b --device cuda --out varlen_check.json
 
-CPUs have no flash kernel, so the CPU tests (``tests/test_varlen_blocks.py``) check the varlen layout through a
-stand-in; this checks the kernel itself. One trainer generates one batch; then, with gradient checkpointing and the
-compiled layers on, the packed pass runs with the varlen call (``varlen``) and with the per-row calls (``island``),
-and TRL's own per-row pass (``trl``) runs too. Reported per pair: the largest log-prob difference over the valid
-completion tokens and the gradients' relative L2 difference (all parameters together, and the worst parameter).
-In bf16 two correct kernels differ by rounding; the varlen call passes when it is as close to TRL as the island is.
+CPUs have no flash kernel, so the CPU tests (``tests/test_varlen_blocks.py``, ``tests/test_vision_attention.py``)
+check the varlen paths through a stand-in; this checks the kernel itself. One trainer generates one batch; then, with
+gradient checkpointing and the compiled layers on, the packed pass runs with both varlen calls (``varlen``: the text
+decoder's packed attention and the vision tower's segments), with the text decoder's per-row calls (``island``), with
+the vision tower's per-length calls (``vision_island``), and TRL's own per-row pass (``trl``) runs too. Reported per
+pair: the largest log-prob difference over the valid completion tokens and the gradients' relative L2 difference (all
+parameters together, and the worst parameter). In bf16 two correct kernels differ by rounding; a varlen call passes
+when it is as close to TRL as the per-segment calls are.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from bench_common import (
 from trl import GRPOTrainer
 
 import vlm_grpo.fastpath.block_attention as block_attention
+import vlm_grpo.fastpath.varlen as varlen
+import vlm_grpo.fastpath.vision_attention as vision_attention
 from vlm_grpo.trainer import VLMGRPOTrainer
 
 MM_KEYS = ("pixel_values", "image_grid_thw", "num_images", "num_tiles", "mm_token_type_ids")
@@ -43,7 +47,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--cpu_stand_in",
         action="store_true",
-        help="on CPU, run the varlen layout through block_attention.varlen_reference (CPUs have no flash kernel)",
+        help="on CPU, run the varlen paths through varlen.varlen_reference (CPUs have no flash kernel)",
     )
     p.add_argument("--out")
     args = p.parse_args(argv)
@@ -83,11 +87,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
     device_defaults(args)
     if args.cpu_stand_in:
-        block_attention.CPU_VARLEN = block_attention.varlen_reference
+        varlen.CPU_STAND_IN = varlen.varlen_reference
     scenario = Scenario(args.image_size, 1, args.completion_length)
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        paths = write_images(workdir, scenario, args.prompts_per_step, args.seed)
+        paths = write_images(workdir, scenario, args.prompts_per_step, args.seed, args.vary_images)
         model, processor, module = build_policy(args, workdir, "ours")
         config = grpo_config("ours", args, scenario, workdir, max_steps=1)
         trainer = grpo_trainer("ours", model, processor, module, config, paths, workdir, vary_prompts=6)
@@ -97,29 +101,36 @@ def main(argv: list[str] | None = None) -> dict:
     weights = torch.randn(inputs["completion_ids"].shape, generator=torch.Generator().manual_seed(0))
     weights = weights.to(inputs["completion_ids"].device)
     ours = VLMGRPOTrainer._get_per_token_logps_and_entropies
-    results, islands = {}, []
-    real_island = block_attention._packed_sdpa
-    block_attention._packed_sdpa = torch.compiler.disable(lambda *a: islands.append(1) or real_island(*a))
+    results, islands = {}, {"text": [], "vision": []}
+    real_island, real_vision_island = block_attention._packed_sdpa, vision_attention._segmented_sdpa
+    block_attention._packed_sdpa = torch.compiler.disable(lambda *a: islands["text"].append(1) or real_island(*a))
+    vision_attention._segmented_sdpa = torch.compiler.disable(
+        lambda *a: islands["vision"].append(1) or real_vision_island(*a)
+    )
     island_calls = {}
-    for name, varlen, method in (
-        ("varlen", True, ours),
-        ("island", False, ours),
-        ("trl", True, GRPOTrainer._get_per_token_logps_and_entropies),
+    for name, text_varlen, vision_varlen, method in (
+        ("varlen", True, True, ours),
+        ("island", False, True, ours),
+        ("vision_island", True, False, ours),
+        ("trl", True, True, GRPOTrainer._get_per_token_logps_and_entropies),
     ):
-        block_attention.VARLEN = varlen
+        block_attention.VARLEN, vision_attention.VARLEN = text_varlen, vision_varlen
         logps_and_grads(trainer, inputs, method, weights)  # compiles; the second call is the one compared
-        islands.clear()
+        for calls in islands.values():
+            calls.clear()
         results[name] = logps_and_grads(trainer, inputs, method, weights)
-        island_calls[name] = len(islands)
-    block_attention.VARLEN = True
+        island_calls[name] = {part: len(calls) for part, calls in islands.items()}
+    block_attention.VARLEN = vision_attention.VARLEN = True
     report = {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "preset": args.preset,
         "prompt_lengths": inputs["prompt_mask"].sum(1).tolist(),
-        "per_row_island_calls": island_calls,
+        "island_calls": island_calls,
         "varlen_vs_island": compare(results["varlen"], results["island"]),
+        "varlen_vs_vision_island": compare(results["varlen"], results["vision_island"]),
         "varlen_vs_trl": compare(results["varlen"], results["trl"]),
         "island_vs_trl": compare(results["island"], results["trl"]),
+        "vision_island_vs_trl": compare(results["vision_island"], results["trl"]),
         "varlen_vs_varlen_again": compare(results["varlen"], logps_and_grads(trainer, inputs, ours, weights)),
     }
     print(json.dumps(report, indent=1))

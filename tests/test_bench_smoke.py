@@ -52,8 +52,8 @@ def test_train_window_times_each_variant_on_one_batch(tmp_path):
     assert bad.returncode != 0 and "['compile_layers'] are config fields; give them to --trainer" in bad.stderr
 
 
-def test_varlen_check_compares_the_varlen_call_with_the_island_and_trl(tmp_path):
-    """On CPU through the stand-in kernel: the varlen variant runs no island call, and all three agree."""
+def test_varlen_check_compares_the_varlen_calls_with_the_islands_and_trl(tmp_path):
+    """On CPU through the stand-in kernel: the varlen variant runs no island call (text or vision), and all agree."""
     out = tmp_path / "check.json"
     cmd = [
         sys.executable, str(REPO / "benchmarks" / "varlen_check.py"), "--preset", "tiny", "--device", "cpu",
@@ -62,8 +62,17 @@ def test_varlen_check_compares_the_varlen_call_with_the_island_and_trl(tmp_path)
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["per_row_island_calls"]["varlen"] == 0 < report["per_row_island_calls"]["island"]
-    for pair in ("varlen_vs_island", "varlen_vs_trl", "island_vs_trl"):
+    calls = report["island_calls"]
+    assert calls["varlen"] == {"text": 0, "vision": 0}, calls
+    assert calls["island"]["text"] > 0 == calls["island"]["vision"], calls
+    assert calls["vision_island"]["vision"] > 0 == calls["vision_island"]["text"], calls
+    for pair in (
+        "varlen_vs_island",
+        "varlen_vs_vision_island",
+        "varlen_vs_trl",
+        "island_vs_trl",
+        "vision_island_vs_trl",
+    ):
         assert report[pair]["logp_max_abs"] < 1e-4 and report[pair]["grad_rel_l2"] < 1e-4, (pair, report[pair])
 
 

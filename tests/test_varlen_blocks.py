@@ -13,8 +13,10 @@ import torch
 
 import test_group_sharing
 import vlm_grpo.fastpath.block_attention as ba
+import vlm_grpo.fastpath.varlen as varlen
 from test_group_sharing import assert_parity, make_trainer, real_batch
-from vlm_grpo.fastpath.block_attention import PackedLayout, VarlenLayout, varlen_layout, varlen_reference
+from vlm_grpo.fastpath.block_attention import PackedLayout, VarlenLayout, varlen_layout
+from vlm_grpo.fastpath.varlen import flash_varlen, varlen_reference
 
 rows_file = test_group_sharing.rows_file  # the fixture: two rows, one and two images
 
@@ -26,7 +28,7 @@ TOTAL = 5 + 3 * 4 + 2  # row 0: prefix, 3 blocks, 2 padding tokens; row 1: prefi
 
 @pytest.fixture
 def stand_in(monkeypatch):
-    monkeypatch.setattr(ba, "CPU_VARLEN", varlen_reference)
+    monkeypatch.setattr(varlen, "CPU_STAND_IN", varlen_reference)
 
 
 def _qkv(heads=4, kv_heads=2, dim=8, seed=0):
@@ -95,11 +97,11 @@ def test_the_comparison_catches_blocks_that_see_a_neighbour(stand_in):
 
 def test_the_per_row_calls_stay_where_no_varlen_kernel_runs(monkeypatch):
     assert varlen_layout(LAYOUT, TOTAL, torch.device("cpu")) is LAYOUT  # CPU without a stand-in
-    monkeypatch.setattr(ba, "CPU_VARLEN", varlen_reference)
+    monkeypatch.setattr(varlen, "CPU_STAND_IN", varlen_reference)
     monkeypatch.setattr(ba, "VARLEN", False)
     assert varlen_layout(LAYOUT, TOTAL, torch.device("cpu")) is LAYOUT  # switched off
     monkeypatch.setattr(ba, "VARLEN", True)
-    flash = VarlenLayout(LAYOUT, TOTAL, ba.flash_varlen, torch.device("cpu"))
+    flash = VarlenLayout(LAYOUT, TOTAL, flash_varlen, torch.device("cpu"))
     q = torch.zeros(2, 4, TOTAL, 128)
     assert not flash.fits(q, q), "flash takes no fp32 without autocast"
     assert flash.fits(q.bfloat16(), q.bfloat16())

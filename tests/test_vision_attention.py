@@ -7,6 +7,7 @@ it can go wrong: gathers, the inverse permutation, and gradients through both.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import Counter
 
@@ -17,6 +18,7 @@ from transformers import AttentionInterface, AutoModelForImageTextToText
 from transformers.vision_utils import get_vision_window_index
 
 import test_group_sharing
+import vlm_grpo.fastpath.varlen as varlen
 from e2e_utils import base_args, make_dataset
 from test_group_sharing import assert_parity, make_trainer, real_batch
 from vlm_grpo.fastpath.vision_attention import NAME, use_batched_vision_attention, varlen_sdpa
@@ -134,6 +136,96 @@ def test_the_comparison_catches_attention_across_segments(family, tiny_models):
     assert_same(ref, vision_pass(model))
 
 
+@pytest.fixture
+def stand_in(monkeypatch):
+    """CPUs have no varlen kernel: the dense-mask reference stands in for flash's (compared on the device by
+    ``benchmarks/varlen_check.py``); ``islands`` records the per-length calls that still run."""
+    import vlm_grpo.fastpath.vision_attention as va
+
+    monkeypatch.setattr(varlen, "CPU_STAND_IN", varlen.varlen_reference)
+    islands = []
+    real = va._segmented_sdpa
+    monkeypatch.setattr(va, "_segmented_sdpa", lambda *a: islands.append(1) or real(*a))
+    return islands
+
+
+@pytest.mark.parametrize("family", QWEN)
+def test_one_varlen_call_per_layer_matches_per_segment_sdpa(family, tiny_models, stand_in, monkeypatch):
+    """Where a varlen kernel runs, each layer is one call over the whole packed sequence, with the same features and
+    gradients as transformers' per-segment sdpa; a kernel that is handed one segment for everything fails (control)."""
+    model = load(tiny_models, family)
+    ref = vision_pass(model)
+    use_batched_vision_attention(model, True)
+    ours = vision_pass(model)
+    assert_same(ref, ours)
+    tokens = int(GRID.prod(-1).sum())
+    assert all(calls == [(1, calls[0][1], tokens, calls[0][3])] for calls in ours[2]), ours[2]
+    assert not stand_in, "the per-length calls ran"
+
+    def one_segment(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+        whole = cu_q[[0, -1]]
+        return varlen.varlen_reference(q, k, v, whole, whole, tokens, tokens, scale, causal)
+
+    monkeypatch.setattr(varlen, "CPU_STAND_IN", one_segment)
+    with pytest.raises(AssertionError):
+        assert_same(ref, vision_pass(model))
+
+
+def test_the_per_length_calls_stay_where_no_varlen_kernel_runs(stand_in, monkeypatch):
+    """No kernel (CPU), no ``max_length_q`` int (older transformers hand a tensor), dropout, or the switch off: the
+    per-length calls run, with the same result."""
+    import vlm_grpo.fastpath.vision_attention as va
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 10, 8, generator=g) for _ in "qkv")
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    module = torch.nn.Module()
+    varlen_out, _ = varlen_sdpa(module, q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=6)
+    assert not stand_in
+    for kwargs in ({"max_length_q": None}, {"max_length_q": torch.tensor(6)}):
+        out, _ = varlen_sdpa(module, q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu, **kwargs)
+        torch.testing.assert_close(out, varlen_out, rtol=0, atol=1e-6)
+    monkeypatch.setattr(va, "VARLEN", False)
+    varlen_sdpa(module, q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=6)
+    monkeypatch.setattr(va, "VARLEN", True)
+    varlen_sdpa(module, q, k, v, None, dropout=0.5, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=6)
+    assert len(stand_in) == 4
+    monkeypatch.setattr(varlen, "CPU_STAND_IN", None)
+    varlen_sdpa(module, q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=6)
+    assert len(stand_in) == 5
+    assert not varlen.kernel_fits(varlen.flash_varlen, q, v), "flash takes no fp32 without autocast"
+    assert varlen.kernel_fits(varlen.flash_varlen, q.bfloat16(), v.bfloat16())
+
+
+def test_compiled_vision_blocks_trace_the_varlen_call_for_new_image_sizes(tiny_models, stand_in):
+    """A compiled block traces the varlen call whole (no island, no graph break), new sets of image sizes stop
+    recompiling after the first few (the longest segment is an int input: specialized once, then dynamic), and the
+    features stay transformers' eager ones."""
+    from torch._dynamo.utils import counters
+
+    model = load(tiny_models, "qwen2_5_vl")
+    visual = model.model.visual
+    width = visual.patch_embed.in_channels * visual.patch_embed.temporal_patch_size * visual.patch_embed.patch_size**2
+    grids = ([[1, 6, 10], [1, 4, 6]], [[1, 8, 8]], [[1, 4, 4], [1, 8, 12], [1, 6, 6]], [[1, 10, 10], [1, 2, 2]])
+    inputs = [(torch.randn(int(torch.tensor(g).prod(-1).sum()), width), torch.tensor(g)) for g in grids]
+    with torch.no_grad():
+        ref = [model.model.get_image_features(pixel_values=p, image_grid_thw=g).pooler_output for p, g in inputs]
+    use_batched_vision_attention(model, True)
+    compiled = torch.compile(type(visual.blocks[0]).forward.__wrapped__)
+    for block in visual.blocks:
+        block.forward = functools.partial(compiled, block)
+    torch._dynamo.reset()
+    counters.clear()
+    frames = []
+    with torch.no_grad():
+        for (pixels, grid), expected in zip(inputs, ref, strict=True):
+            out = model.model.get_image_features(pixel_values=pixels, image_grid_thw=grid).pooler_output
+            torch.testing.assert_close(torch.cat(out), torch.cat(expected), rtol=0, atol=TOL)
+            frames.append(counters["frames"]["total"])
+    assert not stand_in and not counters["graph_break"], dict(counters["graph_break"])
+    assert frames[-1] == frames[-2] <= 5, frames
+
+
 def test_the_segment_plan_is_computed_once_per_cu_seqlens(tiny_models, monkeypatch):
     """Every layer gets the same cu_seqlens tensor: one host read per distinct tensor, not per layer."""
     import vlm_grpo.fastpath.vision_attention as va
@@ -206,19 +298,21 @@ def test_grpo_trains_with_the_flag_and_leaves_sdpa_without_it(tiny_models, tmp_p
 
 
 @pytest.mark.parametrize(
-    ("family", "vision_param", "batched"),
+    ("family", "vision_param", "batched", "kernel"),
     [
-        ("qwen2_5_vl", "modules_qkv_parameters", True),
-        ("internvl", "layernorm_before", True),
-        ("qwen2_5_vl", None, False),
+        ("qwen2_5_vl", "modules_qkv_parameters", True, False),
+        ("qwen2_5_vl", "modules_qkv_parameters", True, True),
+        ("internvl", "layernorm_before", True, False),
+        ("qwen2_5_vl", None, False, False),
     ],
-    ids=["qwen2_5_vl", "internvl", "qwen2_5_vl_unbatched_control"],
+    ids=["qwen2_5_vl", "qwen2_5_vl_varlen_kernel", "internvl", "qwen2_5_vl_unbatched_control"],
 )
-def test_compile_layers_compiles_the_vision_blocks_too(family, vision_param, batched, tiny_models, rows_file,
+def test_compile_layers_compiles_the_vision_blocks_too(family, vision_param, batched, kernel, tiny_models, rows_file,
                                                        tmp_path, monkeypatch):  # fmt: skip
-    """Full fine-tuning trains the vision tower: its blocks run compiled in the packed pass (Qwen's batched varlen
-    kernel an island, read from one segment plan per ``cu_seqlens``), with TRL's numbers. A Qwen tower on plain
-    sdpa splits its sequence with ``.tolist()`` inside the attention: its blocks stay eager (the control)."""
+    """Full fine-tuning trains the vision tower: its blocks run compiled in the packed pass, with TRL's numbers. Qwen's
+    batched attention is one varlen call where a kernel runs (the block is one graph, no segment plan), else an island
+    read from one segment plan per ``cu_seqlens`` (the block splits around it: the control). A Qwen tower on plain sdpa
+    splits its sequence with ``.tolist()`` inside the attention: its blocks stay eager (the control)."""
     import vlm_grpo.fastpath.compiled_layers as compiled_layers
     import vlm_grpo.fastpath.vision_attention as vision_attention
 
@@ -232,6 +326,8 @@ def test_compile_layers_compiles_the_vision_blocks_too(family, vision_param, bat
     monkeypatch.setattr(compiled_layers, "_compiled", {})
     monkeypatch.setattr(compiled_layers, "_BACKEND", recording)
     monkeypatch.setattr(vision_attention, "_build_plan", lambda *a: plans.append(1) or build_plan(*a))
+    if kernel:
+        monkeypatch.setattr(varlen, "CPU_STAND_IN", varlen.varlen_reference)
     trainer = make_trainer(tiny_models[family], rows_file, tmp_path, compile_layers=True,
                            batch_vision_attention=batched)  # fmt: skip
     inputs = real_batch(trainer)
@@ -247,6 +343,8 @@ def test_compile_layers_compiles_the_vision_blocks_too(family, vision_param, bat
         assert blocks == [] and not any("norm1" in g for g in graphs), "an unbatched Qwen tower must stay eager"
         return
     assert blocks and any(vision_param in g for g in graphs), graphs
-    if family == "qwen2_5_vl":  # TRL's pass and ours, each: one plan for the windows, one for the full layers
-        assert len(plans) == 4, f"{len(plans)} segment plans: the island lost the cu_seqlens tensor's identity"
+    if family == "qwen2_5_vl":  # island: TRL's pass and ours, each one plan for the windows, one for the full layers
+        assert len(plans) == (0 if kernel else 4), f"{len(plans)} segment plans"
+        whole_block = any("norm1" in g and "norm2" in g for g in graphs)
+        assert whole_block == kernel, "a block is one graph exactly when its attention is the varlen call"
     assert all("forward" not in block.__dict__ for block in blocks), "blocks restored after the pass"

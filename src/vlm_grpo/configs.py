@@ -27,10 +27,11 @@ def batch_vision_attention_field() -> Any:
     return field(
         default=True,
         metadata={
-            "help": "Qwen-VL vision towers under sdpa: one sdpa call per distinct segment length (images, and "
-            "Qwen2.5-VL's windows) instead of one per segment, through a registered varlen kernel (torch sdpa, no "
-            "flash-attn needed). Same numbers (tested); eager and flash towers are left alone. Turn off for "
-            "transformers' per-segment loop."
+            "help": "Qwen-VL vision towers under sdpa: attention over all segments (images, and Qwen2.5-VL's "
+            "windows) in one call of torch's flash varlen kernel on GPUs (fp16 / bf16), elsewhere one sdpa call per "
+            "distinct segment length, instead of one call per segment; through a registered kernel (no flash-attn "
+            "needed). Same numbers (tested); eager and flash towers are left alone. Turn off for transformers' "
+            "per-segment loop."
         },
     )
 

@@ -14,7 +14,9 @@ What it does (every piece behind a ``VLMGRPOConfig`` flag, parity-tested against
 * ``block_attention``: the packed pass's attention kernel (``packed_attention=blocks``): one varlen flash call on
   GPUs, per-row sdpa calls elsewhere;
 * ``compiled_layers``: ``compile_layers``; ``fallback``: compiled-with-eager-fallback;
-* ``vision_attention``: ``batch_vision_attention``; ``vision_sync``: vision passes kept in step across ranks.
+* ``vision_attention``: ``batch_vision_attention`` (one varlen flash call per layer on GPUs, per-length sdpa calls
+  elsewhere); ``vision_sync``: vision passes kept in step across ranks;
+* ``varlen``: the variable-length attention kernel both packed paths call (flash's on GPUs).
 
 It leans on names that TRL, transformers and torch do not promise to keep. ``contract.PRIVATE_NAMES`` lists
 each one with the signature we rely on, and ``tests/test_fastpath_contract.py`` checks them against the
@@ -29,5 +31,5 @@ installed versions, so an upgrade that drops one fails there, naming it:
   ``integrations.sdpa_attention.sdpa_attention_forward``; ``masking_utils.sdpa_mask``;
   ``cache_utils.StaticLayer.cumulative_length`` (the static cache's write position).
 * torch ``torch._dynamo.exc.TorchDynamoException``, ``torch._dynamo.maybe_mark_dynamic``,
-  ``torch.ops.aten._flash_attention_forward`` (the packed pass's varlen flash call).
+  ``torch.ops.aten._flash_attention_forward`` (the varlen flash call of the packed pass and the vision tower).
 """

@@ -40,6 +40,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from vlm_grpo.fastpath.varlen import autocast_inputs, kernel_fits, varlen_kernel
 from vlm_grpo.utils import model_base, warn_once
 
 logger = logging.getLogger(__name__)
@@ -48,8 +49,6 @@ NAME = "vlm_grpo_sdpa"
 LAYOUT_KWARG = "vlm_grpo_layout"
 
 VARLEN = True  # benchmarks flip it (variant switch ``varlen_blocks=false``): the per-row calls even on GPUs
-CPU_VARLEN: Callable | None = None  # tests: a stand-in for flash's varlen kernel, so CPU runs take that path
-_HALF = (torch.float16, torch.bfloat16)
 
 _packing: contextvars.ContextVar[bool] = contextvars.ContextVar("vlm_grpo_packing", default=False)
 
@@ -164,41 +163,14 @@ class VarlenLayout:
             torch._dynamo.maybe_mark_dynamic(t, 0)
 
     def fits(self, query: torch.Tensor, value: torch.Tensor) -> bool:
-        """Whether the kernel takes these inputs (flash: fp16 / bf16 after autocast, head dims of 8k up to 256)."""
-        if self.kernel is not flash_varlen:
-            return True
-        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else query.dtype
-        dims = {query.size(-1), value.size(-1)}
-        return dtype in _HALF and all(d % 8 == 0 and d <= 256 for d in dims)
+        """Whether the kernel takes these inputs (:func:`~vlm_grpo.fastpath.varlen.kernel_fits`)."""
+        return kernel_fits(self.kernel, query, value)
 
 
 def varlen_layout(packed: PackedLayout, total: int, device: torch.device) -> VarlenLayout | PackedLayout:
     """The layout a packed forward passes: :class:`VarlenLayout` where a varlen kernel runs on ``device``."""
-    if not VARLEN:
-        return packed
-    kernel = CPU_VARLEN if device.type == "cpu" else None
-    if device.type == "cuda" and torch.backends.cuda.flash_sdp_enabled():
-        kernel = flash_varlen if torch.cuda.get_device_capability(device) >= (8, 0) else None
+    kernel = varlen_kernel(device) if VARLEN else None
     return packed if kernel is None else VarlenLayout(packed, total, kernel, device)
-
-
-def flash_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float | None) -> torch.Tensor:
-    """Flash attention over variable-length sequences, causal aligned to the end of each key sequence; its autograd
-    formula is flash's backward. q: (tokens, heads, dim); k, v: (keys, kv_heads, dim)."""
-    return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale)[0]
-
-
-def varlen_reference(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float | None) -> torch.Tensor:
-    """:func:`flash_varlen`'s attention through sdpa with a dense mask (any device; memory grows with tokens²)."""
-    cu_q, cu_k = cu_q.long(), cu_k.long()
-    at_q, at_k = (torch.arange(x.size(0), device=x.device) for x in (q, k))
-    seq_q, seq_k = torch.searchsorted(cu_q[1:], at_q, right=True), torch.searchsorted(cu_k[1:], at_k, right=True)
-    pos_q, pos_k = at_q - cu_q[seq_q], at_k - cu_k[seq_k]
-    shift = (cu_k.diff() - cu_q.diff())[seq_q]  # keys before the first query's diagonal
-    mask = (seq_q[:, None] == seq_k[None, :]) & (pos_k[None, :] <= (pos_q + shift)[:, None])
-    q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.size(1) != k.size(1))
-    return out[0].transpose(0, 1)
 
 
 def _varlen_sdpa(
@@ -216,18 +188,6 @@ def _varlen_sdpa(
         tokens(query), k, v, layout.cu_q, layout.cu_k, layout.max_q.size(0), layout.max_k.size(0), scaling
     )
     return out.view(rows, total, heads, value.size(-1))
-
-
-def autocast_inputs(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """q, k, v in autocast's dtype, as autocast gives them to a plain sdpa call (unchanged without autocast). The
-    lower-right causal bias is a tensor subclass: its ``__torch_function__`` checks the dtypes before autocast casts
-    anything, so under mixed precision without DeepSpeed (fp32 weights: fp32 rotary q/k, bf16 v) the call would
-    fail where sdpa succeeds."""
-    device = xs[0].device.type
-    if not torch.is_autocast_enabled(device):
-        return xs
-    dtype = torch.get_autocast_dtype(device)
-    return tuple(x.to(dtype) for x in xs)
 
 
 def _blocks(x: torch.Tensor, n: int, block: int) -> torch.Tensor:

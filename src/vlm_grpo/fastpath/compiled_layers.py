@@ -18,10 +18,12 @@ Two things stand in the way, and are handled here without touching transformers'
   went from 0.47 to 0.31 s, ``benchmarks/RESULTS.md``, seventeenth session).
 
 The vision tower's blocks (32 in Qwen2.5-VL, trained in full fine-tuning) are compiled the same way where their
-attention is one the compiler can leave alone or trace: the batched varlen kernel of
-:mod:`vlm_grpo.fastpath.vision_attention` is an island like the packed one (its segment plan needs host ints), and
-towers without ``cu_seqlens`` segments (InternVL) trace whole. A Qwen tower on plain sdpa / eager splits its
-sequence with ``.tolist()`` inside the attention, which would break every graph; it stays eager.
+attention is one the compiler can trace or leave alone: the batched attention of
+:mod:`vlm_grpo.fastpath.vision_attention` is one varlen flash call on GPUs, traced with the block (the longest
+segment is an int input: specialized at the first call, dynamic after the first change), and elsewhere an island
+like the packed one (its segment plan needs host ints); towers without ``cu_seqlens`` segments (InternVL) trace
+whole. A Qwen tower on plain sdpa / eager splits its sequence with ``.tolist()`` inside the attention, which would
+break every graph; it stays eager.
 
 Generation does not go through this (its decode step has its own compilation, ``compile_decode``).
 """

@@ -155,7 +155,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "torch:ops.aten",
         "_flash_attention_forward",
         ("query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal", "scale"),
-        why="packed_attention=blocks: the packed rows' attention as one varlen flash call (flash_varlen)",
+        why="packed_attention=blocks, batch_vision_attention: packed rows / vision segments in one varlen flash call",
     ),
     # Tool rollouts (vlm_grpo.tools; not the speed path, but the same kind of dependency)
     PrivateName(

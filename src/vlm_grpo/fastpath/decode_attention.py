@@ -29,7 +29,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from vlm_grpo.fastpath.block_attention import as_sdpa, autocast_inputs, block_sdpa
+from vlm_grpo.fastpath.block_attention import as_sdpa, block_sdpa
+from vlm_grpo.fastpath.varlen import autocast_inputs
 
 NAME = "vlm_grpo_decode_sdpa"
 

@@ -15,6 +15,12 @@ torch's sdpa; flash-attn is neither needed nor imported. The name is set on the 
 directly (``set_attn_implementation`` would try to load a flash-attn kernel for it), and is not saved
 with checkpoints (transformers drops ``_attn_implementation_internal`` from ``config.json``).
 
+On a GPU with flash attention (fp16 / bf16) the whole packed sequence is instead **one** call of flash's varlen
+kernel (:mod:`vlm_grpo.fastpath.varlen`) on ``cu_seqlens`` and the longest segment, which transformers computes once
+per tower forward and hands every block (``max_seqlen``): no host read, no gather, no per-length loop, so a compiled
+vision block (``compile_layers``) traces it whole and its backward is flash's own. The per-length sdpa calls stay for
+everything else (CPU, fp32, dropout, a transformers that passes no ``max_seqlen``), as a compiler-disabled island.
+
 No ``AttentionMaskInterface`` entry is registered on purpose: the towers build no mask, and
 transformers' mask builders return ``None`` (no mask) for names that have none.
 """
@@ -31,9 +37,11 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from vlm_grpo.fastpath.varlen import autocast_inputs, kernel_fits, varlen_kernel
 from vlm_grpo.utils import model_base
 
 NAME = "vlm_grpo_sdpa_flash_varlen"
+VARLEN = True  # benchmarks flip it (variant switch ``varlen_vision=false``): the per-length calls even on GPUs
 
 
 @dataclass(frozen=True)
@@ -105,6 +113,14 @@ def varlen_sdpa(
     if attention_mask is not None or query.size(0) != 1:
         raise NotImplementedError(f"{NAME} takes one packed sequence without a mask")
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
+    longest = kwargs.get("max_length_q")  # an int where transformers computes it once per tower forward
+    traced = isinstance(longest, (int, torch.SymInt))
+    kernel = varlen_kernel(query.device) if VARLEN and traced and dropout == 0.0 else None
+    if kernel is not None and kernel_fits(kernel, query, value):
+        # (1, heads, N, dim) -> (N, heads, dim): tokens first, as varlen kernels take them
+        q, k, v = (x[0].transpose(0, 1) for x in autocast_inputs(query, key, value))
+        cu = cu_seq_lens_q.to(torch.int32)
+        return kernel(q, k, v, cu, cu, longest, longest, scaling, causal=causal).unsqueeze(0), None
     return _segmented_sdpa(query, key, value, cu_seq_lens_q, causal, dropout, scaling), None
 
 

@@ -562,7 +562,8 @@ def parse(argv: list[str] | None = None, description: str | None = None) -> argp
         "--vary_images",
         type=int,
         default=0,
-        help="images 0..N patch pairs (28 px) smaller than --image_size, by prompt: vision segments of several lengths",
+        help="images 0..N patch pairs (28 px) smaller than the scenario's size, by prompt: vision segments of several "
+        "lengths, as in real data (default: one size)",
     )
     p.add_argument("--steps", type=int, default=3, help="measured steps (after warm-up)")
     p.add_argument("--warmup", type=int, default=1)

@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
             workdir = Path(tmp) / scenario.name.replace(" ", "_")
             workdir.mkdir(parents=True)
             n_prompts = args.prompts_per_step * (args.warmup + args.steps + bool(args.profile_dir))
-            paths = write_images(workdir, scenario, n_prompts, args.seed)
+            paths = write_images(workdir, scenario, n_prompts, args.seed, args.vary_images)
             for kind in args.trainers:
                 result = run_one(kind, args, scenario, workdir, paths)
                 results.append(result)

@@ -25,9 +25,8 @@ _HALF = (torch.float16, torch.bfloat16)
 def flash_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float | None, causal: bool = True):
     """Flash attention over variable-length sequences (causal: aligned to the end of each key sequence); its autograd
     formula is flash's backward. q: (tokens, heads, dim); k, v: (keys, kv_heads, dim); cu_q / cu_k: int32."""
-    return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale)[
-        0
-    ]
+    flash = torch.ops.aten._flash_attention_forward
+    return flash(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale)[0]
 
 
 def varlen_reference(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float | None, causal: bool = True):

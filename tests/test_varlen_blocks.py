@@ -112,9 +112,15 @@ def test_the_per_row_calls_stay_where_no_varlen_kernel_runs(monkeypatch):
 def test_compiled_layers_trace_the_varlen_call_whole(family, lora, stand_in, tiny_models, rows_file, tmp_path,
                                                      monkeypatch):  # fmt: skip
     """With a varlen kernel, a compiled decoder layer has no graph break at its attention, takes new layouts and a
-    second new width without recompiling, and matches TRL under gradient checkpointing."""
+    second new width without recompiling, and matches TRL under gradient checkpointing. Dynamo's tracing is what this
+    checks, so the layers compile with ``aot_eager`` (no code generation: a cold CI run saves ~80 s); inductor's code
+    for compiled layers is held against TRL in ``test_group_sharing``."""
     from torch._dynamo.utils import counters
 
+    import vlm_grpo.fastpath.compiled_layers as compiled_layers
+
+    monkeypatch.setattr(compiled_layers, "_compiled", {})
+    monkeypatch.setattr(compiled_layers, "_BACKEND", "aot_eager")
     islands = []
     real_island = ba._packed_sdpa
     monkeypatch.setattr(ba, "_packed_sdpa", lambda *a: islands.append(1) or real_island(*a))

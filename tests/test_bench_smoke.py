@@ -177,3 +177,21 @@ def test_decode_lengths_sorts_kernels_into_kinds():
     assert _kind("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, ArgMaxOp>>") == (
         "other (sampling, eager ops)"
     )
+
+
+def test_vary_images_gives_the_vision_tower_segments_of_several_lengths(tmp_path):
+    """``--vary_images N``: images shrink by 0..N patch pairs (28 px), height and width by different amounts, so
+    Qwen2.5-VL's edge windows differ; without it, every image is the scenario's square."""
+    from PIL import Image
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from bench_common import Scenario, write_images
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    scenario = Scenario(448, 1, 8)
+    sizes = [Image.open(p).size for row in write_images(tmp_path, scenario, 6, 0, vary=4) for p in row]
+    assert all(336 <= s <= 448 and s % 28 == 0 for size in sizes for s in size), sizes
+    assert len(set(sizes)) >= 4 and any(w != h for w, h in sizes), sizes
+    same = [Image.open(p).size for row in write_images(tmp_path, scenario, 3, 0) for p in row]
+    assert same == [(448, 448)] * 3

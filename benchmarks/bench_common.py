@@ -241,9 +241,8 @@ def write_images(root: Path, scenario: Scenario, n_prompts: int, seed: int, vary
     for i in range(n_prompts):
         row = []
         for j in range(scenario.images_per_prompt):
-            k = i * scenario.images_per_prompt + j
-            shape = [scenario.image_size - 28 * ((k * m + m - 1) % (vary + 1)) for m in (1, 2)] if vary else None
-            height, width = shape or (scenario.image_size, scenario.image_size)
+            k = i * scenario.images_per_prompt + j  # vary == 0: both shrink by 0
+            height, width = (scenario.image_size - 28 * ((k * m + m - 1) % (vary + 1)) for m in (1, 2))
             pixels = rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)
             path = root / f"img_{height}x{width}_{i}_{j}.png"
             Image.fromarray(pixels).save(path)
@@ -364,6 +363,17 @@ def busy_time(intervals: list[tuple[float, float]]) -> float:
     return busy
 
 
+def vary_images_arg(p: argparse.ArgumentParser) -> None:
+    """``--vary_images N`` (see :func:`write_images`), shared by every script that writes images."""
+    p.add_argument(
+        "--vary_images",
+        type=int,
+        default=0,
+        help="images 0..N patch pairs (28 px) smaller than the image size, by prompt: vision segments of several "
+        "lengths, as in real data (default: one size)",
+    )
+
+
 def one_batch_args(p: argparse.ArgumentParser) -> None:
     """The arguments of the scripts that study one generated batch (``train_window.py``, ``varlen_check.py``)."""
     p.add_argument("--preset", default="tiny")
@@ -373,12 +383,7 @@ def one_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--completion_length", type=int, default=128)
     p.add_argument("--num_generations", type=int, default=8)
     p.add_argument("--prompts_per_step", type=int, default=2)
-    p.add_argument(
-        "--vary_images",
-        type=int,
-        default=0,
-        help="images 0..N patch pairs (28 px) smaller than --image_size, by prompt: vision segments of several lengths",
-    )
+    vary_images_arg(p)
 
 
 def flag_bool(text: str) -> bool:
@@ -558,13 +563,7 @@ def parse(argv: list[str] | None = None, description: str | None = None) -> argp
     p.add_argument("--completion_lengths", type=int, nargs="+", default=None, help="default: 128 (GPU), 8 (CPU)")
     p.add_argument("--num_generations", type=int, default=8)
     p.add_argument("--prompts_per_step", type=int, default=2)
-    p.add_argument(
-        "--vary_images",
-        type=int,
-        default=0,
-        help="images 0..N patch pairs (28 px) smaller than the scenario's size, by prompt: vision segments of several "
-        "lengths, as in real data (default: one size)",
-    )
+    vary_images_arg(p)
     p.add_argument("--steps", type=int, default=3, help="measured steps (after warm-up)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument(

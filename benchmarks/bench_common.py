@@ -325,7 +325,7 @@ def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
     return name, overrides
 
 
-BENCH_ONLY = {"compile_vision", "select_in_graph", "varlen_blocks", "varlen_vision"}
+BENCH_ONLY = {"compile_vision", "select_in_graph", "varlen_blocks", "varlen_vision", "decode_kernel"}
 
 
 @contextmanager
@@ -336,22 +336,27 @@ def bench_switches(kind: str):
     decode graph's replay, as before the sixteenth session, not inside the graph. ``varlen_blocks=false``: the packed
     passes' attention runs as per-row calls (a compiler-disabled island), as before the seventeenth session, not as
     one varlen flash call. ``varlen_vision=false``: the vision tower's attention runs as per-length sdpa calls (an
-    island), as before the eighteenth session, not as one varlen flash call per layer."""
-    from vlm_grpo.fastpath import block_attention, compiled_layers, decode, vision_attention
+    island), as before the eighteenth session, not as one varlen flash call per layer. ``decode_kernel=false``: the
+    decode step's attention runs as two matmuls and a softmax, as before the nineteenth session, not as the Triton
+    flash-decoding kernel."""
+    from vlm_grpo.fastpath import block_attention, compiled_layers, decode, decode_attention, vision_attention
 
     switches = parse_variant(kind)[1]
     real, select = compiled_layers.vision_blocks, decode.SELECT_IN_GRAPH
     text_varlen, vision_varlen = block_attention.VARLEN, vision_attention.VARLEN
+    kernel = decode_attention.KERNEL
     if switches.get("compile_vision") is False:
         compiled_layers.vision_blocks = lambda model, vlm_module: []
     decode.SELECT_IN_GRAPH = switches.get("select_in_graph", select) is not False
     block_attention.VARLEN = switches.get("varlen_blocks", text_varlen) is not False
     vision_attention.VARLEN = switches.get("varlen_vision", vision_varlen) is not False
+    decode_attention.KERNEL = switches.get("decode_kernel", kernel) is not False
     try:
         yield
     finally:
         compiled_layers.vision_blocks, decode.SELECT_IN_GRAPH = real, select
         block_attention.VARLEN, vision_attention.VARLEN = text_varlen, vision_varlen
+        decode_attention.KERNEL = kernel
 
 
 def busy_time(intervals: list[tuple[float, float]]) -> float:

@@ -9,7 +9,9 @@ Variants (each in a compiled function, as in the decode step; CUDA-graph replay 
 ``shared``: the prompt's K/V read once per group (its G rows' queries stacked, one matmul per prompt), the
 completion part per row, the two merged by their log-sum-exp;
 ``package``: :func:`vlm_grpo.fastpath.decode_attention.one_token_attention` (what the decode step runs: fp32 scores)
-on a window's view of a longer cache, as ``fast_decode`` hands it over.
+on a window's view of a longer cache, as ``fast_decode`` hands it over;
+``kernel``: :func:`vlm_grpo.fastpath.decode_kernel.decode_attention_kernel` (flash-decoding in Triton, what the decode
+step runs on a GPU since the nineteenth session) on the same window view.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from vlm_grpo.fastpath.decode_attention import one_token_attention
+from vlm_grpo.fastpath.decode_kernel import decode_attention_kernel
 
 
 def sdpa(q, k, v, mask):
@@ -121,12 +124,17 @@ def main() -> None:
             out = one_token_attention(query, window_k, window_v, mask, d**-0.5)
             return out.reshape(b, hkv, r, d)
 
+        def kernel(query, big_k, big_v, mask):
+            window_k, window_v = big_k[:, :, : mask.size(-1)], big_v[:, :, : mask.size(-1)]
+            return decode_attention_kernel(query, window_k, window_v, mask, d**-0.5).reshape(b, hkv, r, d)
+
         for name, fn, fargs in (
             ("sdpa", sdpa, (q, k, v, mask)),
             ("sdpa_compiled", torch.compile(sdpa), (q, k, v, mask)),
             ("math_compiled", torch.compile(math), (q, k, v, mask)),
             ("shared_compiled", torch.compile(shared), (q, pk, pv, pmask, ck, cv, cmask, args.group)),
             ("package_compiled", torch.compile(package), (query, big_k, big_v, mask)),
+            ("kernel_compiled", torch.compile(kernel), (query, big_k, big_v, mask)),
         ):
             out = fn(*fargs)
             row[name + "_maxerr"] = float((out.float() - ref.float()).abs().max())

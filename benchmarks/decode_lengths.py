@@ -59,10 +59,25 @@ def configure(mode: str, compile_mode: str | None = None) -> None:
     decode._Step._capture = timed_capture
 
 
+def set_inductor(settings: list[str]) -> None:
+    """``KEY=VALUE`` pairs into ``torch._inductor.config`` (values as Python literals; a bare word stays a string)."""
+    import ast
+
+    import torch._inductor.config as inductor
+
+    for item in settings:
+        name, _, text = item.partition("=")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            value = text
+        inductor.__setattr__(name, value)  # an unknown name raises here, before any model is built
+
+
 def one_call(
     model, gen_config, prompt_len: int, unique: int, group: int, device, compile: bool, seed: int, fuse: bool = True,
     attention_window: int | None = None, autocast: tuple[str, torch.dtype] | None = None, cast_head: bool = True,
-    keep: bool = False, select_in_graph: bool = True,
+    keep: bool = False, select_in_graph: bool = True, attention_kernel: bool = True,
 ):  # fmt: skip
     """Prefill ``unique`` prompts of ``prompt_len`` tokens, decode ``unique * group`` rows; (seconds, token ids).
     ``attention_window``: ``decode.ATTENTION_WINDOW`` for this call (None: the package's). ``autocast``: the
@@ -70,10 +85,11 @@ def one_call(
     ``cast_head`` False: the LM head runs as itself (under that autocast: cast at every step, as before it had a
     stand-in). ``keep``: fast_decode's (the workspace and its graphs kept for the next call). ``select_in_graph``:
     ``decode.SELECT_IN_GRAPH`` for this call (False: the next token is chosen after each replay). The sampler is
-    seeded with ``seed`` before the decode, so the variants of one call draw comparable tokens."""
+    seeded with ``seed`` before the decode, so the variants of one call draw comparable tokens. ``attention_kernel``:
+    ``decode_attention.KERNEL`` for this call (False: the two matmuls of ``one_token_attention``)."""
     from transformers import DynamicCache
 
-    from vlm_grpo.fastpath import decode
+    from vlm_grpo.fastpath import decode, decode_attention
     from vlm_grpo.fastpath.sharing import _generation_positions, _next_positions
     from vlm_grpo.utils import peft_base
 
@@ -101,6 +117,7 @@ def one_call(
         if not cast_head:
             decode.stand_in = lambda decoder, module: module
         decode.SELECT_IN_GRAPH = select_in_graph
+        kernel, decode_attention.KERNEL = decode_attention.KERNEL, attention_kernel
         torch.manual_seed(seed)
         start = time.perf_counter()
         try:
@@ -112,6 +129,7 @@ def one_call(
                 torch.cuda.synchronize()
         finally:
             decode.ATTENTION_WINDOW, decode.stand_in, decode.SELECT_IN_GRAPH = window, stand_in, select
+            decode_attention.KERNEL = kernel
     return time.perf_counter() - start, out
 
 
@@ -199,8 +217,17 @@ def main(argv: list[str] | None = None) -> dict:
         help="the next token chosen inside the decode graph (the package's); false: after each replay; 'true false': "
         "both, in turn, per prompt length (by_window keys '.../select_in_graph=...')",
     )  # fmt: skip
+    p.add_argument(
+        "--attention_kernel", type=flag_bool, nargs="+", default=[True],
+        help="the decode attention as the Triton flash-decoding kernel (the package's, on a GPU); false: two matmuls "
+        "and a softmax; 'true false': both, in turn, per prompt length (by_window keys '.../attention_kernel=...')",
+    )  # fmt: skip
     p.add_argument("--greedy", type=flag_bool, default=False, help="greedy decoding (sampled: seeded per call)")
     p.add_argument("--compile_mode", default=None, help="torch.compile mode of the decode step, e.g. max-autotune")
+    p.add_argument(
+        "--inductor", nargs="*", default=[], metavar="KEY=VALUE",
+        help="torch._inductor.config settings for this process (e.g. combo_kernels=True), set before compiling",
+    )  # fmt: skip
     p.add_argument(
         "--profile", default=None,
         help="profile the last call (per window value: .w<N> suffixed when several); its top kernels are written here",
@@ -220,6 +247,7 @@ def main(argv: list[str] | None = None) -> dict:
     if device.type == "cuda":
         torch.backends.cuda.enable_cudnn_sdp(args.cudnn_sdpa)  # as the trainer does by default
     compile = device.type == "cuda" if args.compile is None else args.compile
+    set_inductor(args.inductor)
     configure(args.mode, args.compile_mode)
 
     from torch._dynamo.utils import counters
@@ -234,14 +262,19 @@ def main(argv: list[str] | None = None) -> dict:
     gen_config.max_new_tokens = gen_config.min_new_tokens = args.new_tokens
     gen_config.do_sample, gen_config.temperature, gen_config.top_p, gen_config.top_k = not args.greedy, 1.0, 1.0, 0
 
-    heads, keeps, selects = args.cast_head, args.keep, args.select_in_graph
-    windows = [(w, h, k, s) for w in args.attention_window or [None] for h in heads for k in keeps for s in selects]
+    heads, keeps, selects, kernels = args.cast_head, args.keep, args.select_in_graph, args.attention_kernel
+    if len(kernels) > 1 and True in keeps:
+        p.error("--attention_kernel true false needs --keep false: a kept graph would serve both variants")
+    windows = [
+        (w, h, k, s, a)
+        for w in args.attention_window or [None] for h in heads for k in keeps for s in selects for a in kernels
+    ]  # fmt: skip
     calls = []
     outputs: dict[tuple, torch.Tensor] = {}
     seen: set[int] = set()
     for n, length in enumerate(args.prompt_lengths):
         for variant in windows:
-            window, cast_head, keep, select = variant
+            window, cast_head, keep, select, kernel = variant
             before = counters["stats"]["unique_graphs"]
             profiler = None
             if args.profile and n == len(args.prompt_lengths) - 1:
@@ -253,7 +286,7 @@ def main(argv: list[str] | None = None) -> dict:
             captured = len(CAPTURES)
             seconds, out = one_call(
                 model, gen_config, length, args.unique, args.group, device, compile, n, args.fuse, window, autocast,
-                cast_head, keep, select,
+                cast_head, keep, select, kernel,
             )  # fmt: skip
             tokens = out.size(1)
             outputs[(n, variant)] = out.cpu()
@@ -263,7 +296,7 @@ def main(argv: list[str] | None = None) -> dict:
                 averages = profiler.key_averages()
                 table = averages.table(sort_by=sort, row_limit=40, max_name_column_width=90)
                 suffix = f".w{window}{'' if cast_head else '.uncast_head'}{'.kept' if keep else ''}"
-                suffix += "" if select else ".select_after"
+                suffix += ("" if select else ".select_after") + ("" if kernel else ".matmuls")
                 suffix = suffix if len(windows) > 1 else ""
                 Path(args.profile + suffix).write_text(table)
                 if device.type == "cuda":
@@ -273,7 +306,7 @@ def main(argv: list[str] | None = None) -> dict:
             calls.append(
                 {
                     "prompt_len": length, "attention_window": window, "cast_head": cast_head, "keep": keep,
-                    "select_in_graph": select,
+                    "select_in_graph": select, "attention_kernel": kernel,
                     "seconds": seconds,
                     "tokens": tokens,
                     "new_length": length not in seen, "graphs_compiled": counters["stats"]["unique_graphs"] - before,
@@ -287,16 +320,18 @@ def main(argv: list[str] | None = None) -> dict:
     floor_ms = 1e3 * weights / bandwidth if bandwidth else None
 
     def key(variant) -> str:
-        window, cast_head, keep, select = variant
+        window, cast_head, keep, select, kernel = variant
         return "/".join(
             [str(window)]
             + [f"cast_head={cast_head}"] * (len(heads) > 1)
             + [f"keep={keep}"] * (len(keeps) > 1)
             + [f"select_in_graph={select}"] * (len(selects) > 1)
+            + [f"attention_kernel={kernel}"] * (len(kernels) > 1)
         )
 
     def of(variant) -> list[dict]:
-        return [c for c in calls if (c["attention_window"], c["cast_head"], c["keep"], c["select_in_graph"]) == variant]
+        fields = ("attention_window", "cast_head", "keep", "select_in_graph", "attention_kernel")
+        return [c for c in calls if tuple(c[f] for f in fields) == variant]
 
     by_window = {key(v): _timings(of(v), floor_ms) for v in windows}
     agreement = None

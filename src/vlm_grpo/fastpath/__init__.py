@@ -10,7 +10,8 @@ What it does (every piece behind a ``VLMGRPOConfig`` flag, parity-tested against
 * ``process_once``: ``process_prompts_once`` (TRL's processor calls run on a batch's distinct prompts only);
 * ``route``: which generations may take the shared prefill; the rest (beam search, stop strings, a wrapped
   ``generate``, ...) go through TRL's own path, whole;
-* ``decode_attention``: the decode step's attention over grouped K/V heads, as two matmuls, without per-head copies;
+* ``decode_attention``: the decode step's attention over grouped K/V heads, without per-head copies: on GPUs with
+  Triton ``decode_kernel`` (flash-decoding, a ``torch.library.triton_op``), elsewhere two matmuls;
 * ``block_attention``: the packed pass's attention kernel (``packed_attention=blocks``): one varlen flash call on
   GPUs, per-row sdpa calls elsewhere;
 * ``compiled_layers``: ``compile_layers``; ``fallback``: compiled-with-eager-fallback;

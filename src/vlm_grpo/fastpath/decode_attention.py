@@ -12,12 +12,13 @@ Attention windows: ``fast_decode`` hands each step a mask over only the first ``
 mask's length, so the kernel reads ``w`` slots instead of the whole cache: the same dot products over the slots
 that can be attended, none of the masked-out tail.
 
-Two batched matmuls and a softmax, not sdpa's kernel: with a mask, sdpa runs its memory-efficient kernel, which
-splits the work over (rows x K/V heads) only: 32 blocks for 16 rows on an H100's 132 SMs, each reading its row's
-whole cache alone. Measured there (3B shapes, 16 rows, per decode token over 36 layers,
-``benchmarks/decode_attention_micro.py``): 0.85 ms at 512 slots and 1.94 ms at 1280, against 0.31 / 0.56 ms for
-the matmuls, whose kernels split the slots too. The scores are kept in fp32 as sdpa's kernels keep them, and the
-weights go to the value dtype for the second product, as they do there.
+Not sdpa's kernel: with a mask, sdpa runs its memory-efficient kernel, which splits the work over (rows x K/V heads)
+only: 32 blocks for 16 rows on an H100's 132 SMs, each reading its row's whole cache alone. On a GPU with Triton the
+step runs :mod:`vlm_grpo.fastpath.decode_kernel` (flash-decoding: the slots split too, the scores kept on chip, two
+launches); elsewhere two batched matmuls and a softmax, which split the slots as well. Measured on an H100 (3B shapes,
+16 rows, per decode token over 36 layers, ``benchmarks/decode_attention_micro.py``): at 1280 slots sdpa 2.01 ms, the
+matmuls 0.57, the kernel 0.41. Both keep the scores in fp32 as sdpa's kernels do, and the weights go to the value
+dtype for the second product, as they do there.
 """
 
 from __future__ import annotations
@@ -29,10 +30,12 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from vlm_grpo.fastpath import decode_kernel
 from vlm_grpo.fastpath.block_attention import as_sdpa, block_sdpa
 from vlm_grpo.fastpath.varlen import autocast_inputs
 
 NAME = "vlm_grpo_decode_sdpa"
+KERNEL = True  # on a GPU with Triton: flash-decoding (decode_kernel) instead of the two matmuls; False: the matmuls
 
 
 def decode_sdpa(
@@ -66,8 +69,12 @@ def decode_sdpa(
     # are, then run as for bf16 weights, with autocast off.
     autocast = torch.is_autocast_enabled(query.device.type)
     query, key, value = autocast_inputs(query, key, value)
+    scale = dim**-0.5 if scaling is None else scaling
     with torch.autocast(query.device.type, enabled=False) if autocast else contextlib.nullcontext():
-        out = one_token_attention(query, key, value, attention_mask, dim**-0.5 if scaling is None else scaling)
+        if KERNEL and decode_kernel.supported(query, key, value, attention_mask):
+            out = decode_kernel.decode_attention_kernel(query, key, value, attention_mask, scale)
+        else:
+            out = one_token_attention(query, key, value, attention_mask, scale)
     return out.transpose(1, 2), None
 
 

@@ -1,0 +1,241 @@
+"""The flash-decoding kernel (``fastpath.decode_kernel``) against ``one_token_attention``, on CPU.
+
+Triton's interpreter (``TRITON_INTERPRET=1``, read when kernels are defined) runs the kernels on CPU tensors. The
+variable must not leak into this session's other tests, so the kernels run in one subprocess for all cases
+(float16 and float32: the interpreter's bfloat16 dots are wrong). A second subprocess, without the interpreter,
+checks that torch.compile traces the op into one graph (nothing can launch it here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+# name: (dtype, B, H, H_kv, L, d, mask, cache slots (> L: K/V are a window of it), expected splits)
+CASES = {
+    "f32_bool_window_g8": ("float32", 4, 8, 1, 300, 64, "bool", 384, 5),
+    "f16_bool_window_g8": ("float16", 4, 8, 1, 300, 64, "bool", 384, 5),
+    "f16_additive_g2_d128": ("float16", 2, 4, 2, 200, 128, "additive", 256, 4),
+    "f32_nomask_g1": ("float32", 2, 2, 2, 100, 64, "none", 100, 2),
+    "f16_short_g8": ("float16", 3, 8, 1, 20, 64, "bool", 64, 1),
+    "f16_b16_g8": ("float16", 16, 8, 1, 130, 64, "bool", 160, 3),
+    "f32_additive_g16": ("float32", 2, 16, 1, 90, 64, "additive", 128, 2),
+    "f16_nomask_g4_d128": ("float16", 1, 8, 2, 70, 128, "none", 70, 2),
+    "f32_one_mask_row_g4": ("float32", 3, 8, 2, 70, 64, "one_row", 80, 2),  # a (1, 1, 1, L) mask for every row
+}
+TOLERANCE = {"float32": 1e-5, "float16": 2e-3}
+
+_RUN_CASES = r"""
+import json, sys
+import torch
+from vlm_grpo.fastpath.decode_attention import one_token_attention
+from vlm_grpo.fastpath.decode_kernel import _launch, choose_splits
+
+results = {}
+for name, (dtype, B, H, Hkv, L, d, kind, slots, _) in json.loads(sys.argv[1]).items():
+    gen = torch.Generator().manual_seed(len(results))
+    dtype = getattr(torch, dtype)
+    # query: a transpose (B, 1, H, d) -> (B, H, 1, d) of a strided view; K/V: a window of a longer static cache
+    query = torch.randn(B, 1, H, d + 8, generator=gen).to(dtype)[..., :d].transpose(1, 2)
+    cache_k = torch.randn(B, Hkv, slots, d, generator=gen).to(dtype)
+    cache_v = torch.randn(B, Hkv, slots, d, generator=gen).to(dtype)
+    key, value = cache_k[:, :, :L], cache_v[:, :, :L]
+    # left padding: row i masks its first pads[i] slots (some more than a whole split), a view of a longer mask
+    pads = [(i * 137) % max(L - 3, 1) for i in range(B)]
+    attend = torch.ones(B, 1, 1, L + 16, dtype=torch.bool)
+    for i, pad in enumerate(pads):
+        attend[i, ..., :pad] = False
+    attend = attend[..., :L]
+    if kind == "bool":
+        mask = attend
+    elif kind == "one_row":
+        mask = attend[1:2]
+    elif kind == "additive":
+        mask = torch.zeros(B, 1, 1, L + 16, dtype=dtype)[..., :L].masked_fill(~attend, torch.finfo(dtype).min)
+    else:
+        mask = None
+    scale = d**-0.5
+    out = _launch(query, key, value, mask, scale)
+    ref = one_token_attention(query, key, value, mask, scale)
+    # negative control: query head h against K/V head h % H_kv instead of h // G (G=1 reference on expanded K/V)
+    wrong = torch.arange(H) % Hkv
+    bad = one_token_attention(query, key[:, wrong], value[:, wrong], mask, scale)
+    results[name] = {
+        "shape_ok": out.shape == ref.shape and out.dtype == value.dtype,
+        "err": (out.float() - ref.float()).abs().max().item(),
+        "wrong_heads_err": (out.float() - bad.float()).abs().max().item(),
+        "splits": choose_splits(L, B * Hkv)[0],
+        "key_contiguous": key.is_contiguous(),
+        "query_contiguous": query.is_contiguous(),
+        "max_pad_over_split": max(pads) / (choose_splits(L, B * Hkv)[1] * 64),
+    }
+print(json.dumps(results))
+"""
+
+_TRACE = r"""
+import torch
+from vlm_grpo.fastpath.decode_kernel import decode_attention_kernel
+
+graphs = []
+def backend(gm, example_inputs):
+    graphs.append(gm)
+    return lambda *args: (None,)  # recorded, not run: nothing here can launch a Triton kernel
+
+def step(query, key, value, mask):
+    return decode_attention_kernel(query, key, value, mask, 0.125) * 2
+
+cache = torch.randn(2, 1, 256, 64, dtype=torch.float16)
+query = torch.randn(2, 1, 8, 64, dtype=torch.float16).transpose(1, 2)
+mask = torch.ones(2, 1, 1, 300, dtype=torch.bool)
+torch.compile(step, fullgraph=True, backend=backend, dynamic=True)(query, cache[:, :, :150], cache[:, :, :150],
+                                                                     mask[..., :150])
+ops = [n.target for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+print("OPS", len(graphs), ops.count(torch.ops.vlm_grpo.decode_attention))
+"""
+
+
+def _python(code: str, *args: str, interpret: bool) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, dict]:
+    """Every case of ``CASES`` run once through the interpreted kernels."""
+    pytest.importorskip("triton")
+    return json.loads(_python(_RUN_CASES, json.dumps(CASES), interpret=True).strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_one_token_attention(interpreted: dict[str, dict], name: str) -> None:
+    dtype, *_, expected_splits = CASES[name]
+    result = interpreted[name]
+    assert result["shape_ok"]
+    assert result["err"] < TOLERANCE[dtype], result
+    # the same comparison fails when query heads meet the wrong K/V head (only G > 1 with H_kv > 1 differs)
+    _, _, heads, kv_heads, *_ = CASES[name]
+    if kv_heads > 1 and heads > kv_heads:
+        assert result["wrong_heads_err"] > 100 * TOLERANCE[dtype], result
+    assert result["splits"] == expected_splits
+
+
+def test_cases_cover_the_contract(interpreted: dict[str, dict]) -> None:
+    """The inputs the decode step hands over: strided windows, a transposed query, splits that are all padding."""
+    assert any(r["splits"] == 1 for r in interpreted.values())
+    assert max(r["splits"] for r in interpreted.values()) > 1
+    assert any(r["max_pad_over_split"] > 1 for r in interpreted.values())  # a whole split masked out
+    assert not interpreted["f16_bool_window_g8"]["key_contiguous"]
+    assert not interpreted["f16_bool_window_g8"]["query_contiguous"]
+
+
+def test_choose_splits() -> None:
+    from vlm_grpo.fastpath.decode_kernel import BLOCK_S, choose_splits
+
+    for length in (1, 63, 64, 65, 300, 1536, 4096, 32768):
+        for rows in (1, 2, 16, 32, 128, 512):
+            splits, per_split = choose_splits(length, rows)
+            blocks = -(-length // BLOCK_S)
+            assert (splits - 1) * per_split < blocks <= splits * per_split  # every slot, no empty split
+            assert rows * splits < 3 * 132 + rows  # about 3 programs per SM of an H100, not more
+    assert choose_splits(1536, 16) == (24, 1)  # 16 (row, K/V head) programs at 1536 slots: 24 splits of one block
+    assert choose_splits(1536, 32) == (12, 2)  # the 3B model's 16 rows x 2 K/V heads: 32 x 12 programs
+
+
+def test_supported_is_false_on_cpu() -> None:
+    torch = pytest.importorskip("torch")
+    from vlm_grpo.fastpath.decode_kernel import supported
+
+    query, key = torch.zeros(1, 8, 1, 64), torch.zeros(1, 1, 16, 64)
+    assert not supported(query, key, key, None)
+
+
+def test_traces_into_one_graph() -> None:
+    """``torch.compile(fullgraph=True)`` takes the op without a graph break (the kernels themselves are not run)."""
+    pytest.importorskip("triton")
+    assert "OPS 1 1" in _python(_TRACE, interpret=False)
+
+
+_DECODE = r"""
+import json, sys
+import torch
+from transformers import DynamicCache
+from vlm_grpo.fastpath import decode, decode_kernel
+from vlm_grpo.fastpath.sharing import _generation_positions, _next_positions
+from vlm_grpo.modules import get_vlm_module
+from vlm_grpo.utils import peft_base
+
+decode_kernel._on_gpu = lambda *tensors: True  # the interpreter runs the kernels on CPU tensors
+real, calls, broken = decode_kernel.decode_attention_kernel, [], []
+
+def counted(query, key, value, mask, scale):
+    calls.append(key.size(2))
+    out = real(query, key, value, mask, scale)
+    return -out if broken else out
+
+decode_kernel.decode_attention_kernel = counted
+
+def run(model, seed):
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(100, 1000, (2, 18), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # a left-padded row
+    index = torch.arange(2).repeat_interleave(2)
+    base = peft_base(model)
+    config = base.generation_config
+    config.do_sample, config.max_new_tokens, config.min_new_tokens = True, 4, 4
+    config.temperature, config.top_k, config.top_p, config.repetition_penalty = 1.0, 0, 1.0, 1.0
+    with torch.no_grad():
+        cache = DynamicCache(config=base.config)
+        prefill = {"attention_mask": mask[:, :-1]}
+        positions = _generation_positions(base, ids[:, :-1], prefill)
+        if positions is not None:
+            prefill["position_ids"] = positions
+        model(input_ids=ids[:, :-1], **decode.cache_kwarg(model, cache), use_cache=True, **prefill)
+        backbone = getattr(base, "model", base)
+        nxt = _next_positions(positions, getattr(backbone, "rope_deltas", None))
+        torch.manual_seed(seed)
+        ours = decode.fast_decode(model, cache, index, ids[index], mask[index], nxt, config, use_graph=False)
+        torch.manual_seed(seed)
+        plain = model.generate(input_ids=ids[index], attention_mask=mask[index], generation_config=config)
+    return ours.tolist(), plain[:, ids.size(1):].tolist()
+
+results = {}
+for family, path in json.loads(sys.argv[1]).items():
+    model = get_vlm_module(path).load_model(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    before = len(calls)
+    ours, plain = run(model, seed=3)
+    results[family] = {"equal": ours == plain, "kernel_calls": len(calls) - before,
+                       "distinct": len({t for row in ours for t in row})}
+    if family == "qwen2_5_vl":  # control: the kernel's output negated must change the tokens
+        broken.append(True)
+        control = run(model, seed=3)
+        broken.clear()
+        results["control_negated_equal"] = control[0] == control[1]
+print(json.dumps(results))
+"""
+
+
+def test_fast_decode_with_the_kernel_samples_what_generate_samples(tiny_models) -> None:
+    """The decode step's attention through the (interpreted) kernel: sampled tokens equal ``generate``'s under one
+    seed in every family, a row left-padded; the kernel ran at every layer and step. Control: the kernel's output
+    negated changes the tokens, so the comparison sees what the kernel returns."""
+    pytest.importorskip("triton")
+    from vlm_grpo.testing.tiny import FAMILIES
+
+    paths = json.dumps({family: str(tiny_models[family]) for family in FAMILIES})
+    results = json.loads(_python(_DECODE, paths, interpret=True).strip().splitlines()[-1])
+    assert results.pop("control_negated_equal") is False
+    for family, result in results.items():
+        assert result["kernel_calls"] > 0, family
+        assert result["equal"], (family, result)
+        assert result["distinct"] > 2, (family, result)

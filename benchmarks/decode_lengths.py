@@ -71,7 +71,7 @@ def set_inductor(settings: list[str]) -> None:
             value = ast.literal_eval(text)
         except (ValueError, SyntaxError):
             value = text
-        inductor.__setattr__(name, value)  # an unknown name raises here, before any model is built
+        setattr(inductor, name, value)  # an unknown name raises AttributeError here, before any model is built
 
 
 def one_call(

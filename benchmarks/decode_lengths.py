@@ -77,7 +77,7 @@ def set_inductor(settings: list[str]) -> None:
 def one_call(
     model, gen_config, prompt_len: int, unique: int, group: int, device, compile: bool, seed: int, fuse: bool = True,
     attention_window: int | None = None, autocast: tuple[str, torch.dtype] | None = None, cast_head: bool = True,
-    keep: bool = False, select_in_graph: bool = True, attention_kernel: bool = True,
+    keep: bool = False, select_in_graph: bool = True, attention_kernel: bool = True, compile_select: bool = True,
 ):  # fmt: skip
     """Prefill ``unique`` prompts of ``prompt_len`` tokens, decode ``unique * group`` rows; (seconds, token ids).
     ``attention_window``: ``decode.ATTENTION_WINDOW`` for this call (None: the package's). ``autocast``: the
@@ -86,10 +86,11 @@ def one_call(
     stand-in). ``keep``: fast_decode's (the workspace and its graphs kept for the next call). ``select_in_graph``:
     ``decode.SELECT_IN_GRAPH`` for this call (False: the next token is chosen after each replay). The sampler is
     seeded with ``seed`` before the decode, so the variants of one call draw comparable tokens. ``attention_kernel``:
-    ``decode_attention.KERNEL`` for this call (False: the two matmuls of ``one_token_attention``)."""
+    ``decode_attention.KERNEL`` for this call (False: the two matmuls of ``one_token_attention``). ``compile_select``:
+    ``decode_select.COMPILE`` for this call (False: a compiled step's in-graph selection runs eagerly)."""
     from transformers import DynamicCache
 
-    from vlm_grpo.fastpath import decode, decode_attention
+    from vlm_grpo.fastpath import decode, decode_attention, decode_select
     from vlm_grpo.fastpath.sharing import _generation_positions, _next_positions
     from vlm_grpo.utils import peft_base
 
@@ -118,6 +119,7 @@ def one_call(
             decode.stand_in = lambda decoder, module: module
         decode.SELECT_IN_GRAPH = select_in_graph
         kernel, decode_attention.KERNEL = decode_attention.KERNEL, attention_kernel
+        compiled_select, decode_select.COMPILE = decode_select.COMPILE, compile_select
         torch.manual_seed(seed)
         start = time.perf_counter()
         try:
@@ -129,7 +131,7 @@ def one_call(
                 torch.cuda.synchronize()
         finally:
             decode.ATTENTION_WINDOW, decode.stand_in, decode.SELECT_IN_GRAPH = window, stand_in, select
-            decode_attention.KERNEL = kernel
+            decode_attention.KERNEL, decode_select.COMPILE = kernel, compiled_select
     return time.perf_counter() - start, out
 
 
@@ -222,6 +224,11 @@ def main(argv: list[str] | None = None) -> dict:
         help="the decode attention as the Triton flash-decoding kernel (the package's, on a GPU); false: two matmuls "
         "and a softmax; 'true false': both, in turn, per prompt length (by_window keys '.../attention_kernel=...')",
     )  # fmt: skip
+    p.add_argument(
+        "--compile_select", type=flag_bool, nargs="+", default=[True],
+        help="a compiled step's in-graph token selection through torch.compile (the package's); false: eagerly; "
+        "'true false': both, in turn, per prompt length (by_window keys '.../compile_select=...')",
+    )  # fmt: skip
     p.add_argument("--greedy", type=flag_bool, default=False, help="greedy decoding (sampled: seeded per call)")
     p.add_argument("--compile_mode", default=None, help="torch.compile mode of the decode step, e.g. max-autotune")
     p.add_argument(
@@ -263,18 +270,21 @@ def main(argv: list[str] | None = None) -> dict:
     gen_config.do_sample, gen_config.temperature, gen_config.top_p, gen_config.top_k = not args.greedy, 1.0, 1.0, 0
 
     heads, keeps, selects, kernels = args.cast_head, args.keep, args.select_in_graph, args.attention_kernel
-    if len(kernels) > 1 and True in keeps:
-        p.error("--attention_kernel true false needs --keep false: a kept graph would serve both variants")
+    compiled_selects = args.compile_select
+    for name, values in (("--attention_kernel", kernels), ("--compile_select", compiled_selects)):
+        if len(values) > 1 and True in keeps:
+            p.error(f"{name} true false needs --keep false: a kept graph would serve both variants")
     windows = [
-        (w, h, k, s, a)
+        (w, h, k, s, a, c)
         for w in args.attention_window or [None] for h in heads for k in keeps for s in selects for a in kernels
+        for c in compiled_selects
     ]  # fmt: skip
     calls = []
     outputs: dict[tuple, torch.Tensor] = {}
     seen: set[int] = set()
     for n, length in enumerate(args.prompt_lengths):
         for variant in windows:
-            window, cast_head, keep, select, kernel = variant
+            window, cast_head, keep, select, kernel, compiled_select = variant
             before = counters["stats"]["unique_graphs"]
             profiler = None
             if args.profile and n == len(args.prompt_lengths) - 1:
@@ -286,7 +296,7 @@ def main(argv: list[str] | None = None) -> dict:
             captured = len(CAPTURES)
             seconds, out = one_call(
                 model, gen_config, length, args.unique, args.group, device, compile, n, args.fuse, window, autocast,
-                cast_head, keep, select, kernel,
+                cast_head, keep, select, kernel, compiled_select,
             )  # fmt: skip
             tokens = out.size(1)
             outputs[(n, variant)] = out.cpu()
@@ -297,6 +307,7 @@ def main(argv: list[str] | None = None) -> dict:
                 table = averages.table(sort_by=sort, row_limit=40, max_name_column_width=90)
                 suffix = f".w{window}{'' if cast_head else '.uncast_head'}{'.kept' if keep else ''}"
                 suffix += ("" if select else ".select_after") + ("" if kernel else ".matmuls")
+                suffix += "" if compiled_select else ".eager_select"
                 suffix = suffix if len(windows) > 1 else ""
                 Path(args.profile + suffix).write_text(table)
                 if device.type == "cuda":
@@ -306,7 +317,7 @@ def main(argv: list[str] | None = None) -> dict:
             calls.append(
                 {
                     "prompt_len": length, "attention_window": window, "cast_head": cast_head, "keep": keep,
-                    "select_in_graph": select, "attention_kernel": kernel,
+                    "select_in_graph": select, "attention_kernel": kernel, "compile_select": compiled_select,
                     "seconds": seconds,
                     "tokens": tokens,
                     "new_length": length not in seen, "graphs_compiled": counters["stats"]["unique_graphs"] - before,
@@ -320,17 +331,18 @@ def main(argv: list[str] | None = None) -> dict:
     floor_ms = 1e3 * weights / bandwidth if bandwidth else None
 
     def key(variant) -> str:
-        window, cast_head, keep, select, kernel = variant
+        window, cast_head, keep, select, kernel, compiled_select = variant
         return "/".join(
             [str(window)]
             + [f"cast_head={cast_head}"] * (len(heads) > 1)
             + [f"keep={keep}"] * (len(keeps) > 1)
             + [f"select_in_graph={select}"] * (len(selects) > 1)
             + [f"attention_kernel={kernel}"] * (len(kernels) > 1)
+            + [f"compile_select={compiled_select}"] * (len(compiled_selects) > 1)
         )
 
     def of(variant) -> list[dict]:
-        fields = ("attention_window", "cast_head", "keep", "select_in_graph", "attention_kernel")
+        fields = ("attention_window", "cast_head", "keep", "select_in_graph", "attention_kernel", "compile_select")
         return [c for c in calls if tuple(c[f] for f in fields) == variant]
 
     by_window = {key(v): _timings(of(v), floor_ms) for v in windows}

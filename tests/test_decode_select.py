@@ -192,3 +192,72 @@ def test_a_kept_workspace_selects_in_its_steps_for_every_prompt_length(tiny_mode
         steps.append(dict(spaces[-1].steps))
     assert spaces[1] is spaces[0] and steps[1] == steps[0]  # no new step: on a GPU, no new capture
     assert selected[0] >= 10
+
+
+@pytest.mark.parametrize("vocab", [700, 2048, 3001])  # under one slice, whole slices, a padded last slice
+def test_sample_one_draws_what_multinomial_draws(vocab):
+    """The compiled selection's draw, spelled out: the same token as ``torch.multinomial(softmax)`` under every
+    seed, with part of the vocabulary masked as top-k / top-p leave it; and multinomial's error for scores that
+    make no distribution. The draws are random (not the argmax), so a draw that ignored the sampler would fail."""
+    scores = torch.randn(6, vocab, generator=torch.Generator().manual_seed(vocab)) * 2
+    scores[:3, : vocab // 2] = -math.inf
+    drawn = []
+    for seed in range(12):
+        torch.manual_seed(seed)
+        expected = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        torch.manual_seed(seed)
+        drawn.append(decode_select.sample_one(scores))
+        assert drawn[-1].tolist() == expected.tolist(), seed
+    assert any(d.tolist() != scores.argmax(-1).tolist() for d in drawn)
+    nothing = scores.clone()
+    nothing[1] = -math.inf  # softmax of a row without a finite score: nan
+    with pytest.raises(RuntimeError, match="probability tensor contains either `inf`, `nan` or element < 0"):
+        decode_select.sample_one(nothing)
+
+
+def _select_tokens(compiled: bool, logits: list[torch.Tensor], prompt: torch.Tensor) -> torch.Tensor:
+    """Tokens the in-step selection (``compiled``: through compiled_select) chooses from ``logits``, one per step,
+    on a fresh Selection with fresh tuned processors (EOS id 2, min 3 new tokens), seeded the same way each time."""
+    rows, prompt_len = prompt.shape  # 7: the prompt length _processors' min_new_tokens counts from
+    processors = _processors(temperature=0.7, top_k=40, top_p=0.9, min_new_tokens=3, suppress_tokens=[5])
+    config = GenerationConfig()
+    config._eos_token_tensor, config._pad_token_tensor = torch.tensor([2]), torch.tensor(0)
+    width = prompt_len + len(logits) + 1
+    sel = decode_select.Selection(rows, width, eos_count=1, device=torch.device("cpu"))
+    sel.load(prompt, prompt_len, config, processors)
+    fed, positions = torch.zeros(rows, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long)
+    step = decode_select.InStep(sel, torch.zeros(rows, 1, 1, width), 0.0, True, fed, positions, compile=compiled)
+    torch.manual_seed(3)
+    for scores in logits:
+        step.after(scores)
+    return sel.out[:, prompt_len : prompt_len + len(logits)].clone()
+
+
+def test_the_compiled_selection_draws_the_eager_tokens(monkeypatch):
+    """A compiled step's selection goes through torch.compile (inductor, on CPU here): tuned processors, the draw
+    spelled out (sample_one) and the EOS bookkeeping choose the eager selection's tokens under one seed, and a
+    second call (new selection, new processors) reuses the compiled graph. Control: without ``fallback_random``
+    inductor draws its own random numbers, and the tokens change."""
+    from torch._dynamo.utils import counters
+
+    g = torch.Generator().manual_seed(0)
+    logits = [torch.randn(4, 300, generator=g) * 3 for _ in range(10)]
+    for scores in logits[4:]:
+        scores[:2, 2] += 12  # rows 0 and 1 end (EOS, id 2) once min_new_tokens allows it; pad (0) after that
+    logits = [scores.to(torch.bfloat16) for scores in logits]
+    prompt = torch.randint(10, 20, (4, 7), generator=g)
+    monkeypatch.setattr(decode_select, "_compiled_select", None)
+    eager = _select_tokens(False, logits, prompt)
+    assert eager[:2, -1].tolist() == [0, 0] and 2 in eager[0].tolist() and 2 not in eager[2:, :3].tolist()
+    compiled = _select_tokens(True, logits, prompt)
+    assert decode_select._compiled_select.compiled  # it did not fall back to eager
+    assert compiled.tolist() == eager.tolist()
+    graphs = counters["stats"]["unique_graphs"]
+    assert _select_tokens(True, logits, prompt).tolist() == eager.tolist()
+    assert counters["stats"]["unique_graphs"] == graphs  # the second call compiled nothing
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(decode_select, "_compiled_select", None)
+    monkeypatch.setattr(decode_select, "SELECT_OPTIONS", {})
+    assert _select_tokens(True, logits, prompt).tolist() != eager.tolist()
+    torch._dynamo.reset()

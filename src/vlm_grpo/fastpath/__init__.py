@@ -7,6 +7,8 @@ What it does (every piece behind a ``VLMGRPOConfig`` flag, parity-tested against
   from the repeated cache);
 * ``decode``: ``fast_decode`` / ``compile_decode`` / ``keep_decode_graphs`` (static cache, CUDA-graph decode step
   per attention window, kept from one generation call to the next);
+* ``decode_select``: the token's choice (processors, draw, EOS bookkeeping) inside the decode step's graph,
+  compiled with a compiled step (the draw spelled out as ``torch.multinomial`` computes it);
 * ``process_once``: ``process_prompts_once`` (TRL's processor calls run on a batch's distinct prompts only);
 * ``route``: which generations may take the shared prefill; the rest (beam search, stop strings, a wrapped
   ``generate``, ...) go through TRL's own path, whole;
@@ -31,6 +33,6 @@ installed versions, so an upgrade that drops one fails there, naming it:
   ``PretrainedConfig._attn_implementation``; ``GradientCheckpointingLayer._gradient_checkpointing_func``;
   ``integrations.sdpa_attention.sdpa_attention_forward``; ``masking_utils.sdpa_mask``;
   ``cache_utils.StaticLayer.cumulative_length`` (the static cache's write position).
-* torch ``torch._dynamo.exc.TorchDynamoException``, ``torch._dynamo.maybe_mark_dynamic``,
+* torch ``torch._dynamo.exc.TorchDynamoException``, ``torch._dynamo.maybe_mark_dynamic``, ``torch._assert_async``,
   ``torch.ops.aten._flash_attention_forward`` (the varlen flash call of the packed pass and the vision tower).
 """

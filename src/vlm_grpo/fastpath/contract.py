@@ -152,6 +152,9 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "torch._dynamo", "maybe_mark_dynamic", ("t", "index"), why="one compiled decode step for every attention window"
     ),
     PrivateName(
+        "torch", "_assert_async", why="decode_select.sample_one: multinomial's checks inside the compiled selection"
+    ),
+    PrivateName(
         "torch:ops.aten",
         "_flash_attention_forward",
         ("query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal", "scale"),

@@ -558,7 +558,7 @@ def _decode(
     positions.copy_(next_positions[..., index].unsqueeze(-1))
     sel.load(input_ids, prefix, gc, processors)
     del layers
-    selector = InStep(sel, mask, attend, gc.do_sample, tokens, positions) if in_step else None
+    selector = InStep(sel, mask, attend, gc.do_sample, tokens, positions, compile) if in_step else None
 
     # The selection counts, on the device, the steps produced while some row was unfinished (the output length
     # generate would return); the host checks for "all finished" only every _CHECK_EVERY tokens, not every token.

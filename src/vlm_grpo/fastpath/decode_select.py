@@ -12,17 +12,27 @@ counts on the device. Others (repetition penalty, ``no_repeat_ngram_size``, ...)
 current token, a shape that changes every step: the selection then runs eagerly after the replay, on the same
 buffers, through the same code, with one info line. Either way the draws are ``torch.multinomial``'s on the same
 generator in the same order, so the tokens are the ones the eager loop (and ``generate``) draws under the same seed.
+
+Inside a compiled step the selection goes through ``torch.compile`` too (:func:`compiled_select`): eagerly, its
+float copy, softmax and ``torch.multinomial`` (whose checks and draw read the 16 x 152k probabilities six times)
+took 158 us a token on an H100 (3B's vocabulary, 16 rows); compiled, with the draw spelled out as
+:func:`sample_one`, 50 us (``benchmarks/select_micro.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from vlm_grpo.fastpath.fallback import EagerOnFailure
+
+logger = logging.getLogger(__name__)
 
 # Processors whose __call__ reads the scores and their own settings only (transformers' classes, by name).
 GRAPH_SAFE = frozenset(
@@ -66,6 +76,39 @@ def signature(processors: Any) -> tuple:
         (type(p).__name__, tuple(sorted((k, _setting(v)) for k, v in vars(p).items() if k != "prompt_length_to_skip")))
         for p in processors
     )
+
+
+# The draw's reductions run over slices of this many vocabulary entries, then over the slices: one program per row
+# (16 rows of 152k entries) left the card nearly idle (53 us for the argmax alone, H100).
+DRAW_SLICE = 1024
+
+
+def _sliced(values: torch.Tensor, fill: float) -> torch.Tensor:
+    """``values`` [rows, V] as [rows, slices, DRAW_SLICE], the last slice padded with ``fill``."""
+    rows, v = values.shape
+    slices = -(-v // DRAW_SLICE)
+    return torch.nn.functional.pad(values, (0, slices * DRAW_SLICE - v), value=fill).view(rows, slices, DRAW_SLICE)
+
+
+def sample_one(scores: torch.Tensor) -> torch.Tensor:
+    """``torch.multinomial(torch.softmax(scores, -1), num_samples=1).squeeze(1)`` spelled out as PyTorch computes
+    it, for the compiled selection: the same checks, and the same draw, the first ``argmax(probs / q)`` with ``q ~
+    Exp(1)`` from ``exponential_`` on the same generator, hence the same tokens under the same seed
+    (tests/test_decode_select.py holds it to torch.multinomial). Every reduction runs over vocabulary slices and
+    then over the slices, so inductor fuses them into a few kernels that spread over the card; compiled with
+    ``fallback_random`` (:data:`SELECT_OPTIONS`), ``exponential_`` stays eager's own."""
+    q = torch.empty_like(scores).exponential_()  # first, as multinomial draws it: the checks below fuse with the rest
+    peak = _sliced(scores, -math.inf).amax(-1).amax(-1, keepdim=True)
+    exp = torch.exp(scores - peak)
+    probs = exp / _sliced(exp, 0.0).sum(-1).sum(-1, keepdim=True)  # the softmax, its sums over slices
+    p = _sliced(probs, 0.0)  # zeros change neither check
+    valid = (p.amax(-1).amax(-1) < math.inf) & (p.amin(-1).amin(-1) >= 0)
+    torch._assert_async(valid.all(), "probability tensor contains either `inf`, `nan` or element < 0")
+    torch._assert_async((p.sum(-1).sum(-1) != 0).all(), "invalid multinomial distribution (sum of probabilities <= 0)")
+    ratio = _sliced(probs / q, -math.inf)  # >= 0 (or nan) everywhere else: the padding never wins
+    best, where = ratio.max(-1)  # the first maximum of each slice
+    first = best.argmax(-1)  # the first slice holding the row's maximum
+    return first * DRAW_SLICE + where.gather(-1, first[:, None]).squeeze(-1)
 
 
 class _MinNewTokensOnDevice:
@@ -138,7 +181,10 @@ class Selection:
         ``positions``); ``input_ids``: what the processors see as the ids so far."""
         scores = processors(input_ids, logits.to(copy=True, dtype=torch.float32))
         if do_sample:
-            next_tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+            if torch.compiler.is_compiling():
+                next_tokens = sample_one(scores)
+            else:
+                next_tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
         else:
             next_tokens = torch.argmax(scores, dim=-1)
         if self.eos is not None:
@@ -152,9 +198,29 @@ class Selection:
         positions.add_(1)
 
 
+# A compiled step's in-graph selection goes through torch.compile too (False: eagerly; benchmarks compare the two).
+COMPILE = True
+# Inductor options of the compiled selection: random ops stay eager's (exponential_ draws what multinomial would).
+SELECT_OPTIONS: dict[str, Any] = {"fallback_random": True}
+_compiled_select: EagerOnFailure | None = None
+
+
+def compiled_select() -> EagerOnFailure:
+    """:meth:`Selection.select` through ``torch.compile``, one per process (dynamo caches by code object: later
+    calls' selections and processors reuse its graph). Where inductor fails (torch 2.11 cannot generate the top-p
+    warper's cumulative sum on a GPU), one warning, and the process selects eagerly from then on."""
+    global _compiled_select
+    if _compiled_select is None:
+        compiled = torch.compile(Selection.select, options=SELECT_OPTIONS)
+        failed = "compile_decode: compiling the token selection failed"
+        _compiled_select = EagerOnFailure(compiled, Selection.select, logger, failed)
+    return _compiled_select
+
+
 @dataclass(eq=False)
 class InStep:
-    """The selection as a decode step runs it inside its graph: open the fed token's slot, forward, select."""
+    """The selection as a decode step runs it inside its graph: open the fed token's slot, forward, select.
+    ``compile``: the selection goes through :func:`compiled_select` (a compiled step's); eagerly if that fails."""
 
     selection: Selection
     mask: torch.Tensor  # the workspace's whole mask (a window's view shares its storage)
@@ -162,13 +228,17 @@ class InStep:
     do_sample: bool
     tokens: torch.Tensor
     positions: torch.Tensor
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        self._select = compiled_select() if self.compile and COMPILE else Selection.select
 
     def before(self) -> None:
         self.selection.open(self.mask, self.attend)
 
     def after(self, logits: torch.Tensor) -> None:
         sel = self.selection
-        sel.select(logits, sel.graph_processors, sel.out, self.do_sample, self.tokens, self.positions)
+        self._select(sel, logits, sel.graph_processors, sel.out, self.do_sample, self.tokens, self.positions)
 
     @contextlib.contextmanager
     def restored(self) -> Iterator[Callable[[], None]]:

@@ -9,12 +9,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from vlm_grpo.rewards import REWARDS
 from vlm_grpo.serve.threaded import free_port, process_alive
 
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # torchrun and a served listener
 def test_lewis_script_trains_the_speaker_against_a_served_listener(tiny_models, tmp_path):
     out = tmp_path / "lewis"
     env = {

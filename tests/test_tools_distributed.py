@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from e2e_utils import base_args, make_dataset
@@ -16,6 +17,7 @@ from test_distributed import _free_port
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # torchrun, two ranks
 def test_two_ranks_call_the_python_tool_and_agree(tiny_models, tmp_path):
     data, plugin = make_dataset(tmp_path / "data", kinds=("single",))
     out = tmp_path / "out"

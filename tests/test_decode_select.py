@@ -261,3 +261,32 @@ def test_the_compiled_selection_draws_the_eager_tokens(monkeypatch):
     monkeypatch.setattr(decode_select, "SELECT_OPTIONS", {})
     assert _select_tokens(True, logits, prompt).tolist() != eager.tolist()
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager_step", "compiled_step"])
+def test_a_compiled_step_selects_through_compiled_select(compile, tiny_models, rows_file, tmp_path, monkeypatch):
+    """The plumbing: a compiled decode step's in-graph selection goes through compiled_select, an eager step's does
+    not. Both compilations are stood in for by the eager functions (seconds, not minutes, on CPU); the tokens stay
+    generate's."""
+    _in_step(monkeypatch)
+    monkeypatch.setattr(decode, "_compiled", lambda: decode._decode_forward)
+    selections = []
+
+    def recording():
+        def select(*args):
+            selections.append(args[0])
+            return decode_select.Selection.select(*args)
+
+        return select
+
+    monkeypatch.setattr(decode_select, "compiled_select", recording)
+    trainer = make_trainer(
+        tiny_models["qwen2_5_vl"], rows_file, tmp_path, max_completion_length=STEPS, compile_decode=compile
+    )
+    _sampled(trainer)
+    ours, plain, used = _generate_both(trainer, monkeypatch, seed=5)
+    assert used == ["fast"] and ours == plain
+    if compile:
+        assert len(selections) >= STEPS  # every token (and the warm-ups) through compiled_select
+    else:
+        assert not selections

@@ -325,7 +325,10 @@ def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
     return name, overrides
 
 
-BENCH_ONLY = {"compile_vision", "select_in_graph", "varlen_blocks", "varlen_vision", "decode_kernel", "compile_select"}
+BENCH_ONLY = {
+    "compile_vision", "select_in_graph", "varlen_blocks", "varlen_vision", "decode_kernel", "compile_select",
+    "decode_mlp",
+}  # fmt: skip
 
 
 @contextmanager
@@ -339,12 +342,14 @@ def bench_switches(kind: str):
     island), as before the eighteenth session, not as one varlen flash call per layer. ``decode_kernel=false``: the
     decode step's attention runs as two matmuls and a softmax, as before the nineteenth session, not as the Triton
     flash-decoding kernel. ``compile_select=false``: a compiled decode step's in-graph token selection runs eagerly,
-    as before the twentieth session, not through torch.compile."""
+    as before the twentieth session, not through torch.compile. ``decode_mlp=false``: the decode step's MLP runs as
+    the fused gate|up GEMM, SiLU and down, as before the twenty-first session, not as one Triton kernel."""
     from vlm_grpo.fastpath import (
         block_attention,
         compiled_layers,
         decode,
         decode_attention,
+        decode_mlp,
         decode_select,
         vision_attention,
     )
@@ -352,7 +357,7 @@ def bench_switches(kind: str):
     switches = parse_variant(kind)[1]
     real, select = compiled_layers.vision_blocks, decode.SELECT_IN_GRAPH
     text_varlen, vision_varlen = block_attention.VARLEN, vision_attention.VARLEN
-    kernel, compiled_select = decode_attention.KERNEL, decode_select.COMPILE
+    kernel, compiled_select, mlp = decode_attention.KERNEL, decode_select.COMPILE, decode_mlp.KERNEL
     if switches.get("compile_vision") is False:
         compiled_layers.vision_blocks = lambda model, vlm_module: []
     decode.SELECT_IN_GRAPH = switches.get("select_in_graph", select) is not False
@@ -360,12 +365,13 @@ def bench_switches(kind: str):
     vision_attention.VARLEN = switches.get("varlen_vision", vision_varlen) is not False
     decode_attention.KERNEL = switches.get("decode_kernel", kernel) is not False
     decode_select.COMPILE = switches.get("compile_select", compiled_select) is not False
+    decode_mlp.KERNEL = switches.get("decode_mlp", mlp) is not False
     try:
         yield
     finally:
         compiled_layers.vision_blocks, decode.SELECT_IN_GRAPH = real, select
         block_attention.VARLEN, vision_attention.VARLEN = text_varlen, vision_varlen
-        decode_attention.KERNEL, decode_select.COMPILE = kernel, compiled_select
+        decode_attention.KERNEL, decode_select.COMPILE, decode_mlp.KERNEL = kernel, compiled_select, mlp
 
 
 def busy_time(intervals: list[tuple[float, float]]) -> float:

@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import statistics
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from bench_common import decode_weight_bytes, device_defaults, flag_bool, hbm_bandwidth
@@ -74,10 +76,24 @@ def set_inductor(settings: list[str]) -> None:
         setattr(inductor, name, value)  # an unknown name raises AttributeError here, before any model is built
 
 
+class Variant(NamedTuple):
+    """One combination of the switches a call runs under: its fields are :func:`one_call`'s keywords and the keys
+    of the call records."""
+
+    attention_window: int | None
+    cast_head: bool
+    keep: bool
+    select_in_graph: bool
+    attention_kernel: bool
+    compile_select: bool
+    mlp_kernel: bool
+
+
 def one_call(
     model, gen_config, prompt_len: int, unique: int, group: int, device, compile: bool, seed: int, fuse: bool = True,
     attention_window: int | None = None, autocast: tuple[str, torch.dtype] | None = None, cast_head: bool = True,
     keep: bool = False, select_in_graph: bool = True, attention_kernel: bool = True, compile_select: bool = True,
+    mlp_kernel: bool = True,
 ):  # fmt: skip
     """Prefill ``unique`` prompts of ``prompt_len`` tokens, decode ``unique * group`` rows; (seconds, token ids).
     ``attention_window``: ``decode.ATTENTION_WINDOW`` for this call (None: the package's). ``autocast``: the
@@ -87,10 +103,11 @@ def one_call(
     ``decode.SELECT_IN_GRAPH`` for this call (False: the next token is chosen after each replay). The sampler is
     seeded with ``seed`` before the decode, so the variants of one call draw comparable tokens. ``attention_kernel``:
     ``decode_attention.KERNEL`` for this call (False: the two matmuls of ``one_token_attention``). ``compile_select``:
-    ``decode_select.COMPILE`` for this call (False: a compiled step's in-graph selection runs eagerly)."""
+    ``decode_select.COMPILE`` for this call (False: a compiled step's in-graph selection runs eagerly).
+    ``mlp_kernel``: ``decode_mlp.KERNEL`` for this call (False: the MLP as the fused gate|up GEMM and down)."""
     from transformers import DynamicCache
 
-    from vlm_grpo.fastpath import decode, decode_attention, decode_select
+    from vlm_grpo.fastpath import decode, decode_attention, decode_mlp, decode_select
     from vlm_grpo.fastpath.sharing import _generation_positions, _next_positions
     from vlm_grpo.utils import peft_base
 
@@ -120,6 +137,7 @@ def one_call(
         decode.SELECT_IN_GRAPH = select_in_graph
         kernel, decode_attention.KERNEL = decode_attention.KERNEL, attention_kernel
         compiled_select, decode_select.COMPILE = decode_select.COMPILE, compile_select
+        mlp, decode_mlp.KERNEL = decode_mlp.KERNEL, mlp_kernel
         torch.manual_seed(seed)
         start = time.perf_counter()
         try:
@@ -131,7 +149,7 @@ def one_call(
                 torch.cuda.synchronize()
         finally:
             decode.ATTENTION_WINDOW, decode.stand_in, decode.SELECT_IN_GRAPH = window, stand_in, select
-            decode_attention.KERNEL, decode_select.COMPILE = kernel, compiled_select
+            decode_attention.KERNEL, decode_select.COMPILE, decode_mlp.KERNEL = kernel, compiled_select, mlp
     return time.perf_counter() - start, out
 
 
@@ -229,6 +247,11 @@ def main(argv: list[str] | None = None) -> dict:
         help="a compiled step's in-graph token selection through torch.compile (the package's); false: eagerly; "
         "'true false': both, in turn, per prompt length (by_window keys '.../compile_select=...')",
     )  # fmt: skip
+    p.add_argument(
+        "--mlp_kernel", type=flag_bool, nargs="+", default=[True],
+        help="the decode MLP as one Triton kernel (the package's, on a GPU); false: the fused gate|up GEMM, SiLU and "
+        "down; 'true false': both, in turn, per prompt length (by_window keys '.../mlp_kernel=...')",
+    )  # fmt: skip
     p.add_argument("--greedy", type=flag_bool, default=False, help="greedy decoding (sampled: seeded per call)")
     p.add_argument("--compile_mode", default=None, help="torch.compile mode of the decode step, e.g. max-autotune")
     p.add_argument(
@@ -269,22 +292,17 @@ def main(argv: list[str] | None = None) -> dict:
     gen_config.max_new_tokens = gen_config.min_new_tokens = args.new_tokens
     gen_config.do_sample, gen_config.temperature, gen_config.top_p, gen_config.top_k = not args.greedy, 1.0, 1.0, 0
 
-    heads, keeps, selects, kernels = args.cast_head, args.keep, args.select_in_graph, args.attention_kernel
-    compiled_selects = args.compile_select
-    for name, values in (("--attention_kernel", kernels), ("--compile_select", compiled_selects)):
-        if len(values) > 1 and True in keeps:
-            p.error(f"{name} true false needs --keep false: a kept graph would serve both variants")
-    windows = [
-        (w, h, k, s, a, c)
-        for w in args.attention_window or [None] for h in heads for k in keeps for s in selects for a in kernels
-        for c in compiled_selects
-    ]  # fmt: skip
+    choices = {field: getattr(args, field) for field in Variant._fields}
+    choices["attention_window"] = args.attention_window or [None]
+    for name in ("attention_kernel", "compile_select", "mlp_kernel"):
+        if len(choices[name]) > 1 and True in args.keep:
+            p.error(f"--{name} true false needs --keep false: a kept graph would serve both variants")
+    windows = [Variant(*combination) for combination in itertools.product(*choices.values())]
     calls = []
     outputs: dict[tuple, torch.Tensor] = {}
     seen: set[int] = set()
     for n, length in enumerate(args.prompt_lengths):
         for variant in windows:
-            window, cast_head, keep, select, kernel, compiled_select = variant
             before = counters["stats"]["unique_graphs"]
             profiler = None
             if args.profile and n == len(args.prompt_lengths) - 1:
@@ -295,8 +313,8 @@ def main(argv: list[str] | None = None) -> dict:
                 profiler.__enter__()
             captured = len(CAPTURES)
             seconds, out = one_call(
-                model, gen_config, length, args.unique, args.group, device, compile, n, args.fuse, window, autocast,
-                cast_head, keep, select, kernel, compiled_select,
+                model, gen_config, length, args.unique, args.group, device, compile, n, args.fuse, autocast=autocast,
+                **variant._asdict(),
             )  # fmt: skip
             tokens = out.size(1)
             outputs[(n, variant)] = out.cpu()
@@ -305,9 +323,11 @@ def main(argv: list[str] | None = None) -> dict:
                 sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
                 averages = profiler.key_averages()
                 table = averages.table(sort_by=sort, row_limit=40, max_name_column_width=90)
-                suffix = f".w{window}{'' if cast_head else '.uncast_head'}{'.kept' if keep else ''}"
-                suffix += ("" if select else ".select_after") + ("" if kernel else ".matmuls")
-                suffix += "" if compiled_select else ".eager_select"
+                suffix = f".w{variant.attention_window}{'' if variant.cast_head else '.uncast_head'}"
+                suffix += (".kept" if variant.keep else "") + ("" if variant.select_in_graph else ".select_after")
+                suffix += "" if variant.attention_kernel else ".matmuls"
+                suffix += "" if variant.compile_select else ".eager_select"
+                suffix += "" if variant.mlp_kernel else ".mlp_gemms"
                 suffix = suffix if len(windows) > 1 else ""
                 Path(args.profile + suffix).write_text(table)
                 if device.type == "cuda":
@@ -316,9 +336,7 @@ def main(argv: list[str] | None = None) -> dict:
                     print(f"[profile] {json.dumps(kinds)}", flush=True)
             calls.append(
                 {
-                    "prompt_len": length, "attention_window": window, "cast_head": cast_head, "keep": keep,
-                    "select_in_graph": select, "attention_kernel": kernel, "compile_select": compiled_select,
-                    "seconds": seconds,
+                    "prompt_len": length, **variant._asdict(), "seconds": seconds,
                     "tokens": tokens,
                     "new_length": length not in seen, "graphs_compiled": counters["stats"]["unique_graphs"] - before,
                     "capture_s": sum(CAPTURES[captured:]), "captures": len(CAPTURES) - captured,
@@ -330,20 +348,12 @@ def main(argv: list[str] | None = None) -> dict:
     bandwidth = hbm_bandwidth(args.device)
     floor_ms = 1e3 * weights / bandwidth if bandwidth else None
 
-    def key(variant) -> str:
-        window, cast_head, keep, select, kernel, compiled_select = variant
-        return "/".join(
-            [str(window)]
-            + [f"cast_head={cast_head}"] * (len(heads) > 1)
-            + [f"keep={keep}"] * (len(keeps) > 1)
-            + [f"select_in_graph={select}"] * (len(selects) > 1)
-            + [f"attention_kernel={kernel}"] * (len(kernels) > 1)
-            + [f"compile_select={compiled_select}"] * (len(compiled_selects) > 1)
-        )
+    def key(variant: Variant) -> str:  # the window, then every switch given more than one value
+        varied = [f"{f}={getattr(variant, f)}" for f in Variant._fields[1:] if len(choices[f]) > 1]
+        return "/".join([str(variant.attention_window), *varied])
 
-    def of(variant) -> list[dict]:
-        fields = ("attention_window", "cast_head", "keep", "select_in_graph", "attention_kernel", "compile_select")
-        return [c for c in calls if tuple(c[f] for f in fields) == variant]
+    def of(variant: Variant) -> list[dict]:
+        return [c for c in calls if Variant(*(c[f] for f in Variant._fields)) == variant]
 
     by_window = {key(v): _timings(of(v), floor_ms) for v in windows}
     agreement = None

@@ -138,7 +138,30 @@ def sweep_configs() -> list[tuple[str, dict]]:
     ]
 
 
-def measure(model: str, name: str, n: int, k: int, has_bias: bool, rows: int, sweep: bool, bandwidth: float) -> dict:
+LAYOUTS = ("nn", "tall", "lt")
+
+
+def layout_variants(x: torch.Tensor, bias: torch.Tensor | None) -> dict:
+    """cuBLAS on the same product laid out otherwise (``--layouts``): each entry maps a weight (n, k) to the
+    operand it is given (built once, as the decode builds its fused copies) and that operand to the output (rows,
+    n), possibly as a transposed view. ``nn``: the weight stored (k, n); ``tall``: ``w @ x.T``, n output rows and
+    ``rows`` columns; ``lt``: ``F.linear`` with cuBLASLt preferred for every product."""
+    xt = x.t().contiguous()
+    col = None if bias is None else bias[:, None]
+
+    def tall(w: torch.Tensor) -> torch.Tensor:
+        return (torch.mm(w, xt) if col is None else torch.addmm(col, w, xt)).t()
+
+    def nn(wt: torch.Tensor) -> torch.Tensor:
+        return x @ wt if bias is None else torch.addmm(bias, x, wt)
+
+    return {"nn": (lambda w: w.t().contiguous(), nn), "tall": (lambda w: w, tall)}
+
+
+def measure(
+    model: str, name: str, n: int, k: int, has_bias: bool, rows: int, sweep: bool, bandwidth: float,
+    layouts: bool = False,
+) -> dict:  # fmt: skip
     """One projection shape: cuBLAS, the package's blocks and (``sweep``) the grid; each checked, then timed."""
     dtype = torch.bfloat16
     nbytes = n * k * 2
@@ -168,6 +191,21 @@ def measure(model: str, name: str, n: int, k: int, has_bias: bool, rows: int, sw
             row["variants"][label] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
             continue
         row["variants"][label] = {"us": us, "GBps": nbytes / us / 1e3, "rel_err": err}
+    for label, (prepare, product) in (layout_variants(x, bias) if layouts else {}).items():
+        operands = [prepare(w) for w in weights]
+        err = ((product(operands[0]).float() - ref).norm() / ref.norm()).item()
+        row["variants"][label] = {"us": timed(product, operands), "rel_err": err}
+        row["variants"][label]["GBps"] = nbytes / row["variants"][label]["us"] / 1e3
+        del operands
+    if layouts:  # cuBLASLt for every product, the weight as the package holds it
+        previous = torch.backends.cuda.preferred_blas_library()
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        try:
+            err = ((F.linear(x, weights[0], bias).float() - ref).norm() / ref.norm()).item()
+            us = timed(lambda w: F.linear(x, w, bias), weights)
+            row["variants"]["lt"] = {"us": us, "GBps": nbytes / us / 1e3, "rel_err": err}
+        finally:
+            torch.backends.cuda.preferred_blas_library(previous)
     ok = {key: v for key, v in row["variants"].items() if "us" in v and v["rel_err"] < 2e-2}
     row["best"] = min(ok, key=lambda key: ok[key]["us"])
     return row
@@ -179,20 +217,22 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["3b"], choices=sorted(SHAPES))
     parser.add_argument("--sweep", action="store_true", help="also time a grid of block shapes")
     parser.add_argument("--bandwidth", type=float, default=3.35, help="TB/s (H100 SXM 3.35, H200 4.8)")
+    parser.add_argument("--layouts", action="store_true", help="also time cuBLAS on other layouts (nn, tall, lt)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
     results = []
     for model, rows in itertools.product(args.models, args.rows):
         for name, n, k, has_bias in SHAPES[model]:
-            row = measure(model, name, n, k, has_bias, rows, args.sweep, args.bandwidth)
+            row = measure(model, name, n, k, has_bias, rows, args.sweep, args.bandwidth, args.layouts)
             results.append(row)
             cub, pkg, best = row["variants"]["cublas"], row["variants"].get("triton", {}), row["best"]
             print(
                 f"{model} {name:8s} rows {rows:3d} {n}x{k}: floor {row['floor_us']:.1f} us | cublas {cub['us']:.1f} "
                 f"({cub['GBps']:.0f} GB/s) | triton {pkg.get('us', float('nan')):.1f} "
                 f"({pkg.get('GBps', float('nan')):.0f} GB/s, err {pkg.get('rel_err', float('nan')):.1e}) | "
-                f"best {best} {row['variants'][best]['us']:.1f}",
+                f"best {best} {row['variants'][best]['us']:.1f}"
+                + "".join(f" | {key} {v['us']:.1f}" for key, v in row["variants"].items() if key in LAYOUTS),
                 flush=True,
             )
             torch.cuda.empty_cache()

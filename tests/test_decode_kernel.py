@@ -9,11 +9,10 @@ checks that torch.compile traces the op into one graph (nothing can launch it he
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+
+from interpreted import check_decode_parity, python_run
 
 # name: (dtype, B, H, H_kv, L, d, mask, cache slots (> L: K/V are a window of it), expected splits)
 CASES = {
@@ -98,36 +97,11 @@ print("OPS", len(graphs), ops.count(torch.ops.vlm_grpo.decode_attention))
 """
 
 
-def _python(code: str, *args: str, interpret: bool) -> str:
-    return _pythons(code, [args], interpret=interpret)[0]
-
-
-def _pythons(code: str, runs: list[tuple[str, ...]], interpret: bool) -> list[str]:
-    """``code`` in one subprocess per argument tuple, all at once (the interpreter is slow, and CI has two cores)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if interpret:
-        env["TRITON_INTERPRET"] = "1"
-    if len(runs) > 1:
-        env["OMP_NUM_THREADS"] = "1"  # one core each: the runs go side by side
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", code, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        for args in runs
-    ]
-    outputs = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, err[-4000:]
-        outputs.append(out)
-    return outputs
-
-
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, dict]:
     """Every case of ``CASES`` run once through the interpreted kernels."""
     pytest.importorskip("triton")
-    return json.loads(_python(_RUN_CASES, json.dumps(CASES), interpret=True).strip().splitlines()[-1])
+    return json.loads(python_run(_RUN_CASES, json.dumps(CASES), interpret=True).strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -176,17 +150,11 @@ def test_supported_is_false_on_cpu() -> None:
 def test_traces_into_one_graph() -> None:
     """``torch.compile(fullgraph=True)`` takes the op without a graph break (the kernels themselves are not run)."""
     pytest.importorskip("triton")
-    assert "OPS 1 1" in _python(_TRACE, interpret=False)
+    assert "OPS 1 1" in python_run(_TRACE, interpret=False)
 
 
-_DECODE = r"""
-import json, sys
-import torch
-from transformers import DynamicCache
-from vlm_grpo.fastpath import decode, decode_kernel
-from vlm_grpo.fastpath.sharing import _generation_positions, _next_positions
-from vlm_grpo.modules import get_vlm_module
-from vlm_grpo.utils import peft_base
+_SETUP = r"""
+from vlm_grpo.fastpath import decode_kernel
 
 decode_kernel._on_gpu = lambda *tensors: True  # the interpreter runs the kernels on CPU tensors
 real, calls, broken = decode_kernel.decode_attention_kernel, [], []
@@ -197,45 +165,6 @@ def counted(query, key, value, mask, scale):
     return -out if broken else out
 
 decode_kernel.decode_attention_kernel = counted
-
-def run(model, seed):
-    g = torch.Generator().manual_seed(7)
-    ids = torch.randint(100, 1000, (2, 18), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0  # a left-padded row
-    index = torch.arange(2).repeat_interleave(2)
-    base = peft_base(model)
-    config = base.generation_config
-    config.do_sample, config.max_new_tokens, config.min_new_tokens = True, 4, 4
-    config.temperature, config.top_k, config.top_p, config.repetition_penalty = 1.0, 0, 1.0, 1.0
-    with torch.no_grad():
-        cache = DynamicCache(config=base.config)
-        prefill = {"attention_mask": mask[:, :-1]}
-        positions = _generation_positions(base, ids[:, :-1], prefill)
-        if positions is not None:
-            prefill["position_ids"] = positions
-        model(input_ids=ids[:, :-1], **decode.cache_kwarg(model, cache), use_cache=True, **prefill)
-        backbone = getattr(base, "model", base)
-        nxt = _next_positions(positions, getattr(backbone, "rope_deltas", None))
-        torch.manual_seed(seed)
-        ours = decode.fast_decode(model, cache, index, ids[index], mask[index], nxt, config, use_graph=False)
-        torch.manual_seed(seed)
-        plain = model.generate(input_ids=ids[index], attention_mask=mask[index], generation_config=config)
-    return ours.tolist(), plain[:, ids.size(1):].tolist()
-
-results = {}
-for family, path in json.loads(sys.argv[1]).items():
-    model = get_vlm_module(path).load_model(path, dtype=torch.float32, attn_implementation="sdpa").eval()
-    before = len(calls)
-    ours, plain = run(model, seed=3)
-    results[family] = {"equal": ours == plain, "kernel_calls": len(calls) - before,
-                       "distinct": len({t for row in ours for t in row})}
-    if family == "qwen2_5_vl":  # control: the kernel's output negated must change the tokens
-        broken.append(True)
-        control = run(model, seed=3)
-        broken.clear()
-        results["control_negated_equal"] = control[0] == control[1]
-print(json.dumps(results))
 """
 
 
@@ -244,15 +173,4 @@ def test_fast_decode_with_the_kernel_samples_what_generate_samples(tiny_models) 
     seed in every family, a row left-padded; the kernel ran at every layer and step. Control: the kernel's output
     negated changes the tokens, so the comparison sees what the kernel returns."""
     pytest.importorskip("triton")
-    from vlm_grpo.testing.tiny import FAMILIES
-
-    halves = [FAMILIES[: len(FAMILIES) // 2], FAMILIES[len(FAMILIES) // 2 :]]
-    runs = [(json.dumps({family: str(tiny_models[family]) for family in half}),) for half in halves]
-    results = {}
-    for out in _pythons(_DECODE, runs, interpret=True):
-        results.update(json.loads(out.strip().splitlines()[-1]))
-    assert results.pop("control_negated_equal") is False
-    for family, result in results.items():
-        assert result["kernel_calls"] > 0, family
-        assert result["equal"], (family, result)
-        assert result["distinct"] > 2, (family, result)
+    check_decode_parity(_SETUP, tiny_models)

@@ -14,6 +14,8 @@ What it does (every piece behind a ``VLMGRPOConfig`` flag, parity-tested against
   ``generate``, ...) go through TRL's own path, whole;
 * ``decode_attention``: the decode step's attention over grouped K/V heads, without per-head copies: on GPUs with
   Triton ``decode_kernel`` (flash-decoding, a ``torch.library.triton_op``), elsewhere two matmuls;
+* ``decode_mlp``: the decode step's MLP as two Triton kernels on the live weights (gate, up and SiLU; down),
+  swapped in by ``decode_fusion`` for a generation call;
 * ``block_attention``: the packed pass's attention kernel (``packed_attention=blocks``): one varlen flash call on
   GPUs, per-row sdpa calls elsewhere;
 * ``compiled_layers``: ``compile_layers``; ``fallback``: compiled-with-eager-fallback;
@@ -32,7 +34,7 @@ installed versions, so an upgrade that drops one fails there, naming it:
   ``_get_logits_processor``; Qwen-VL's ``_prepare_position_ids_for_generation``;
   ``PretrainedConfig._attn_implementation``; ``GradientCheckpointingLayer._gradient_checkpointing_func``;
   ``integrations.sdpa_attention.sdpa_attention_forward``; ``masking_utils.sdpa_mask``;
-  ``cache_utils.StaticLayer.cumulative_length`` (the static cache's write position).
+  ``cache_utils.StaticLayer.cumulative_length`` (the static cache's write position); ``activations.SiLUActivation``.
 * torch ``torch._dynamo.exc.TorchDynamoException``, ``torch._dynamo.maybe_mark_dynamic``, ``torch._assert_async``,
   ``torch.ops.aten._flash_attention_forward`` (the varlen flash call of the packed pass and the vision tower).
 """

@@ -155,6 +155,11 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "torch", "_assert_async", why="decode_select.sample_one: multinomial's checks inside the compiled selection"
     ),
     PrivateName(
+        "transformers.activations",
+        "SiLUActivation",
+        why="decode_mlp: the MLP's act_fn is SiLU (ACT2FN['silu']), the one activation the kernel computes",
+    ),
+    PrivateName(
         "torch:ops.aten",
         "_flash_attention_forward",
         ("query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal", "scale"),

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from vlm_grpo.fastpath import decode_mlp
 from vlm_grpo.fastpath.block_attention import as_sdpa
 from vlm_grpo.fastpath.decode_attention import decode_attention
 from vlm_grpo.fastpath.decode_fusion import fused_nbytes, fused_projections, kept_tensors, release_kept, stand_in
@@ -427,8 +428,8 @@ def fast_decode(
     eos_count = None if gc._eos_token_tensor is None else gc._eos_token_tensor.numel()
     key = (
         rows, tuple((x.dtype, x.size(1), x.size(-1)) for layer in layers for x in (layer.keys, layer.values)),
-        attn, windowed, tuple(next_positions.shape[:-1]), use_graph, compile, fuse, autocast, _modes(decoder),
-        eos_count, in_step and (gc.do_sample, signature(processors)),
+        attn, windowed, tuple(next_positions.shape[:-1]), use_graph, compile, (fuse, decode_mlp.KERNEL), autocast,
+        _modes(decoder), eos_count, in_step and (gc.do_sample, signature(processors)),
     )  # fmt: skip
     if keep is None:
         kept = _KEPT.get(decoder)
@@ -436,13 +437,13 @@ def fast_decode(
         per_slot = sum(
             x.size(1) * x.size(-1) * x.element_size() for layer in layers for x in (layer.keys, layer.values)
         )
-        fused = fused_nbytes(decoder, cast, head) if fuse else 0
+        fused = fused_nbytes(decoder, cast, head, rows) if fuse else 0
         keep = _keep_by_default(use_graph, device, fused + held * rows * per_slot)
         if not keep:  # over the budget now (a longer decode): what was kept goes
             _KEPT.pop(decoder, None)
             release_kept(decoder)
     # keep False leaves a kept workspace alone: it is neither used nor freed by this call.
-    with fused_projections(decoder, cast, head, keep=keep) if fuse else contextlib.nullcontext():
+    with fused_projections(decoder, cast, head, keep=keep, rows=rows) if fuse else contextlib.nullcontext():
         head = stand_in(decoder, head)
         pointers = _pointers(decoder, head) if keep else ()
         ws = _KEPT.pop(decoder, None) if keep else None

@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlm_grpo.fastpath import decode_mlp
+
 # Projections that read the same input in the decoders of the supported families (Qwen2/2.5/3-VL; InternVL
 # with a Qwen2/Qwen3 language model), in the order the model calls them.
 GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -181,7 +183,7 @@ def _innermost_linear(holder: nn.Module, key: str) -> tuple[nn.Module, str, nn.L
     return (holder, key, module) if type(module) is nn.Linear else None
 
 
-_Swap = tuple[nn.Module, str, nn.Module, _Part]  # holder, attribute, the module there, its stand-in
+_Swap = tuple[nn.Module, str, nn.Module, nn.Module]  # holder, attribute, the module there, its stand-in
 # The groups, the swaps, and the stand-ins for modules outside the decoder (the LM head), which the caller calls
 # in their place (swapping them would need their holder, the whole model, in this cache: it would never be freed).
 _Plan = tuple[list[_Group], list[_Swap], dict[nn.Module, _Part]]
@@ -192,7 +194,7 @@ _PLANS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, _Plan]] = weakref.WeakK
 _ACTIVE: weakref.WeakKeyDictionary[nn.Module, _Plan] = weakref.WeakKeyDictionary()  # inside fused_projections
 
 
-def _plan(decoder: nn.Module, every_single: bool, head: nn.Module | None) -> _Plan:
+def _plan(decoder: nn.Module, every_single: bool, head: nn.Module | None, mlp_kernel: bool) -> _Plan:
     groups: list[_Group] = []
     swaps: list[_Swap] = []
     outside: dict[nn.Module, _Part] = {}
@@ -200,7 +202,18 @@ def _plan(decoder: nn.Module, every_single: bool, head: nn.Module | None) -> _Pl
         group = _Group([head], [None])
         groups.append(group)
         outside[head] = _Part(group, 0, head)
+    # A plain SiLU MLP runs as one kernel on its live weights (decode_mlp): no gate|up copy. Not under a cast:
+    # the kernel would read the fp32 weights.
+    kernels: set[nn.Module] = set()
+    for holder in decoder.modules() if mlp_kernel and not every_single else []:
+        for name, child in holder.named_children():
+            fused = decode_mlp.stand_in_for(child)
+            if fused is not None:
+                swaps.append((holder, name, child, fused))
+                kernels.add(child)
     for module in decoder.modules():
+        if module in kernels:
+            continue
         singles = [(n,) for n in SINGLES if every_single or _foldable_lora(getattr(module, n, None))]
         for names in (*GROUPS, *singles):
             if not all(isinstance(getattr(module, n, None), nn.Module) for n in names):
@@ -242,18 +255,22 @@ def _unmerges_on_forward(module: nn.Module) -> bool:
     return _is_lora_layer(module) and bool(module.disable_adapters) and bool(module.merged)
 
 
-def _current_plan(decoder: nn.Module, every_single: bool, head: nn.Module | None) -> _Plan:
+def _current_plan(decoder: nn.Module, every_single: bool, head: nn.Module | None, rows: int | None) -> _Plan:
     plans = _PLANS.setdefault(decoder, {})
-    plan = plans.get((every_single, head))
+    mlp_kernel = decode_mlp.KERNEL and rows is not None and rows <= decode_mlp.ROWS_MAX
+    key = (every_single, head, mlp_kernel)
+    plan = plans.get(key)
     if plan is None or any(getattr(holder, name, None) is not original for holder, name, original, _ in plan[1]):
-        plan = plans[every_single, head] = _plan(decoder, every_single, head)  # first call, or the modules changed
+        plan = plans[key] = _plan(decoder, every_single, head, mlp_kernel)  # first call, or the modules changed
     return plan
 
 
-def fused_nbytes(decoder: nn.Module, dtype: torch.dtype | None = None, head: nn.Module | None = None) -> int:
+def fused_nbytes(
+    decoder: nn.Module, dtype: torch.dtype | None = None, head: nn.Module | None = None, rows: int | None = None
+) -> int:
     """Bytes of the copy :func:`fused_projections` makes with these arguments."""
     every_single = dtype is not None
-    groups = _current_plan(decoder, every_single, head if every_single else None)[0]
+    groups = _current_plan(decoder, every_single, head if every_single else None, rows)[0]
     return sum(group.nbytes(dtype) for group in groups)
 
 
@@ -266,19 +283,22 @@ def kept_tensors(decoder: nn.Module) -> list[torch.Tensor]:
 
 @contextlib.contextmanager
 def fused_projections(
-    decoder: nn.Module, dtype: torch.dtype | None = None, head: nn.Module | None = None, keep: bool = False
-) -> Iterator[int]:
+    decoder: nn.Module, dtype: torch.dtype | None = None, head: nn.Module | None = None, keep: bool = False,
+    rows: int | None = None,
+) -> Iterator[int]:  # fmt: skip
     """While active, every q|k|v and gate|up group of ``decoder`` runs as one GEMM (and every o / down projection
     with a foldable LoRA layer as one plain GEMM). ``dtype``: the autocast's, when it differs from the weights'
     (see the module doc): every fused weight in it, and every o / down projection too. ``head``: the LM head; with
     ``dtype``, :func:`stand_in` gives what to call in its place, a copy in ``dtype`` (a plain ``nn.Linear`` only).
     ``keep``: the copy is made in storage kept after the call, which the next such call refills (a kept decode
     graph reads it there; :func:`release_kept` frees it); otherwise in storage of the call's own, freed on exit
-    (a kept copy is left alone). Yields the number of groups fused (0 when none qualifies: the model runs
-    unchanged). The modules are restored on exit."""
+    (a kept copy is left alone). ``rows``: the rows each decode step computes; up to ``decode_mlp.ROWS_MAX`` (and
+    without ``dtype``), each plain SiLU MLP runs as ``decode_mlp``'s kernels on its live weights instead of a
+    gate|up group. Yields the number of groups fused (0 when none qualifies: the model runs unchanged). The modules
+    are restored on exit."""
     every_single = dtype is not None
     head = head if every_single else None  # the head only needs a stand-in to be cast
-    plan = _current_plan(decoder, every_single, head)
+    plan = _current_plan(decoder, every_single, head, rows)
     groups, swaps, _ = plan
     if any(_unmerges_on_forward(m) for m in decoder.modules()):
         yield 0  # PEFT would change the base weights during the call: the model runs unchanged

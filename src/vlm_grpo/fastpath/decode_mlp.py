@@ -1,0 +1,225 @@
+"""The decode step's MLP (gate and up, SiLU-and-multiply, down) as two Triton kernels on the live weights.
+
+At decode a batch is ~16 rows, so the MLP is three matrix-vector products bound by reading ~3/4 of a layer's
+weights. As cuBLAS GEMMs (gate|up fused, down split over K plus its reduction) with a SiLU-and-multiply kernel
+between, they read those weights at ~65% of an H100's bandwidth: 61-65 us a layer against 40.4 us to read them
+once (Qwen2.5-VL-3B, 16 rows, 36 layers in one CUDA graph; ``benchmarks/decode_mlp_micro.py``). Two kernels
+shaped for a few rows take 53.7 us:
+
+* ``_gate_up_kernel``: two programs per SM, each over one contiguous strip of intermediate columns, reads its gate
+  and up rows straight from the live weights (no fused copy) and writes the SiLU-and-multiply, rounded as the
+  eager module rounds it (gate, up, SiLU and the product each in the weights' dtype);
+* ``_down_kernel``: each program takes 16 output columns of down over the whole intermediate dimension (no
+  split-K, no reduction kernel).
+
+Every output is one fp32 dot product of one program in a fixed order: deterministic. (One launch with a grid
+barrier between the phases was measured too: no faster than two, so not kept; RESULTS.md, twenty-first session.)
+
+The kernels stand in for a decoder layer's MLP module during a generation call (``decode_fusion`` swaps it in,
+as it swaps in the fused projections): only for the plain ``gate_proj``/``up_proj``/``down_proj`` + SiLU MLP of
+the supported families, with plain bias-free ``nn.Linear`` projections (a PEFT-wrapped MLP keeps the fused path)
+in one dtype, and for at most ``ROWS_MAX`` rows (anything longer runs the module itself). ``KERNEL = False``
+turns them off.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.runtime.errors import OutOfResources
+except ImportError:  # the module still imports; stand_in_for says None
+    triton = None
+
+KERNEL = True  # on a GPU with Triton: the decode step's MLP as these kernels; False: the fused gate|up GEMM path
+# Rows a decode step may have for these kernels (H100, 3B: faster than the GEMM path at 8, 16 and 32 rows, slower
+# at 48 and 64, where all rows' accumulators and tiles crowd the SM). decode_fusion plans by the call's rows; more
+# rows reaching the stand-in (a prefill) run the module itself.
+ROWS_MAX = 32
+BN2 = 16  # output columns of down per program
+_INTERPRETED_PROGRAMS = 4  # the "SM count" on CPU (Triton's interpreter): several programs in phase 1
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gate_up_kernel(
+        x_ptr, wg_ptr, wu_ptr, m_ptr, M, H, INTER, stride_x, stride_m, PAIRS,
+        BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        """m[:, strip] = silu(x @ gate[strip].T) * (x @ up[strip].T) for this program's ``PAIRS`` columns, each
+        product rounded to m's dtype as the eager module rounds it."""
+        rows = tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        local = tl.arange(0, BLOCK_P)
+        p = tl.program_id(0) * PAIRS + local
+        p_ok = (local < PAIRS) & (p < INTER)
+        acc_g = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            k = k0 + tl.arange(0, BK)
+            k_ok = k < H
+            xb = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w_mask = p_ok[None, :] & k_ok[:, None]  # the weight strips as (BK, BLOCK_P): rows contiguous along k
+            wg = tl.load(wg_ptr + p[None, :].to(tl.int64) * H + k[:, None], mask=w_mask, other=0.0)
+            wu = tl.load(wu_ptr + p[None, :].to(tl.int64) * H + k[:, None], mask=w_mask, other=0.0)
+            acc_g = tl.dot(xb, wg, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(xb, wu, acc_u, input_precision=PRECISION)
+        dtype = m_ptr.dtype.element_ty
+        gate = acc_g.to(dtype).to(tl.float32)
+        up = acc_u.to(dtype).to(tl.float32)
+        act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+        tl.store(
+            m_ptr + rows[:, None] * stride_m + p[None, :], (act * up).to(dtype), mask=row_ok[:, None] & p_ok[None, :]
+        )
+
+    @triton.jit
+    def _down_kernel(
+        m_ptr, wd_ptr, y_ptr, M, H, INTER, stride_m, stride_y,
+        BLOCK_M: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        """y[:, cols] = m @ down[cols].T for this program's ``BN`` output columns, over the whole intermediate
+        dimension (one dot product per output: no split-K, deterministic)."""
+        rows = tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        c = tl.program_id(0) * BN + tl.arange(0, BN)
+        c_ok = c < H
+        acc = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
+        for k0 in range(0, INTER, BK):
+            k = k0 + tl.arange(0, BK)
+            k_ok = k < INTER
+            mb = tl.load(m_ptr + rows[:, None] * stride_m + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w_mask = c_ok[None, :] & k_ok[:, None]
+            wd = tl.load(wd_ptr + c[None, :].to(tl.int64) * INTER + k[:, None], mask=w_mask, other=0.0)
+            acc = tl.dot(mb, wd, acc, input_precision=PRECISION)
+        y = acc.to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + rows[:, None] * stride_y + c[None, :], y, mask=row_ok[:, None] & c_ok[None, :])
+
+
+def strip(inter: int, programs: int) -> int:
+    """Intermediate columns per phase-1 program: ``programs`` strips, none wider than 128."""
+    return min(-(-inter // programs), 128)
+
+
+def stages(stage_bytes: int, budget: int) -> int:
+    """Pipeline depth: up to 4, as many stages of ``stage_bytes`` as ``budget`` bytes of shared memory hold
+    (Triton keeps up to one tile per stage there), at least 1."""
+    return max(1, min(4, budget // stage_bytes))
+
+
+def _run(kernel: Any, grid: tuple[int], args: tuple, depth: int, **kwargs: Any) -> None:
+    """Launch at pipeline depth ``depth``, one shallower each time shared memory cannot hold it (checked before
+    the launch, so a CUDA graph being captured sees only the launch that fits)."""
+    while True:
+        try:
+            kernel[grid](*args, num_stages=depth, **kwargs)
+            return
+        except OutOfResources:
+            if depth == 1:
+                raise
+            depth -= 1
+
+
+def _device(x: torch.Tensor) -> tuple[int, int]:
+    """(SMs, shared memory a program may use); on CPU (Triton's interpreter) a few "SMs" and no limit."""
+    if not x.is_cuda:
+        return _INTERPRETED_PROGRAMS, 1 << 30
+    props = torch.cuda.get_device_properties(x.device)
+    return props.multi_processor_count, props.shared_memory_per_multiprocessor - 1024  # the opt-in per block
+
+
+def _launch(
+    x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, tuning: dict | None = None
+) -> torch.Tensor:
+    """``down(silu(gate(x)) * up(x))`` for ``x`` (..., hidden), contiguous. ``tuning`` (benchmarks): ``programs``
+    (phase 1's; default two per SM), ``BK1``, ``BN2``, ``BK2``, ``num_stages`` (default: as deep as fits, up to
+    4); ``only``: "gate_up" or "down" to launch that kernel alone (for its time: the output is then meaningless)."""
+    x2 = x.reshape(-1, x.size(-1))
+    rows, hidden = x2.shape
+    inter = gate.size(0)
+    sms, smem = _device(x)
+    size = x.element_size()
+    wide = size >= 4  # fp32: half the K blocks, so the pipelined tiles fit shared memory
+    t = {"programs": 2 * sms, "BK1": 64 if wide else 128, "BN2": BN2, "BK2": 256 if wide else 512, **(tuning or {})}
+    pairs = strip(inter, t["programs"])
+    block_m, block_p = max(16, triton.next_power_of_2(rows)), triton.next_power_of_2(pairs)
+    m = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
+    common = {"BLOCK_M": block_m, "PRECISION": "ieee" if wide else "tf32", "num_warps": 4}
+    if t.get("only") != "down":
+        depth = t.get("num_stages") or stages((2 * block_p + block_m) * t["BK1"] * size, smem)
+        args = (x2, gate, up, m, rows, hidden, inter, x2.stride(0), m.stride(0), pairs)
+        _run(_gate_up_kernel, (-(-inter // pairs),), args, depth, BLOCK_P=block_p, BK=t["BK1"], **common)
+    if t.get("only") != "gate_up":
+        depth = t.get("num_stages") or stages((block_m + t["BN2"]) * t["BK2"] * size, smem)
+        args = (m, down, y, rows, hidden, inter, m.stride(0), y.stride(0))
+        _run(_down_kernel, (-(-hidden // t["BN2"]),), args, depth, BN=t["BN2"], BK=t["BK2"], **common)
+    return y.view(*x.shape[:-1], hidden)
+
+
+if triton is not None:
+    # Opaque to torch.compile: inductor calls it as it is (a CUDA graph captures its two launches).
+    @torch.library.custom_op("vlm_grpo::decode_mlp", mutates_args=())
+    def _decode_mlp_op(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        return _launch(x, gate, up, down)
+
+    @_decode_mlp_op.register_fake
+    def _(x, gate, up, down):
+        return x.new_empty(*x.shape[:-1], down.size(0))
+
+
+def _on_gpu(*tensors: torch.Tensor) -> bool:
+    """Where the kernel runs (tests on CPU replace this while Triton's interpreter runs it)."""
+    return all(t.is_cuda for t in tensors)
+
+
+class FusedMLP(nn.Module):
+    """Stands in for a decoder layer's MLP module during a generation call: the kernel on its live weights."""
+
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        self.mlp = mlp  # a child: code that lists the decoder's parameters during the call still finds its weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mlp = self.mlp
+        if x.numel() > ROWS_MAX * x.size(-1) or not x.is_contiguous() or x.dtype != mlp.gate_proj.weight.dtype:
+            return mlp(x)
+        weights = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+        return torch.ops.vlm_grpo.decode_mlp(x, *weights)
+
+
+def stand_in_for(module: nn.Module) -> FusedMLP | None:
+    """A :class:`FusedMLP` for ``module`` if it is the plain SiLU MLP the kernel computes, else None."""
+    if not KERNEL or triton is None:
+        return None
+    names = {"gate_proj", "up_proj", "down_proj", "act_fn"}
+    if set(dict(module.named_children())) != names or not _is_silu(module.act_fn):
+        return None
+    gate, up, down = module.gate_proj, module.up_proj, module.down_proj
+    if any(type(m) is not nn.Linear or m.bias is not None for m in (gate, up, down)):
+        return None  # a PEFT-wrapped or biased projection: the fused path handles it
+    weights = [gate.weight, up.weight, down.weight]
+    if any(w.dim() != 2 for w in weights):  # e.g. ZeRO-3's partitioned placeholders
+        return None
+    if not _on_gpu(*weights) or len({(w.dtype, w.device) for w in weights}) != 1:
+        return None
+    if gate.weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return None
+    inter, hidden = gate.weight.shape
+    if up.weight.shape != (inter, hidden) or down.weight.shape != (hidden, inter):
+        return None
+    return FusedMLP(module) if all(w.is_contiguous() for w in weights) else None
+
+
+def _is_silu(act: nn.Module) -> bool:
+    """``nn.SiLU`` or transformers' ``SiLUActivation`` (what ``ACT2FN["silu"]`` gives), nothing derived."""
+    try:
+        from transformers.activations import SiLUActivation
+    except ImportError:  # an older transformers: ACT2FN["silu"] is nn.SiLU
+        SiLUActivation = nn.SiLU
+    return type(act) in (nn.SiLU, SiLUActivation)

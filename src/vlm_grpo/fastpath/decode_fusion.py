@@ -25,6 +25,9 @@ weights. ``dtype`` then builds every fused weight in the autocast's dtype, and o
 own too. The numbers are the same: autocast casts the weight to that dtype before the GEMM anyway.
 The LM head gets its copy too (3B: otherwise 1.2 GB of fp32 read and 0.6 GB of bf16 written and read again at
 every step). It lives outside the decoder and is not swapped: :func:`stand_in` gives the caller its stand-in.
+
+For decode calls of a few rows (``decode_mlp.ROWS_MAX``) without a cast, a plain SiLU MLP is not a gate|up group:
+the whole MLP module is swapped for ``decode_mlp.FusedMLP``, two Triton kernels on its live weights (no copy).
 """
 
 from __future__ import annotations
@@ -202,8 +205,8 @@ def _plan(decoder: nn.Module, every_single: bool, head: nn.Module | None, mlp_ke
         group = _Group([head], [None])
         groups.append(group)
         outside[head] = _Part(group, 0, head)
-    # A plain SiLU MLP runs as one kernel on its live weights (decode_mlp): no gate|up copy. Not under a cast:
-    # the kernel would read the fp32 weights.
+    # A plain SiLU MLP runs as decode_mlp's kernels on its live weights: no gate|up copy. Not under a cast: the
+    # kernels would read the fp32 weights.
     kernels: set[nn.Module] = set()
     for holder in decoder.modules() if mlp_kernel and not every_single else []:
         for name, child in holder.named_children():

@@ -200,3 +200,79 @@ def test_a_compiled_step_takes_the_stand_in_as_one_op(monkeypatch: pytest.Monkey
     torch.compile(lambda x: fused(x) * 2, fullgraph=True, backend=backend)(torch.randn(16, 1, 32))
     ops = [n.target for g in graphs for n in g.graph.nodes if n.op == "call_function"]
     assert len(graphs) == 1 and ops.count(torch.ops.vlm_grpo.decode_mlp) == 1
+
+
+def _lora(model, targets=("up_proj", "down_proj", "q_proj"), dropout: float = 0.0):
+    from peft import LoraConfig, get_peft_model
+
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)  # random A and B (init_lora_weights=False): the adapters change the tokens
+    config = LoraConfig(
+        r=4, lora_alpha=64, lora_dropout=dropout, target_modules=list(targets), init_lora_weights=False
+    )  # fmt: skip
+    return get_peft_model(model, config)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["folded", "dropout_keeps_the_gemms"])
+def test_a_lora_mlp_runs_on_copies_with_the_adapters_folded_in(dropout, monkeypatch, tiny_models) -> None:
+    """Under LoRA without dropout the MLP runs as the kernels on per-call copies: gate|up (up's adapter folded in,
+    gate's rows as they are) and down (folded); the model's own weights never change. With dropout the LoRA layers
+    must run: no stand-in, the fused GEMM path as before."""
+    pytest.importorskip("triton")
+    import torch
+
+    from vlm_grpo.fastpath import decode_fusion, decode_mlp
+    from vlm_grpo.modules import get_vlm_module
+    from vlm_grpo.utils import peft_base
+
+    path = str(tiny_models["qwen2_5_vl"])
+    model = _lora(
+        get_vlm_module(path).load_model(path, dtype=torch.float32, attn_implementation="sdpa"), dropout=dropout
+    )
+    decoder = peft_base(model).get_decoder()
+    name, mlp = next((n, m) for n, m in decoder.named_modules() if n.endswith(".mlp"))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    monkeypatch.setattr(decode_mlp, "_on_gpu", lambda *tensors: True)
+    with decode_fusion.fused_projections(decoder, rows=4):
+        fused = decoder.get_submodule(name)
+        if dropout:
+            assert fused is mlp
+            return
+        assert isinstance(fused, decode_mlp.FusedMLP) and fused.mlp is mlp
+        gate, up, down = fused.weights()
+        assert torch.equal(gate, mlp.gate_proj.weight)  # no adapter on gate: its rows of the copy as they are
+        for got, lora in ((up, mlp.up_proj), (down, mlp.down_proj)):
+            adapter = lora.lora_B["default"].weight @ lora.lora_A["default"].weight * lora.scaling["default"]
+            assert adapter.abs().max() > 0.1
+            assert torch.allclose(got, lora.base_layer.weight + adapter, atol=1e-6)
+    assert decoder.get_submodule(name) is mlp
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
+_LORA_SETUP = (
+    _SETUP
+    + r"""
+from peft import LoraConfig, get_peft_model
+_plain_module = get_vlm_module
+
+class _WithLora:  # every family loads with random LoRA adapters on up, down and q (no dropout: folded)
+    def __init__(self, path):
+        self.inner = _plain_module(path)
+
+    def load_model(self, *args, **kwargs):
+        torch.manual_seed(0)
+        config = LoraConfig(r=4, lora_alpha=64, lora_dropout=0.0, target_modules=["up_proj", "down_proj", "q_proj"],
+                            init_lora_weights=False)
+        return get_peft_model(self.inner.load_model(*args, **kwargs), config)
+
+get_vlm_module = _WithLora
+"""
+)
+
+
+def test_fast_decode_with_lora_and_the_mlp_kernel_samples_what_generate_samples(tiny_models) -> None:
+    """As above with LoRA adapters on the MLP: the kernels on the folded copies sample ``generate``'s tokens (which
+    the adapters change) in every family; negating the kernels' output changes them."""
+    pytest.importorskip("triton")
+    pytest.importorskip("peft")
+    check_decode_parity(_LORA_SETUP, tiny_models)

@@ -27,7 +27,8 @@ The LM head gets its copy too (3B: otherwise 1.2 GB of fp32 read and 0.6 GB of b
 every step). It lives outside the decoder and is not swapped: :func:`stand_in` gives the caller its stand-in.
 
 For decode calls of a few rows (``decode_mlp.ROWS_MAX``) without a cast, a plain SiLU MLP is not a gate|up group:
-the whole MLP module is swapped for ``decode_mlp.FusedMLP``, two Triton kernels on its live weights (no copy).
+the whole MLP module is swapped for ``decode_mlp.FusedMLP``, two Triton kernels on its live weights (no copy), or,
+under foldable LoRA layers, on copies with the adapters folded in (made per call like the groups').
 """
 
 from __future__ import annotations
@@ -205,12 +206,12 @@ def _plan(decoder: nn.Module, every_single: bool, head: nn.Module | None, mlp_ke
         group = _Group([head], [None])
         groups.append(group)
         outside[head] = _Part(group, 0, head)
-    # A plain SiLU MLP runs as decode_mlp's kernels on its live weights: no gate|up copy. Not under a cast: the
-    # kernels would read the fp32 weights.
+    # A plain SiLU MLP runs as decode_mlp's kernels on its live weights (no gate|up copy), a LoRA one on copies
+    # with its adapters folded in. Not under a cast: the kernels would read the fp32 weights.
     kernels: set[nn.Module] = set()
     for holder in decoder.modules() if mlp_kernel and not every_single else []:
         for name, child in holder.named_children():
-            fused = decode_mlp.stand_in_for(child)
+            fused = decode_mlp.stand_in_for(child) or _folded_mlp(child, groups)
             if fused is not None:
                 swaps.append((holder, name, child, fused))
                 kernels.add(child)
@@ -243,6 +244,32 @@ def _plan(decoder: nn.Module, every_single: bool, head: nn.Module | None, mlp_ke
             for index, (holder, key, linear, _) in enumerate(found):
                 swaps.append((holder, key, getattr(holder, key), _Part(group, index, linear)))
     return groups, swaps, outside
+
+
+def _folded_mlp(mlp: nn.Module, groups: list[_Group]) -> decode_mlp.FusedMLP | None:
+    """The kernels for a SiLU MLP under PEFT, where each projection is a plain Linear or a foldable LoRA layer over
+    one and some are LoRA: on copies with the adapters folded in, made per call like the groups' (gate|up one
+    group, down another; a projection group without LoRA reads its live weights). None otherwise."""
+    projections = decode_mlp.silu_mlp(mlp)
+    if projections is None:
+        return None
+    loras = [p if _foldable_lora(p) else None for p in projections]
+    linears = [p.base_layer if lora is not None else p for p, lora in zip(projections, loras, strict=True)]
+    if not any(loras) or any(type(m) is not nn.Linear for m in linears) or not decode_mlp.kernel_takes(*linears):
+        return None
+    gate_up = _Group(linears[:2], loras[:2]) if any(loras[:2]) else None
+    down = _Group(linears[2:], loras[2:]) if loras[2] is not None else None
+    groups.extend(group for group in (gate_up, down) if group is not None)
+    inter = linears[0].out_features
+
+    def weights() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # read during the call, after the build
+        if gate_up is None:
+            gate, up = linears[0].weight, linears[1].weight
+        else:
+            gate, up = gate_up.weight[:inter], gate_up.weight[inter:]
+        return gate, up, linears[2].weight if down is None else down.weight
+
+    return decode_mlp.FusedMLP(mlp, weights)
 
 
 def stand_in(decoder: nn.Module, module: nn.Module) -> nn.Module:

@@ -17,13 +17,15 @@ barrier between the phases was measured too: no faster than two, so not kept; RE
 
 The kernels stand in for a decoder layer's MLP module during a generation call (``decode_fusion`` swaps it in,
 as it swaps in the fused projections): only for the plain ``gate_proj``/``up_proj``/``down_proj`` + SiLU MLP of
-the supported families, with plain bias-free ``nn.Linear`` projections (a PEFT-wrapped MLP keeps the fused path)
-in one dtype, and for at most ``ROWS_MAX`` rows (anything longer runs the module itself). ``KERNEL = False``
-turns them off.
+the supported families, with bias-free ``nn.Linear`` projections in one dtype, and for calls of at most
+``ROWS_MAX`` rows. Under PEFT, where each projection is a plain Linear or a LoRA layer ``decode_fusion`` can fold
+(no dropout), they run on its per-call copies with the adapters folded in; otherwise the fused GEMM path stays.
+``KERNEL = False`` turns them off.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -178,42 +180,57 @@ def _on_gpu(*tensors: torch.Tensor) -> bool:
     return all(t.is_cuda for t in tensors)
 
 
-class FusedMLP(nn.Module):
-    """Stands in for a decoder layer's MLP module during a generation call: the kernel on its live weights."""
+Weights = Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
-    def __init__(self, mlp: nn.Module) -> None:
+
+class FusedMLP(nn.Module):
+    """Stands in for a decoder layer's MLP module during a generation call: the kernels on its live weights, or on
+    what ``weights`` returns (``decode_fusion``'s copies with LoRA adapters folded in)."""
+
+    def __init__(self, mlp: nn.Module, weights: Weights | None = None) -> None:
         super().__init__()
         self.mlp = mlp  # a child: code that lists the decoder's parameters during the call still finds its weights
+        self.weights = weights or (lambda: (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mlp = self.mlp
-        if x.numel() > ROWS_MAX * x.size(-1) or not x.is_contiguous() or x.dtype != mlp.gate_proj.weight.dtype:
-            return mlp(x)
-        weights = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
-        return torch.ops.vlm_grpo.decode_mlp(x, *weights)
+        gate, up, down = self.weights()
+        if x.numel() > ROWS_MAX * x.size(-1) or not x.is_contiguous() or x.dtype != gate.dtype:
+            return self.mlp(x)
+        return torch.ops.vlm_grpo.decode_mlp(x, gate, up, down)
+
+
+def silu_mlp(module: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module] | None:
+    """(gate_proj, up_proj, down_proj) of a plain SiLU MLP (those three, a SiLU ``act_fn``, nothing else), or None."""
+    if set(dict(module.named_children())) != {"gate_proj", "up_proj", "down_proj", "act_fn"}:
+        return None
+    return (module.gate_proj, module.up_proj, module.down_proj) if _is_silu(module.act_fn) else None
+
+
+def kernel_takes(gate: nn.Linear, up: nn.Linear, down: nn.Linear) -> bool:
+    """Whether the kernels compute with these projections' weights (or same-shaped copies): bias-free, 2-D, one
+    floating dtype, contiguous, on a GPU with Triton, and the switch on."""
+    weights = [gate.weight, up.weight, down.weight]
+    if not KERNEL or triton is None or any(m.bias is not None for m in (gate, up, down)):
+        return False
+    if any(w.dim() != 2 for w in weights):  # e.g. ZeRO-3's partitioned placeholders
+        return False
+    if not _on_gpu(*weights) or len({(w.dtype, w.device) for w in weights}) != 1:
+        return False
+    if gate.weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    inter, hidden = gate.weight.shape
+    if up.weight.shape != (inter, hidden) or down.weight.shape != (hidden, inter):
+        return False
+    return all(w.is_contiguous() for w in weights)
 
 
 def stand_in_for(module: nn.Module) -> FusedMLP | None:
-    """A :class:`FusedMLP` for ``module`` if it is the plain SiLU MLP the kernel computes, else None."""
-    if not KERNEL or triton is None:
+    """A :class:`FusedMLP` on the live weights if ``module`` is a plain SiLU MLP of plain ``nn.Linear`` projections
+    that the kernels take, else None (a PEFT-wrapped MLP: see ``decode_fusion``)."""
+    projections = silu_mlp(module)
+    if projections is None or any(type(m) is not nn.Linear for m in projections):
         return None
-    names = {"gate_proj", "up_proj", "down_proj", "act_fn"}
-    if set(dict(module.named_children())) != names or not _is_silu(module.act_fn):
-        return None
-    gate, up, down = module.gate_proj, module.up_proj, module.down_proj
-    if any(type(m) is not nn.Linear or m.bias is not None for m in (gate, up, down)):
-        return None  # a PEFT-wrapped or biased projection: the fused path handles it
-    weights = [gate.weight, up.weight, down.weight]
-    if any(w.dim() != 2 for w in weights):  # e.g. ZeRO-3's partitioned placeholders
-        return None
-    if not _on_gpu(*weights) or len({(w.dtype, w.device) for w in weights}) != 1:
-        return None
-    if gate.weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return None
-    inter, hidden = gate.weight.shape
-    if up.weight.shape != (inter, hidden) or down.weight.shape != (hidden, inter):
-        return None
-    return FusedMLP(module) if all(w.is_contiguous() for w in weights) else None
+    return FusedMLP(module) if kernel_takes(*projections) else None
 
 
 def _is_silu(act: nn.Module) -> bool:

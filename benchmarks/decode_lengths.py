@@ -89,6 +89,23 @@ class Variant(NamedTuple):
     mlp_kernel: bool
 
 
+# The switches a Variant varies besides the window: (default, what true means, what false means).
+SWITCHES = {
+    "cast_head": (True, "with --fp32_autocast: the LM head as a bf16 copy made once per call (the package's)",
+                  "cast at every step (before)"),
+    "keep": (False, "fast_decode's keep (keep_decode_graphs): the workspace and its CUDA graphs kept from call to "
+             "call", "not kept (a call not kept leaves the kept state alone)"),
+    "select_in_graph": (True, "the next token chosen inside the decode graph (the package's)", "after each replay"),
+    "attention_kernel": (True, "the decode attention as the Triton flash-decoding kernel (the package's, on a GPU)",
+                         "two matmuls and a softmax"),
+    "compile_select": (True, "a compiled step's in-graph token selection through torch.compile (the package's)",
+                       "eagerly"),
+    "mlp_kernel": (True, "the decode MLP as two Triton kernels (the package's, on a GPU, up to 32 rows)",
+                   "the fused gate|up GEMM, SiLU and down"),
+}  # fmt: skip
+assert tuple(SWITCHES) == Variant._fields[1:], "a Variant field without its switch, or the order differs"
+
+
 def one_call(
     model, gen_config, prompt_len: int, unique: int, group: int, device, compile: bool, seed: int, fuse: bool = True,
     attention_window: int | None = None, autocast: tuple[str, torch.dtype] | None = None, cast_head: bool = True,
@@ -221,37 +238,12 @@ def main(argv: list[str] | None = None) -> dict:
         help="decode attention window in cache slots (0: off, one window over the whole cache; default: the "
         "package's); several values: each prompt length is decoded once per value, in turn",
     )  # fmt: skip
-    p.add_argument(
-        "--cast_head", type=flag_bool, nargs="+", default=[True],
-        help="with --fp32_autocast: the LM head as a bf16 copy made once per call (the package's); false: cast at "
-        "every step (before); 'true false': both, in turn, per prompt length (by_window keys 'window/cast_head=...')",
-    )  # fmt: skip
-    p.add_argument(
-        "--keep", type=flag_bool, nargs="+", default=[False],
-        help="fast_decode's keep (keep_decode_graphs): the workspace and its CUDA graphs kept from call to call; "
-        "'true false': both, in turn, per prompt length (by_window keys '.../keep=...'; a call not kept leaves "
-        "the kept state alone)",
-    )  # fmt: skip
-    p.add_argument(
-        "--select_in_graph", type=flag_bool, nargs="+", default=[True],
-        help="the next token chosen inside the decode graph (the package's); false: after each replay; 'true false': "
-        "both, in turn, per prompt length (by_window keys '.../select_in_graph=...')",
-    )  # fmt: skip
-    p.add_argument(
-        "--attention_kernel", type=flag_bool, nargs="+", default=[True],
-        help="the decode attention as the Triton flash-decoding kernel (the package's, on a GPU); false: two matmuls "
-        "and a softmax; 'true false': both, in turn, per prompt length (by_window keys '.../attention_kernel=...')",
-    )  # fmt: skip
-    p.add_argument(
-        "--compile_select", type=flag_bool, nargs="+", default=[True],
-        help="a compiled step's in-graph token selection through torch.compile (the package's); false: eagerly; "
-        "'true false': both, in turn, per prompt length (by_window keys '.../compile_select=...')",
-    )  # fmt: skip
-    p.add_argument(
-        "--mlp_kernel", type=flag_bool, nargs="+", default=[True],
-        help="the decode MLP as one Triton kernel (the package's, on a GPU); false: the fused gate|up GEMM, SiLU and "
-        "down; 'true false': both, in turn, per prompt length (by_window keys '.../mlp_kernel=...')",
-    )  # fmt: skip
+    for name, (default, on, off) in SWITCHES.items():  # each takes 'true false' too: both, in turn, per length
+        p.add_argument(
+            f"--{name}", type=flag_bool, nargs="+", default=[default],
+            help=f"{on}; false: {off}; 'true false': both, in turn, per prompt length (by_window keys "
+            f"'.../{name}=...')",
+        )  # fmt: skip
     p.add_argument("--greedy", type=flag_bool, default=False, help="greedy decoding (sampled: seeded per call)")
     p.add_argument("--compile_mode", default=None, help="torch.compile mode of the decode step, e.g. max-autotune")
     p.add_argument(

@@ -1,14 +1,13 @@
 """Decode the G samples of shared-prefill generation from a static cache, one CUDA graph per attention window.
 
-HF ``generate`` with a dynamic cache launches every kernel of every layer from Python for each new
-token: at 3B on an H100 that is ~30 ms per token for a batch of 16, over 10x the memory-bandwidth
-floor. Every decode step has the same shapes once the cache is static, so the step (decoder + LM
-head) is captured into a CUDA graph and replayed. Token selection stays HF's own:
-the logits processors ``generate`` would build (temperature, top-k/p, min-p, repetition penalty,
-suppressed tokens, ``min_new_tokens``), the same softmax / multinomial / argmax and EOS handling,
-so sampling follows the same distribution and greedy tokens equal ``generate``'s (tested on CPU,
-where the same loop runs without the graph). Where the processors read only the scores, that selection is part
-of the captured step, so a token is one replay (:mod:`vlm_grpo.fastpath.decode_select`).
+HF ``generate`` with a dynamic cache launches every kernel of every layer from Python for each new token: at 3B on
+an H100 that is ~30 ms per token for a batch of 16, over 10x the memory-bandwidth floor. Every decode step has the
+same shapes once the cache is static, so the step (decoder + LM head) is captured into a CUDA graph and replayed.
+Token selection stays HF's own: the logits processors ``generate`` would build (temperature, top-k/p, min-p,
+repetition penalty, suppressed tokens, ``min_new_tokens``), the same softmax / multinomial / argmax and EOS
+handling, so sampling follows the same distribution and greedy tokens equal ``generate``'s (tested on CPU, where the
+same loop runs without the graph). Where the processors read only the scores, that selection is part of the captured
+step, so a token is one replay (:mod:`vlm_grpo.fastpath.decode_select`).
 
 Attention windows (sdpa models under the graph): the static cache is sized for the whole completion, but
 step t only attends over the prompt and the t tokens written so far. Reading every slot costs ~1.2 ms of a

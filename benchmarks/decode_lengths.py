@@ -18,7 +18,9 @@ turn, and ``by_window`` has each value's medians (the top-level ones are the fir
 call compiles its own variant of the step (windows mark the mask's length dynamic); calls that compiled are
 left out of the medians. ``--cast_head true false`` does the same for the LM head's bf16 copy under
 ``--fp32_autocast`` (false: the head cast at every step, as before the twelfth session); with ``--greedy true`` the
-summary's ``agreement_with_first_variant`` says how many tokens and rows the variants share.
+summary's ``agreement_with_first_variant`` says how many tokens and rows the variants share. ``--profile FILE``
+profiles the last call (its top kernels, and their time by kind per token); ``--trace FILE`` also writes its
+Chrome trace (each kernel of each token in order: where a token's time goes, launch gaps included).
 """
 
 from __future__ import annotations
@@ -254,6 +256,7 @@ def main(argv: list[str] | None = None) -> dict:
         "--profile", default=None,
         help="profile the last call (per window value: .w<N> suffixed when several); its top kernels are written here",
     )  # fmt: skip
+    p.add_argument("--trace", default=None, help="with --profile: the profiled call's Chrome trace, written here")
     p.add_argument(
         "--cudnn_sdpa", type=flag_bool, default=False,
         help="leave cuDNN's sdpa kernel on (the trainer turns it off unless cudnn_attention=true)",
@@ -322,6 +325,8 @@ def main(argv: list[str] | None = None) -> dict:
                 suffix += "" if variant.mlp_kernel else ".mlp_gemms"
                 suffix = suffix if len(windows) > 1 else ""
                 Path(args.profile + suffix).write_text(table)
+                if args.trace:
+                    profiler.export_chrome_trace(args.trace + suffix)
                 if device.type == "cuda":
                     kinds = kernel_kinds(averages, tokens)
                     Path(args.profile + suffix + ".json").write_text(json.dumps(kinds, indent=2))

@@ -137,10 +137,11 @@ def test_sdpa_shapes_cpu_times_both_backend_settings(tmp_path):
 
 
 def test_decode_lengths_tiny_cpu_times_each_call_and_profiles_the_last(tmp_path):
-    out, profile = tmp_path / "lengths.json", tmp_path / "profile.txt"
+    out, profile, trace = tmp_path / "lengths.json", tmp_path / "profile.txt", tmp_path / "trace.json"
     cmd = [
         sys.executable, str(REPO / "benchmarks" / "decode_lengths.py"), "--preset", "tiny", "--device", "cpu",
         "--new_tokens", "4", "--prompt_lengths", "20", "24", "--profile", str(profile), "--out", str(out),
+        "--trace", str(trace),
         "--keep", "true", "false", "--greedy", "true",
     ]  # fmt: skip
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
@@ -158,6 +159,7 @@ def test_decode_lengths_tiny_cpu_times_each_call_and_profiles_the_last(tmp_path)
     }
     assert summary["agreement_with_first_variant"] == {"tokens_equal": 1.0, "rows_equal": 1.0}
     assert summary["decode_ms_per_token"] > 0 and "Self CPU" in Path(f"{profile}.wNone.kept").read_text()
+    assert json.loads(Path(f"{trace}.wNone.kept").read_text())["traceEvents"]  # the profiled call's Chrome trace
 
 
 def test_decode_lengths_sorts_kernels_into_kinds():

@@ -6,7 +6,8 @@ What it does (every piece behind a ``VLMGRPOConfig`` flag, parity-tested against
   reference and policy log-probs) and ``share_prefill`` (prefill each unique prompt once, decode its G samples
   from the repeated cache);
 * ``decode``: ``fast_decode`` / ``compile_decode`` / ``keep_decode_graphs`` (static cache, CUDA-graph decode step
-  per attention window, kept from one generation call to the next);
+  per attention window, kept from one generation call to the next); ``decode_cache``: its static cache, one write
+  position for all layers, and the restore around a capture;
 * ``decode_select``: the token's choice (processors, draw, EOS bookkeeping) inside the decode step's graph,
   compiled with a compiled step (the draw spelled out as ``torch.multinomial`` computes it);
 * ``process_once``: ``process_prompts_once`` (TRL's processor calls run on a batch's distinct prompts only);
@@ -34,7 +35,8 @@ installed versions, so an upgrade that drops one fails there, naming it:
   ``_get_logits_processor``; Qwen-VL's ``_prepare_position_ids_for_generation``;
   ``PretrainedConfig._attn_implementation``; ``GradientCheckpointingLayer._gradient_checkpointing_func``;
   ``integrations.sdpa_attention.sdpa_attention_forward``; ``masking_utils.sdpa_mask``;
-  ``cache_utils.StaticLayer.cumulative_length`` (the static cache's write position); ``activations.SiLUActivation``.
+  ``cache_utils.StaticLayer.cumulative_length`` (the static cache's write position), its ``lazy_initialization``
+  and ``update`` (extended by ``decode_cache``); ``activations.SiLUActivation``.
 * torch ``torch._dynamo.exc.TorchDynamoException``, ``torch._dynamo.maybe_mark_dynamic``, ``torch._assert_async``,
   ``torch.ops.aten._flash_attention_forward`` (the varlen flash call of the packed pass and the vision tower).
 """

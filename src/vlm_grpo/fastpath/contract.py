@@ -146,7 +146,26 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "transformers.cache_utils:StaticLayer",
         "cumulative_length",
         source="transformers.cache_utils:StaticLayer.update",
-        why="fast_decode sets the write position after the prompt; cache_restored rewinds it around a capture",
+        why="decode_cache: one write position shared by every layer; fast_decode sets it after the prompt; "
+        "cache_restored rewinds it around a capture",
+    ),
+    PrivateName(
+        "transformers.cache_utils:StaticLayer",
+        "lazy_initialization",
+        ("key_states", "value_states"),
+        why="decode_cache allocates each layer's K/V with the prefill's dtypes; SharedPositionLayer extends it",
+    ),
+    PrivateName(
+        "transformers.cache_utils:StaticLayer",
+        "update",
+        ("key_states", "value_states"),
+        why="SharedPositionLayer overrides it (the shared write position; only the last layer advances it)",
+    ),
+    PrivateName(
+        "transformers.cache_utils:Cache",
+        "self.layers[layer_idx].update(",
+        source="transformers.cache_utils:Cache.update",
+        why="decode_cache's layers receive the decoder's cache updates through the cache's layer list",
     ),
     PrivateName(
         "torch._dynamo", "maybe_mark_dynamic", ("t", "index"), why="one compiled decode step for every attention window"

@@ -42,6 +42,7 @@ import torch
 from vlm_grpo.fastpath import decode_mlp
 from vlm_grpo.fastpath.block_attention import as_sdpa
 from vlm_grpo.fastpath.decode_attention import decode_attention
+from vlm_grpo.fastpath.decode_cache import cache_restored, decode_cache
 from vlm_grpo.fastpath.decode_fusion import fused_nbytes, fused_projections, kept_tensors, release_kept, stand_in
 from vlm_grpo.fastpath.decode_select import InStep, Selection, in_graph_blocker, signature
 from vlm_grpo.fastpath.fallback import EagerOnFailure
@@ -155,31 +156,6 @@ def window_schedule(prefix: int, steps: int, window: int, size: int) -> list[tup
             break
         t = length - prefix  # the first step whose slot lies past this window
     return schedule
-
-
-@contextlib.contextmanager
-def cache_restored(cache: Any) -> Iterator[Callable[[], None]]:
-    """Put back, on exit, what decode forwards run inside wrote into ``cache`` (a StaticCache).
-
-    A window's graph is captured mid-decode, and its warm-up passes run the real step: each writes its K/V at
-    every layer's current length and advances that length (the capture itself only records). Saved here: each
-    layer's length and the slot there. Yields ``rewind``, which sets the lengths back: called before each pass,
-    every pass writes that one slot (never a slot the decode has written, never past the cache's end). The
-    indices stay on the device: no host sync. On an exception nothing is restored (the decode is abandoned)."""
-    saved = []
-    for layer in cache.layers:
-        slot = layer.cumulative_length.reshape(1).clone()
-        saved.append((layer, slot, layer.keys.index_select(2, slot), layer.values.index_select(2, slot)))
-
-    def rewind() -> None:
-        for layer, slot, _, _ in saved:
-            layer.cumulative_length.copy_(slot[0])
-
-    yield rewind
-    for layer, slot, keys, values in saved:
-        layer.keys.index_copy_(2, slot, keys)
-        layer.values.index_copy_(2, slot, values)
-        layer.cumulative_length.copy_(slot[0])
 
 
 _compiled_forward: Any = None
@@ -510,13 +486,7 @@ def _workspace(
     base: Any, layers: Any, rows: int, slots: int, attn: str, next_positions: torch.Tensor, key: tuple,
     pointers: tuple, use_graph: bool, eos_count: int | None,
 ) -> _Workspace:  # fmt: skip
-    from transformers import StaticCache
-
-    cache = StaticCache(config=base.config, max_cache_len=slots)
-    # Each layer's keys and values keep the prefill's dtypes, which may differ: under autocast with fp32 weights
-    # the rotary embedding returns fp32 keys while the values stay bf16 (generate's dynamic cache holds the same).
-    for layer, src in zip(cache.layers, layers, strict=True):
-        layer.lazy_initialization(*(x.new_empty(rows, x.size(1), 0, x.size(-1)) for x in (src.keys, src.values)))
+    cache = decode_cache(base.config, slots, layers, rows)
     device = next_positions.device
     if attn == "sdpa":
         mask = torch.ones(rows, 1, 1, slots, dtype=torch.bool, device=device)

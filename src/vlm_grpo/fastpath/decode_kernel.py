@@ -24,6 +24,8 @@ if not hasattr(torch.library, "triton_op"):  # torch < 2.6: no traceable Triton 
 BLOCK_S = 64  # slots per inner step
 _TARGET_PROGRAMS = 3 * 132  # ~3 programs per SM of an H100
 _SHARED_BYTES = 160 * 1024  # pipelined K/V tiles must fit an SM's shared memory (fp32 at d=256: one stage)
+_MAX_STAGES = 3  # pipeline depth of the split kernel's K/V loads, at most
+_NUM_WARPS = 4  # of the split kernel
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -141,7 +143,8 @@ def _launch(
         sm_b, sm_s,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, BLOCK=BLOCK_S,
         MASK_KIND=kind, PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_stages=max(1, min(3, _SHARED_BYTES // (2 * BLOCK_S * dim * value.element_size()))),
+        num_stages=max(1, min(_MAX_STAGES, _SHARED_BYTES // (2 * BLOCK_S * dim * value.element_size()))),
+        num_warps=_NUM_WARPS,
     )  # fmt: skip
     wrap(_combine_kernel)[(batch * heads,)](acc, stats, out, splits, D=dim)
     return out

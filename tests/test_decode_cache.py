@@ -78,6 +78,15 @@ def test_the_layers_keep_the_prefill_dtypes_and_the_plain_static_cache_layout():
     assert [layer.advances for layer in cache.layers] == [False, False, True]
 
 
+def test_sliding_window_layers_are_refused():
+    """A sliding layer would be replaced by a full one: refused (fast_decode sends such models to generate)."""
+    config = _config()
+    config.layer_types, config.sliding_window = ["full_attention", "sliding_attention", "full_attention"], 4
+    assert type(StaticCache(config=config, max_cache_len=SLOTS).layers[1]).__name__ == "StaticSlidingWindowLayer"
+    with pytest.raises(ValueError, match="StaticSlidingWindowLayer"):
+        decode_cache(config, SLOTS, _prefill_layers(), ROWS)
+
+
 def test_cache_restored_rewinds_the_shared_position():
     """Warm-up passes under cache_restored each write the step's slot; on exit the cache is as it was."""
     cache = decode_cache(_config(), SLOTS, _prefill_layers(), ROWS)

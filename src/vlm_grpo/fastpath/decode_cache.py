@@ -46,6 +46,9 @@ def decode_cache(config: Any, slots: int, sources: Any, rows: int) -> StaticCach
     """A static cache of ``rows`` rows and ``slots`` slots for ``config``'s decoder, its layers allocated now with
     the dtypes and head shapes of ``sources`` (the prefill cache's layers), sharing one write position."""
     cache = StaticCache(config=config, max_cache_len=slots)
+    kinds = {type(layer).__name__ for layer in cache.layers if type(layer) is not StaticLayer}
+    if kinds:  # fast_decode sends these models to generate (unsupported_reason): reaching here is a bug
+        raise ValueError(f"decode_cache: full-attention layers only, this decoder has {', '.join(sorted(kinds))}")
     position = torch.zeros((), dtype=torch.long, device=sources[0].keys.device)
     last = len(cache.layers) - 1
     cache.layers = [SharedPositionLayer(slots, position, advances=i == last) for i in range(len(cache.layers))]

@@ -343,7 +343,7 @@ def bench_switches(kind: str):
     decode step's attention runs as two matmuls and a softmax, as before the nineteenth session, not as the Triton
     flash-decoding kernel. ``compile_select=false``: a compiled decode step's in-graph token selection runs eagerly,
     as before the twentieth session, not through torch.compile. ``decode_mlp=false``: the decode step's MLP runs as
-    the fused gate|up GEMM, SiLU and down, as before the twenty-first session, not as one Triton kernel."""
+    the fused gate|up GEMM, SiLU and down, as before the twenty-first session, not as two Triton kernels."""
     from vlm_grpo.fastpath import (
         block_attention,
         compiled_layers,

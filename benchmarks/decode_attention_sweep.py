@@ -6,6 +6,12 @@
 Each layer has its own K/V (a window of a cache 256 slots longer, as ``fast_decode`` hands it over), so 36 layers in
 one CUDA graph read ~36x the K/V and L2 holds none of it between layers; µs per layer is the graph's time / 36. Every
 setting's output is checked against ``one_token_attention`` first.
+
+``--prefixes P ...``: instead of the sweep, the package's settings with and without ``shared`` (rows of a group read
+the prompt's first P slots from the group's first row, as ``fast_decode`` passes them; the rows' prompt slots are
+copies of that row's), per length and P < length:
+
+    python benchmarks/decode_attention_sweep.py --lengths 512 1280 --prefixes 340 1100 --out attention_shared.json
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ def main() -> None:
     p.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
     p.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     p.add_argument("--layers", type=int, default=36)
+    p.add_argument("--prefixes", type=int, nargs="*", default=[], help="shared prompt slots (see the docstring)")
+    p.add_argument("--group", type=int, default=8, help="rows per prompt with --prefixes")
     p.add_argument("--out", default="attention_sweep.json")
     args = p.parse_args()
     dev, dt, b, hkv, heads, d = torch.device("cuda"), torch.bfloat16, 16, 2, 16, 128
@@ -60,6 +68,8 @@ def main() -> None:
         decode_kernel._MAX_STAGES,
         decode_kernel._NUM_WARPS,
     )
+    if args.prefixes:
+        return shared_prefixes(args, dev, dt, b, hkv, heads, d)
     results = []
     for length in args.lengths:
         shape = (b, hkv, length + 256, d)
@@ -100,6 +110,39 @@ def main() -> None:
         decode_kernel._TARGET_PROGRAMS, decode_kernel.BLOCK_S, decode_kernel._MAX_STAGES, decode_kernel._NUM_WARPS = (
             default
         )
+    with open(args.out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "rows": results}, f, indent=2)
+
+
+def shared_prefixes(args, dev, dt, b, hkv, heads, d) -> None:
+    """The package's kernel settings, each row reading its own prompt slots against reading its group's first row's."""
+    results = []
+    src = (torch.arange(b, device=dev, dtype=torch.int32) // args.group) * args.group
+    for length in args.lengths:
+        shape = (b, hkv, length + 256, d)
+        for prefix in [p for p in args.prefixes if p < length]:
+            caches = []
+            for _ in range(args.layers):
+                k, v = torch.randn(shape, device=dev, dtype=dt), torch.randn(shape, device=dev, dtype=dt)
+                k[:, :, :prefix], v[:, :, :prefix] = k[src.long(), :, :prefix], v[src.long(), :, :prefix]
+                caches.append((k[:, :, :length], v[:, :, :length]))
+            query = torch.randn(b, heads, 1, d, device=dev, dtype=dt)
+            mask = torch.ones(b, 1, 1, length + 256, dtype=torch.bool, device=dev)[..., :length]
+            mask[:, ..., :7] = False
+            shared = (src, torch.tensor(prefix, device=dev, dtype=torch.int32))
+            ref = one_token_attention(query, *caches[0], mask, d**-0.5)
+            row = {"length": length, "prefix": prefix, "group": args.group}
+            for name, pair in (("own_rows", None), ("shared", shared)):
+                out = decode_kernel._launch(query, *caches[0], mask, d**-0.5, shared=pair)
+                row[f"{name}_maxerr"] = float((out.float() - ref.float()).abs().max())
+
+                def run(caches=caches, query=query, mask=mask, pair=pair) -> None:
+                    for k, v in caches:
+                        decode_kernel._launch(query, k, v, mask, d**-0.5, shared=pair)
+
+                row[f"{name}_us_per_layer"] = per_layer_us(run, args.layers)
+            results.append(row)
+            print(json.dumps(row), flush=True)
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "rows": results}, f, indent=2)
 

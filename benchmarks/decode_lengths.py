@@ -89,6 +89,7 @@ class Variant(NamedTuple):
     attention_kernel: bool
     compile_select: bool
     mlp_kernel: bool
+    shared_prompt: bool
 
 
 # The switches a Variant varies besides the window: (default, what true means, what false means).
@@ -104,6 +105,8 @@ SWITCHES = {
                        "eagerly"),
     "mlp_kernel": (True, "the decode MLP as two Triton kernels (the package's, on a GPU, up to 32 rows)",
                    "the fused gate|up GEMM, SiLU and down"),
+    "shared_prompt": (True, "the G rows of a prompt read its K/V slots from one row in the attention kernel (the "
+                      "package's)", "each row its own copy"),
 }  # fmt: skip
 assert tuple(SWITCHES) == Variant._fields[1:], "a Variant field without its switch, or the order differs"
 
@@ -112,7 +115,7 @@ def one_call(
     model, gen_config, prompt_len: int, unique: int, group: int, device, compile: bool, seed: int, fuse: bool = True,
     attention_window: int | None = None, autocast: tuple[str, torch.dtype] | None = None, cast_head: bool = True,
     keep: bool = False, select_in_graph: bool = True, attention_kernel: bool = True, compile_select: bool = True,
-    mlp_kernel: bool = True,
+    mlp_kernel: bool = True, shared_prompt: bool = True,
 ):  # fmt: skip
     """Prefill ``unique`` prompts of ``prompt_len`` tokens, decode ``unique * group`` rows; (seconds, token ids).
     ``attention_window``: ``decode.ATTENTION_WINDOW`` for this call (None: the package's). ``autocast``: the
@@ -123,7 +126,8 @@ def one_call(
     seeded with ``seed`` before the decode, so the variants of one call draw comparable tokens. ``attention_kernel``:
     ``decode_attention.KERNEL`` for this call (False: the two matmuls of ``one_token_attention``). ``compile_select``:
     ``decode_select.COMPILE`` for this call (False: a compiled step's in-graph selection runs eagerly).
-    ``mlp_kernel``: ``decode_mlp.KERNEL`` for this call (False: the MLP as the fused gate|up GEMM and down)."""
+    ``mlp_kernel``: ``decode_mlp.KERNEL`` for this call (False: the MLP as the fused gate|up GEMM and down).
+    ``shared_prompt``: ``decode_attention.SHARED_PROMPT`` for this call (False: each row reads its own prompt copy)."""
     from transformers import DynamicCache
 
     from vlm_grpo.fastpath import decode, decode_attention, decode_mlp, decode_select
@@ -157,6 +161,7 @@ def one_call(
         kernel, decode_attention.KERNEL = decode_attention.KERNEL, attention_kernel
         compiled_select, decode_select.COMPILE = decode_select.COMPILE, compile_select
         mlp, decode_mlp.KERNEL = decode_mlp.KERNEL, mlp_kernel
+        shared, decode_attention.SHARED_PROMPT = decode_attention.SHARED_PROMPT, shared_prompt
         torch.manual_seed(seed)
         start = time.perf_counter()
         try:
@@ -169,6 +174,7 @@ def one_call(
         finally:
             decode.ATTENTION_WINDOW, decode.stand_in, decode.SELECT_IN_GRAPH = window, stand_in, select
             decode_attention.KERNEL, decode_select.COMPILE, decode_mlp.KERNEL = kernel, compiled_select, mlp
+            decode_attention.SHARED_PROMPT = shared
     return time.perf_counter() - start, out
 
 
@@ -289,7 +295,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     choices = {field: getattr(args, field) for field in Variant._fields}
     choices["attention_window"] = args.attention_window or [None]
-    for name in ("attention_kernel", "compile_select", "mlp_kernel"):
+    for name in ("attention_kernel", "compile_select", "mlp_kernel", "shared_prompt"):
         if len(choices[name]) > 1 and True in args.keep:
             p.error(f"--{name} true false needs --keep false: a kept graph would serve both variants")
     windows = [Variant(*combination) for combination in itertools.product(*choices.values())]
@@ -323,6 +329,7 @@ def main(argv: list[str] | None = None) -> dict:
                 suffix += "" if variant.attention_kernel else ".matmuls"
                 suffix += "" if variant.compile_select else ".eager_select"
                 suffix += "" if variant.mlp_kernel else ".mlp_gemms"
+                suffix += "" if variant.shared_prompt else ".own_prompt_rows"
                 suffix = suffix if len(windows) > 1 else ""
                 Path(args.profile + suffix).write_text(table)
                 if args.trace:

@@ -82,7 +82,8 @@ for family, path in json.loads(sys.argv[1]).items():
     before = len(calls)
     ours, plain = run(model, seed=3)
     results[family] = {{"equal": ours == plain, "kernel_calls": len(calls) - before,
-                       "distinct": len({{t for row in ours for t in row}})}}
+                       "distinct": len({{t for row in ours for t in row}}),
+                       "extra": extra(calls[before:]) if "extra" in globals() else None}}
     if family == "qwen2_5_vl":  # control: the kernel's output negated must change the tokens
         broken.append(True)
         control = run(model, seed=3)
@@ -92,9 +93,10 @@ print(json.dumps(results))
 """
 
 
-def check_decode_parity(setup: str, tiny_models) -> None:
+def check_decode_parity(setup: str, tiny_models) -> dict[str, dict]:
     """``fast_decode`` with the kernel ``setup`` patches in (interpreted) samples ``generate``'s tokens in every
-    family, the kernel ran in each, and its output negated changes the tokens (so the comparison sees it)."""
+    family, the kernel ran in each, and its output negated changes the tokens (so the comparison sees it). Returns
+    the per-family results; ``extra``: what ``setup``'s ``extra(calls)`` made of the family's calls, if defined."""
     from vlm_grpo.testing.tiny import FAMILIES
 
     halves = [FAMILIES[: len(FAMILIES) // 2], FAMILIES[len(FAMILIES) // 2 :]]
@@ -108,3 +110,4 @@ def check_decode_parity(setup: str, tiny_models) -> None:
         assert result["kernel_calls"] > 0, family
         assert result["equal"], (family, result)
         assert result["distinct"] > 2, (family, result)
+    return results

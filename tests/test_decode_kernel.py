@@ -72,6 +72,32 @@ for name, (dtype, B, H, Hkv, L, d, kind, slots, _) in json.loads(sys.argv[1]).it
         "query_contiguous": query.is_contiguous(),
         "max_pad_over_split": max(pads) / (choose_splits(L, B * Hkv)[1] * 64),
     }
+
+# shared prompt slots: rows 0-2 and 3-5 are two prompts' samples; row b reads slots < 130 from row src[b]
+gen = torch.Generator().manual_seed(11)
+for dtype in (torch.float32, torch.float16):
+    B, H, Hkv, L, d, P = 6, 8, 2, 200, 64, 130
+    k = torch.randn(B, Hkv, L + 10, d, generator=gen).to(dtype)
+    v = torch.randn(B, Hkv, L + 10, d, generator=gen).to(dtype)
+    src = torch.tensor([0, 0, 0, 3, 3, 3], dtype=torch.int32)
+    copies_k, copies_v = k.clone(), v.clone()  # what fast_decode's cache holds: each row a copy of its prompt
+    copies_k[:, :, :P], copies_v[:, :, :P] = k[src.long(), :, :P], v[src.long(), :, :P]
+    query = torch.randn(B, H, 1, d, generator=gen).to(dtype)
+    mask = torch.ones(B, 1, 1, L, dtype=torch.bool)
+    mask[3:, ..., :5] = False
+    ref = one_token_attention(query, copies_k[:, :, :L], copies_v[:, :, :L], mask, d**-0.5)
+    shared = (src, torch.tensor(P, dtype=torch.int32))
+    # the copies: the same output as each row reading its own slots
+    on_copies = _launch(query, copies_k[:, :, :L], copies_v[:, :, :L], mask, d**-0.5, shared=shared)
+    # k / v: the other rows' prompt slots differ from their source's, so only reading the source matches ref
+    on_sources = _launch(query, k[:, :, :L], v[:, :, :L], mask, d**-0.5, shared=shared)
+    own = _launch(query, k[:, :, :L], v[:, :, :L], mask, d**-0.5)  # control: each row its own (differing) slots
+    results[f"shared_{dtype}"] = {
+        "copies_err": (on_copies.float() - ref.float()).abs().max().item(),
+        "sources_err": (on_sources.float() - ref.float()).abs().max().item(),
+        "own_rows_err": (own.float() - ref.float()).abs().max().item(),
+        "src_rows_own_err": (own[[0, 3]].float() - ref[[0, 3]].float()).abs().max().item(),
+    }
 print(json.dumps(results))
 """
 
@@ -104,6 +130,19 @@ def interpreted() -> dict[str, dict]:
     return json.loads(python_run(_RUN_CASES, json.dumps(CASES), interpret=True).strip().splitlines()[-1])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_rows_of_one_prompt_read_its_first_rows_prompt_slots(interpreted: dict[str, dict], dtype: str) -> None:
+    """``shared``: each row reads the slots below the prompt's length from its source row, its own slots after.
+    On a cache of copies (what fast_decode holds) the output is unchanged; where the other rows' prompt slots differ
+    from their source's, the output still matches the copies' reference, and reading their own slots (the control)
+    does not, except for the source rows themselves."""
+    result = interpreted[f"shared_torch.{dtype}"]
+    assert result["copies_err"] < TOLERANCE[dtype], result
+    assert result["sources_err"] < TOLERANCE[dtype], result
+    assert result["own_rows_err"] > 100 * TOLERANCE[dtype], result
+    assert result["src_rows_own_err"] < TOLERANCE[dtype], result
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_one_token_attention(interpreted: dict[str, dict], name: str) -> None:
     dtype, *_, expected_splits = CASES[name]
@@ -119,6 +158,7 @@ def test_matches_one_token_attention(interpreted: dict[str, dict], name: str) ->
 
 def test_cases_cover_the_contract(interpreted: dict[str, dict]) -> None:
     """The inputs the decode step hands over: strided windows, a transposed query, splits that are all padding."""
+    interpreted = {name: interpreted[name] for name in CASES}
     assert any(r["splits"] == 1 for r in interpreted.values())
     assert max(r["splits"] for r in interpreted.values()) > 1
     assert any(r["max_pad_over_split"] > 1 for r in interpreted.values())  # a whole split masked out
@@ -159,10 +199,13 @@ from vlm_grpo.fastpath import decode_kernel
 decode_kernel._on_gpu = lambda *tensors: True  # the interpreter runs the kernels on CPU tensors
 real, calls, broken = decode_kernel.decode_attention_kernel, [], []
 
-def counted(query, key, value, mask, scale):
-    calls.append(key.size(2))
-    out = real(query, key, value, mask, scale)
+def counted(query, key, value, mask, scale, shared=None):
+    calls.append(None if shared is None else (shared[0].tolist(), int(shared[1])))
+    out = real(query, key, value, mask, scale, shared)
     return -out if broken else out
+
+def extra(family_calls):  # the (source rows, prompt slots) the kernel was handed in this family's calls
+    return sorted({json.dumps(c) for c in family_calls})
 
 decode_kernel.decode_attention_kernel = counted
 """
@@ -173,4 +216,7 @@ def test_fast_decode_with_the_kernel_samples_what_generate_samples(tiny_models) 
     seed in every family, a row left-padded; the kernel ran at every layer and step. Control: the kernel's output
     negated changes the tokens, so the comparison sees what the kernel returns."""
     pytest.importorskip("triton")
-    check_decode_parity(_SETUP, tiny_models)
+    results = check_decode_parity(_SETUP, tiny_models)
+    # every call had the rows of one prompt (index 0, 0, 1, 1) read the 17 prompt slots from its first row
+    for family, result in results.items():
+        assert result["extra"] == [json.dumps([[0, 0, 2, 2], 17])], (family, result["extra"])

@@ -39,9 +39,10 @@ from typing import Any
 
 import torch
 
+from vlm_grpo.fastpath import decode_attention as attention_module
 from vlm_grpo.fastpath import decode_mlp
 from vlm_grpo.fastpath.block_attention import as_sdpa
-from vlm_grpo.fastpath.decode_attention import decode_attention
+from vlm_grpo.fastpath.decode_attention import SHARED_KWARG, decode_attention
 from vlm_grpo.fastpath.decode_cache import cache_restored, decode_cache
 from vlm_grpo.fastpath.decode_fusion import fused_nbytes, fused_projections, kept_tensors, release_kept, stand_in
 from vlm_grpo.fastpath.decode_select import InStep, Selection, in_graph_blocker, signature
@@ -301,6 +302,7 @@ class _Workspace:
     mask: torch.Tensor
     pool: Any
     selection: Selection
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None
     steps: dict[int, _Step] = field(default_factory=dict)
 
 
@@ -404,7 +406,7 @@ def fast_decode(
     key = (
         rows, tuple((x.dtype, x.size(1), x.size(-1)) for layer in layers for x in (layer.keys, layer.values)),
         attn, windowed, tuple(next_positions.shape[:-1]), use_graph, compile, (fuse, decode_mlp.KERNEL), autocast,
-        _modes(decoder), eos_count, in_step and (gc.do_sample, signature(processors)),
+        _modes(decoder), eos_count, in_step and (gc.do_sample, signature(processors)), attention_module.SHARED_PROMPT,
     )  # fmt: skip
     if keep is None:
         kept = _KEPT.get(decoder)
@@ -496,7 +498,17 @@ def _workspace(
     positions = next_positions.new_zeros(*next_positions.shape[:-1], rows, 1)  # (rows, 1) or (3, rows, 1)
     pool = torch.cuda.graph_pool_handle() if use_graph else None
     selection = Selection(rows, slots + 1, eos_count, device)  # the prompt and every step fit in slots + 1 columns
-    return _Workspace(key, pointers, slots, cache, tokens, positions, mask, pool, selection)
+    shared = None
+    if attn == "sdpa" and attention_module.SHARED_PROMPT:  # int32: what decode_kernel's shared takes
+        shared = tuple(torch.zeros(shape, dtype=torch.int32, device=device) for shape in ((rows,), ()))
+    return _Workspace(key, pointers, slots, cache, tokens, positions, mask, pool, selection, shared)
+
+
+def _first_rows(index: torch.Tensor) -> torch.Tensor:
+    """Per row, the first row with the same unique prompt (``index[k]``): the rows whose prompt slots it copies."""
+    rows = torch.arange(index.numel(), device=index.device)
+    first = torch.full_like(rows, index.numel())  # one entry per unique prompt at most (index < rows): no host sync
+    return first.scatter_reduce(0, index, rows, "amin")[index]
 
 
 def _decode(
@@ -537,6 +549,10 @@ def _decode(
     rng = _default_generator(device) if gc.do_sample else None
     states: dict[int, torch.Tensor] = {}
     cache_kw = cache_kwarg(decoder, cache)
+    if ws.shared is not None:  # the decode attention reads each prompt's slots from its first row (see _workspace)
+        ws.shared[0].copy_(_first_rows(index))
+        ws.shared[1].fill_(prefix)
+        cache_kw[SHARED_KWARG] = ws.shared
     step: _Step | None = None
     t = -1
     for t in range(steps):

@@ -36,6 +36,11 @@ from vlm_grpo.fastpath.varlen import autocast_inputs
 
 NAME = "vlm_grpo_decode_sdpa"
 KERNEL = True  # on a GPU with Triton: flash-decoding (decode_kernel) instead of the two matmuls; False: the matmuls
+# The G rows of one prompt read its K/V slots from one row (decode_kernel's ``shared``); False: each its own copy.
+SHARED_PROMPT = True
+# The decoder keyword that carries (source row per row, prompt slots) to decode_sdpa: transformers hands a decoder
+# forward's extra keywords down to the attention function.
+SHARED_KWARG = "vlm_grpo_shared_prompt"
 
 
 def decode_sdpa(
@@ -51,7 +56,9 @@ def decode_sdpa(
 ) -> tuple[torch.Tensor, None]:
     """Grouped heads folded into the query axis for one-token queries; otherwise the package's sdpa.
 
-    A mask shorter than the cache is a window: only its slots of K and V are read."""
+    A mask shorter than the cache is a window: only its slots of K and V are read. ``kwargs[SHARED_KWARG]``: rows
+    whose prompt slots are copies of another row's read that row's (the kernel only; the output is the same)."""
+    shared = kwargs.pop(SHARED_KWARG, None)
     if attention_mask is not None:  # both paths below: a window's K/V
         # Slices, not a branch on the lengths: under torch.compile the window's length is symbolic, and a
         # comparison would guard on it (a recompile at the window that reaches the cache's end).
@@ -72,7 +79,7 @@ def decode_sdpa(
     scale = dim**-0.5 if scaling is None else scaling
     with torch.autocast(query.device.type, enabled=False) if autocast else contextlib.nullcontext():
         if KERNEL and decode_kernel.supported(query, key, value, attention_mask):
-            out = decode_kernel.decode_attention_kernel(query, key, value, attention_mask, scale)
+            out = decode_kernel.decode_attention_kernel(query, key, value, attention_mask, scale, shared)
         else:
             out = one_token_attention(query, key, value, attention_mask, scale)
     return out.transpose(1, 2), None

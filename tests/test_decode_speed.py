@@ -30,13 +30,13 @@ def test_cache_lengths_round_up_to_the_bucket():
     assert decode.cache_length(427) == decode.cache_length(458) == 512  # 300..331-token prompts, 128 new
 
 
-def _decode(model, prompt_len: int, compile: bool, keep: bool | None = False):
-    """Prefill two random text prompts of ``prompt_len`` tokens and decode G rows each, greedily;
-    returns fast_decode's tokens and generate's on the same rows."""
+def _decode(model, prompt_len: int, compile: bool, keep: bool | None = False, index: list[int] | None = None):
+    """Prefill two random text prompts of ``prompt_len`` tokens and decode G rows each (or the rows ``index``
+    names), greedily; returns fast_decode's tokens and generate's on the same rows."""
     g = torch.Generator().manual_seed(prompt_len)
     ids = torch.randint(100, 1000, (2, prompt_len), generator=g)
     mask = torch.ones_like(ids)
-    index = torch.arange(2).repeat_interleave(G)
+    index = torch.arange(2).repeat_interleave(G) if index is None else torch.tensor(index)
     config = peft_base(model).generation_config
     config.do_sample, config.max_new_tokens, config.min_new_tokens = False, NEW_TOKENS, NEW_TOKENS
     config.repetition_penalty = 5.0  # tiny random models repeat one token otherwise
@@ -45,9 +45,10 @@ def _decode(model, prompt_len: int, compile: bool, keep: bool | None = False):
         cache = DynamicCache(config=base.config)
         prefill = {"attention_mask": mask[:, :-1]}
         positions = _generation_positions(base, ids[:, :-1], prefill)
-        prefill["position_ids"] = positions
+        if positions is not None:  # mrope families
+            prefill["position_ids"] = positions
         model(input_ids=ids[:, :-1], **decode.cache_kwarg(model, cache), use_cache=True, **prefill)
-        nxt = _next_positions(positions, base.model.rope_deltas)
+        nxt = _next_positions(positions, getattr(base.model, "rope_deltas", None))
         ours = decode.fast_decode(
             model, cache, index, ids[index], mask[index], nxt, config, use_graph=False, compile=compile, keep=keep
         )
@@ -104,6 +105,35 @@ def test_decode_attention_reads_grouped_kv_uncopied_and_keeps_generates_tokens(t
     group = model.config.text_config.num_attention_heads // kv_heads
     assert shapes and all(q[:2] == (rows * kv_heads, group) and k[0] == rows * kv_heads for q, k in shapes), shapes
     assert model.config.text_config._attn_implementation == "sdpa"  # restored after the decode
+
+
+@pytest.mark.parametrize("shared_prompt", [True, False], ids=["shared", "control_off"])
+def test_every_family_hands_the_attention_kernel_each_rows_first_row(shared_prompt, tiny_models, monkeypatch):
+    """The decode attention's kernel gets, per row, the first row of its prompt and the prompt's slot count
+    (rows 1, 0, 1, 0 of two prompts: first rows 0, 1, 0, 1), through each family's decoder, which passes the keyword
+    down to the attention function; the tokens are generate's. With ``SHARED_PROMPT`` off (the control) it gets
+    None. The kernel is a stand-in here (Triton's interpreter runs the real one in test_decode_kernel.py)."""
+    from vlm_grpo.testing.tiny import FAMILIES
+
+    handed = []
+
+    def kernel(query, key, value, mask, scale, shared=None):
+        handed.append(None if shared is None else (shared[0].tolist(), int(shared[1])))
+        return decode_attention.one_token_attention(query, key, value, mask, scale)
+
+    stand_in = SimpleNamespace(supported=lambda *tensors: True, decode_attention_kernel=kernel)
+    monkeypatch.setattr(decode_attention, "decode_kernel", stand_in)
+    monkeypatch.setattr(decode_attention, "SHARED_PROMPT", shared_prompt)
+    for family in FAMILIES:
+        path = str(tiny_models[family])
+        model = get_vlm_module(path).load_model(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+        handed.clear()
+        ours, plain = _decode(model, 20, compile=False, index=[1, 0, 1, 0])
+        assert ours == plain, family
+        layers = model.config.get_text_config(decoder=True).num_hidden_layers
+        assert len(handed) == layers * NEW_TOKENS, (family, len(handed))
+        expected = ([0, 1, 0, 1], 19) if shared_prompt else None
+        assert all(h == expected for h in handed), (family, handed[:2])
 
 
 @pytest.mark.parametrize("mask_kind", ["bool", "additive"])

@@ -500,7 +500,8 @@ def _workspace(
     selection = Selection(rows, slots + 1, eos_count, device)  # the prompt and every step fit in slots + 1 columns
     shared = None
     if attn == "sdpa" and attention_module.SHARED_PROMPT:  # int32: what decode_kernel's shared takes
-        shared = tuple(torch.zeros(shape, dtype=torch.int32, device=device) for shape in ((rows,), ()))
+        int32 = {"dtype": torch.int32, "device": device}
+        shared = (torch.zeros(rows, **int32), torch.zeros((), **int32))  # first rows (per call), prompt slots
     return _Workspace(key, pointers, slots, cache, tokens, positions, mask, pool, selection, shared)
 
 

@@ -327,7 +327,7 @@ def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
 
 BENCH_ONLY = {
     "compile_vision", "select_in_graph", "varlen_blocks", "varlen_vision", "decode_kernel", "compile_select",
-    "decode_mlp",
+    "decode_mlp", "down_slices",
 }  # fmt: skip
 
 
@@ -343,7 +343,9 @@ def bench_switches(kind: str):
     decode step's attention runs as two matmuls and a softmax, as before the nineteenth session, not as the Triton
     flash-decoding kernel. ``compile_select=false``: a compiled decode step's in-graph token selection runs eagerly,
     as before the twentieth session, not through torch.compile. ``decode_mlp=false``: the decode step's MLP runs as
-    the fused gate|up GEMM, SiLU and down, as before the twenty-first session, not as two Triton kernels."""
+    the fused gate|up GEMM, SiLU and down, as before the twenty-first session, not as two Triton kernels.
+    ``down_slices=false``: the MLP kernels' down takes 16 columns per program over the whole K, as before the
+    twenty-fourth session, not slices of K with fp32 partial sums."""
     from vlm_grpo.fastpath import (
         block_attention,
         compiled_layers,
@@ -358,6 +360,9 @@ def bench_switches(kind: str):
     real, select = compiled_layers.vision_blocks, decode.SELECT_IN_GRAPH
     text_varlen, vision_varlen = block_attention.VARLEN, vision_attention.VARLEN
     kernel, compiled_select, mlp = decode_attention.KERNEL, decode_select.COMPILE, decode_mlp.KERNEL
+    down = decode_mlp.BN2, decode_mlp.BK2, decode_mlp.DOWN_SLICES
+    if switches.get("down_slices") is False:
+        decode_mlp.BN2, decode_mlp.BK2, decode_mlp.DOWN_SLICES = 16, 512, 1
     if switches.get("compile_vision") is False:
         compiled_layers.vision_blocks = lambda model, vlm_module: []
     decode.SELECT_IN_GRAPH = switches.get("select_in_graph", select) is not False
@@ -372,6 +377,7 @@ def bench_switches(kind: str):
         compiled_layers.vision_blocks, decode.SELECT_IN_GRAPH = real, select
         block_attention.VARLEN, vision_attention.VARLEN = text_varlen, vision_varlen
         decode_attention.KERNEL, decode_select.COMPILE, decode_mlp.KERNEL = kernel, compiled_select, mlp
+        decode_mlp.BN2, decode_mlp.BK2, decode_mlp.DOWN_SLICES = down
 
 
 def busy_time(intervals: list[tuple[float, float]]) -> float:

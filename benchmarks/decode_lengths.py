@@ -90,6 +90,7 @@ class Variant(NamedTuple):
     compile_select: bool
     mlp_kernel: bool
     shared_prompt: bool
+    down_slices: bool
 
 
 # The switches a Variant varies besides the window: (default, what true means, what false means).
@@ -107,6 +108,8 @@ SWITCHES = {
                    "the fused gate|up GEMM, SiLU and down"),
     "shared_prompt": (True, "the G rows of a prompt read its K/V slots from one row in the attention kernel (the "
                       "package's)", "each row its own copy"),
+    "down_slices": (True, "the decode MLP's down kernel over slices of K, fp32 partial sums added by the next kernel "
+                    "(the package's)", "16 columns per program over the whole K (the twenty-first session's)"),
 }  # fmt: skip
 assert tuple(SWITCHES) == Variant._fields[1:], "a Variant field without its switch, or the order differs"
 
@@ -115,7 +118,7 @@ def one_call(
     model, gen_config, prompt_len: int, unique: int, group: int, device, compile: bool, seed: int, fuse: bool = True,
     attention_window: int | None = None, autocast: tuple[str, torch.dtype] | None = None, cast_head: bool = True,
     keep: bool = False, select_in_graph: bool = True, attention_kernel: bool = True, compile_select: bool = True,
-    mlp_kernel: bool = True, shared_prompt: bool = True,
+    mlp_kernel: bool = True, shared_prompt: bool = True, down_slices: bool = True,
 ):  # fmt: skip
     """Prefill ``unique`` prompts of ``prompt_len`` tokens, decode ``unique * group`` rows; (seconds, token ids).
     ``attention_window``: ``decode.ATTENTION_WINDOW`` for this call (None: the package's). ``autocast``: the
@@ -127,7 +130,9 @@ def one_call(
     ``decode_attention.KERNEL`` for this call (False: the two matmuls of ``one_token_attention``). ``compile_select``:
     ``decode_select.COMPILE`` for this call (False: a compiled step's in-graph selection runs eagerly).
     ``mlp_kernel``: ``decode_mlp.KERNEL`` for this call (False: the MLP as the fused gate|up GEMM and down).
-    ``shared_prompt``: ``decode_attention.SHARED_PROMPT`` for this call (False: each row reads its own prompt copy)."""
+    ``shared_prompt``: ``decode_attention.SHARED_PROMPT`` for this call (False: each row reads its own prompt copy).
+    ``down_slices`` False: ``decode_mlp``'s down settings as before the slices (16 columns, 512-column blocks, K
+    whole)."""
     from transformers import DynamicCache
 
     from vlm_grpo.fastpath import decode, decode_attention, decode_mlp, decode_select
@@ -162,6 +167,9 @@ def one_call(
         compiled_select, decode_select.COMPILE = decode_select.COMPILE, compile_select
         mlp, decode_mlp.KERNEL = decode_mlp.KERNEL, mlp_kernel
         shared, decode_attention.SHARED_PROMPT = decode_attention.SHARED_PROMPT, shared_prompt
+        down = decode_mlp.BN2, decode_mlp.BK2, decode_mlp.DOWN_SLICES
+        if not down_slices:
+            decode_mlp.BN2, decode_mlp.BK2, decode_mlp.DOWN_SLICES = 16, 512, 1
         torch.manual_seed(seed)
         start = time.perf_counter()
         try:
@@ -175,6 +183,7 @@ def one_call(
             decode.ATTENTION_WINDOW, decode.stand_in, decode.SELECT_IN_GRAPH = window, stand_in, select
             decode_attention.KERNEL, decode_select.COMPILE, decode_mlp.KERNEL = kernel, compiled_select, mlp
             decode_attention.SHARED_PROMPT = shared
+            decode_mlp.BN2, decode_mlp.BK2, decode_mlp.DOWN_SLICES = down
     return time.perf_counter() - start, out
 
 
@@ -295,7 +304,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     choices = {field: getattr(args, field) for field in Variant._fields}
     choices["attention_window"] = args.attention_window or [None]
-    for name in ("attention_kernel", "compile_select", "mlp_kernel", "shared_prompt"):
+    for name in ("attention_kernel", "compile_select", "mlp_kernel", "shared_prompt", "down_slices"):
         if len(choices[name]) > 1 and True in args.keep:
             p.error(f"--{name} true false needs --keep false: a kept graph would serve both variants")
     windows = [Variant(*combination) for combination in itertools.product(*choices.values())]
@@ -330,6 +339,7 @@ def main(argv: list[str] | None = None) -> dict:
                 suffix += "" if variant.compile_select else ".eager_select"
                 suffix += "" if variant.mlp_kernel else ".mlp_gemms"
                 suffix += "" if variant.shared_prompt else ".own_prompt_rows"
+                suffix += "" if variant.down_slices else ".down_whole_k"
                 suffix = suffix if len(windows) > 1 else ""
                 Path(args.profile + suffix).write_text(table)
                 if args.trace:

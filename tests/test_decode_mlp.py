@@ -14,6 +14,7 @@ CASES = {
     "f32_rows5": ("float32", 5, 64, 200),
     "f32_one_row_wide_down": ("float32", 1, 160, 96),  # 10 phase-2 programs, more than phase 1's 8
     "f16_rows16": ("float16", 16, 64, 100),
+    "f16_rows16_long_down": ("float16", 16, 64, 300),  # down in 3 slices of K, the last one short
     "f32_rows3_odd_hidden": ("float32", 3, 48, 90),  # hidden not a power of two: masked K blocks
 }
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3}
@@ -31,11 +32,12 @@ for name, (dtype, rows, hidden, inter) in json.loads(sys.argv[1]).items():
     config = Qwen2Config(hidden_size=hidden, intermediate_size=inter, hidden_act="silu")
     mlp = Qwen2MLP(config).to(getattr(torch, dtype))
     fused = decode_mlp.stand_in_for(mlp)
+    weights = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
     x = torch.randn(rows, 1, hidden).to(mlp.gate_proj.weight.dtype)  # (rows, one token, hidden), as a decode step
     with torch.no_grad():
         ref, out = mlp(x), fused(x)
         # control: gate and up trade places (the kernel must tell them apart)
-        swapped = torch.ops.vlm_grpo.decode_mlp(x, mlp.up_proj.weight, mlp.gate_proj.weight, mlp.down_proj.weight)
+        swapped = decode_mlp.fused_mlp(x, mlp.up_proj.weight, mlp.gate_proj.weight, mlp.down_proj.weight)
     scale = ref.float().abs().max().item()
     results[name] = {
         "stand_in": type(fused).__name__,
@@ -43,7 +45,7 @@ for name, (dtype, rows, hidden, inter) in json.loads(sys.argv[1]).items():
         "err": (out.float() - ref.float()).abs().max().item() / scale,
         "swapped_err": (swapped.float() - ref.float()).abs().max().item() / scale,
         "programs": [-(-inter // decode_mlp.strip(inter, 2 * decode_mlp._INTERPRETED_PROGRAMS)),
-                     -(-hidden // decode_mlp.BN2)],
+                     -(-hidden // decode_mlp.BN2), decode_mlp._launch(x, *weights).size(0)],
     }
 print(json.dumps(results))
 """
@@ -68,8 +70,10 @@ def test_the_kernel_computes_the_module(interpreted: dict[str, dict], name: str)
 
 
 def test_the_cases_split_the_work_over_several_programs(interpreted: dict[str, dict]) -> None:
-    assert interpreted["f32_rows5"]["programs"] == [8, 4]
-    assert interpreted["f32_one_row_wide_down"]["programs"] == [8, 10]
+    """[phase-1 programs, down's column strips, down's slices of K]."""
+    assert interpreted["f32_rows5"]["programs"] == [8, 2, 4]  # K 200 in 64-column blocks: slices of 64
+    assert interpreted["f32_one_row_wide_down"]["programs"] == [8, 5, 2]
+    assert interpreted["f16_rows16_long_down"]["programs"] == [8, 2, 3]  # K 300 in 128-column blocks
 
 
 def test_strip() -> None:
@@ -165,9 +169,9 @@ from vlm_grpo.fastpath import decode_mlp
 decode_mlp._on_gpu = lambda *tensors: True  # the interpreter runs the kernels on CPU tensors
 real, calls, broken = decode_mlp._launch, [], []
 
-def counted(x, gate, up, down):
+def counted(x, gate, up, down, tuning=None):
     calls.append(x.shape[0])
-    out = real(x, gate, up, down)
+    out = real(x, gate, up, down, tuning)
     return -out if broken else out
 
 decode_mlp._launch = counted
@@ -200,6 +204,44 @@ def test_a_compiled_step_takes_the_stand_in_as_one_op(monkeypatch: pytest.Monkey
     torch.compile(lambda x: fused(x) * 2, fullgraph=True, backend=backend)(torch.randn(16, 1, 32))
     ops = [n.target for g in graphs for n in g.graph.nodes if n.op == "call_function"]
     assert len(graphs) == 1 and ops.count(torch.ops.vlm_grpo.decode_mlp) == 1
+
+
+_COMPILED_SLICES = r"""
+import json, sys
+import torch
+from transformers.models.qwen2.modeling_qwen2 import Qwen2Config, Qwen2MLP, Qwen2RMSNorm
+from vlm_grpo.fastpath import decode_mlp
+
+decode_mlp._on_gpu = lambda *tensors: True  # the interpreter runs the kernels on CPU tensors
+if sys.argv[1] == "first_slice_only":  # control: the slices' partial sums not added up
+    op = torch.ops.vlm_grpo.decode_mlp
+    decode_mlp.fused_mlp = lambda x, *w: op(x, *w, decode_mlp.BN2, decode_mlp.BK2 // 2, 4)[0].to(x.dtype)
+torch.manual_seed(0)
+mlp, norm = Qwen2MLP(Qwen2Config(hidden_size=64, intermediate_size=300, hidden_act="silu")), Qwen2RMSNorm(64)
+fused = decode_mlp.stand_in_for(mlp)
+
+def step(x, residual):  # a decoder layer's end and the next layer's norm
+    h = residual + fused(x)
+    return norm(h), h
+
+x, residual = torch.randn(4, 1, 64), torch.randn(4, 1, 64)
+with torch.no_grad():
+    out = torch.compile(step, fullgraph=True)(x, residual)
+    ref = (norm(residual + mlp(x)), residual + mlp(x))
+    slices = decode_mlp._launch(x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight).size(0)
+print(json.dumps({"slices": slices, "err": max((a - b).abs().max().item() for a, b in zip(out, ref))}))
+"""
+
+
+def test_a_compiled_step_adds_the_slices_as_the_module_would() -> None:
+    """Through inductor (a residual add and the next RMSNorm after the stand-in, as in a decode step, where the
+    slices' sum is fused into that kernel), down in 3 slices of K gives the eager module's output. Control: with only
+    the first slice's partial sums, it is far off."""
+    pytest.importorskip("triton")
+    runs = python_runs(_COMPILED_SLICES, [("package",), ("first_slice_only",)], interpret=True)
+    package, control = (json.loads(out.strip().splitlines()[-1]) for out in runs)
+    assert package["slices"] == 3 and package["err"] < 1e-5, package  # K 300: slices of 128 (two 64-column blocks)
+    assert control["err"] > 1e-2, control
 
 
 def _lora(model, targets=("up_proj", "down_proj", "q_proj"), dropout: float = 0.0):

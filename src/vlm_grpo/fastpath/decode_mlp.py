@@ -4,15 +4,19 @@ At decode a batch is ~16 rows, so the MLP is three matrix-vector products bound 
 weights. As cuBLAS GEMMs (gate|up fused, down split over K plus its reduction) with a SiLU-and-multiply kernel
 between, they read those weights at ~65% of an H100's bandwidth: 61-65 us a layer against 40.4 us to read them
 once (Qwen2.5-VL-3B, 16 rows, 36 layers in one CUDA graph; ``benchmarks/decode_mlp_micro.py``). Two kernels
-shaped for a few rows take 53.7 us:
+shaped for a few rows take 51.5 us:
 
 * ``_gate_up_kernel``: two programs per SM, each over one contiguous strip of intermediate columns, reads its gate
   and up rows straight from the live weights (no fused copy) and writes the SiLU-and-multiply, rounded as the
   eager module rounds it (gate, up, SiLU and the product each in the weights' dtype);
-* ``_down_kernel``: each program takes 16 output columns of down over the whole intermediate dimension (no
-  split-K, no reduction kernel).
+* ``_down_kernel``: each program takes ``BN2`` output columns of down over one of ``DOWN_SLICES`` slices of the
+  intermediate dimension and writes their fp32 partial sums. Over the whole dimension, each program would also
+  read the whole activation from L2, as many bytes as its weight strip: that version ran at 1.55x its weight read
+  (21 us), this one at 1.36x (18.3 us). No reduction kernel: :func:`fused_mlp` adds the slices in order and rounds
+  once, and under torch.compile inductor does that inside the kernel that reads the MLP's output next (the residual
+  add and the next norm). In the decode loop this took 5% off a token (RESULTS.md, twenty-fourth session).
 
-Every output is one fp32 dot product of one program in a fixed order: deterministic. (One launch with a grid
+Every output is fp32 dot products in a fixed order, added in a fixed order: deterministic. (One launch with a grid
 barrier between the phases was measured too: no faster than two, so not kept; RESULTS.md, twenty-first session.)
 
 The kernels stand in for a decoder layer's MLP module during a generation call (``decode_fusion`` swaps it in,
@@ -43,7 +47,9 @@ KERNEL = True  # on a GPU with Triton: the decode step's MLP as these kernels; F
 # at 48 and 64, where all rows' accumulators and tiles crowd the SM). decode_fusion plans by the call's rows; more
 # rows reaching the stand-in (a prefill) run the module itself.
 ROWS_MAX = 32
-BN2 = 16  # output columns of down per program
+# down: output columns per program, K columns per block (halved for fp32, so the pipelined tiles fit shared memory),
+# slices of K (one program each per column strip; fp32 partial sums, added in order). Read where a step is traced.
+BN2, BK2, DOWN_SLICES = 32, 128, 4
 _INTERPRETED_PROGRAMS = 4  # the "SM count" on CPU (Triton's interpreter): several programs in phase 1
 
 
@@ -82,25 +88,39 @@ if triton is not None:
 
     @triton.jit
     def _down_kernel(
-        m_ptr, wd_ptr, y_ptr, M, H, INTER, stride_m, stride_y,
+        m_ptr, wd_ptr, part_ptr, M, H, INTER, stride_m, per,
         BLOCK_M: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
-        """y[:, cols] = m @ down[cols].T for this program's ``BN`` output columns, over the whole intermediate
-        dimension (one dot product per output: no split-K, deterministic)."""
+        """part[s, :, cols] = m[:, K slice s] @ down[cols, K slice s].T in fp32, for this program's ``BN`` output
+        columns and slice ``s`` (``per`` columns of m, a whole number of ``BK`` blocks): one dot product per
+        (slice, output) in a fixed order; the caller adds the slices in a fixed order too (deterministic)."""
         rows = tl.arange(0, BLOCK_M)
         row_ok = rows < M
         c = tl.program_id(0) * BN + tl.arange(0, BN)
         c_ok = c < H
+        s = tl.program_id(1)
         acc = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
-        for k0 in range(0, INTER, BK):
+        for k0 in range(s * per, tl.minimum(s * per + per, INTER), BK):
             k = k0 + tl.arange(0, BK)
             k_ok = k < INTER
             mb = tl.load(m_ptr + rows[:, None] * stride_m + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w_mask = c_ok[None, :] & k_ok[:, None]
             wd = tl.load(wd_ptr + c[None, :].to(tl.int64) * INTER + k[:, None], mask=w_mask, other=0.0)
             acc = tl.dot(mb, wd, acc, input_precision=PRECISION)
-        y = acc.to(y_ptr.dtype.element_ty)
-        tl.store(y_ptr + rows[:, None] * stride_y + c[None, :], y, mask=row_ok[:, None] & c_ok[None, :])
+        tl.store(part_ptr + (s * M + rows[:, None]) * H + c[None, :], acc, mask=row_ok[:, None] & c_ok[None, :])
+
+
+def down_slices(inter: int, block: int, slices: int) -> tuple[int, int]:
+    """(slices, columns per slice) of down's K (the intermediate dimension): up to ``slices``, each a whole number
+    of ``block`` columns, none empty."""
+    per = -(-inter // slices)
+    per = -(-per // block) * block  # up to whole blocks: then fewer slices may cover K
+    return -(-inter // per), per
+
+
+def _settings(x: torch.Tensor) -> dict:
+    """Down's settings for ``x``'s dtype, from the module's (fp32: half the K blocks)."""
+    return {"BN2": BN2, "BK2": BK2 // 2 if x.element_size() >= 4 else BK2, "slices": DOWN_SLICES}
 
 
 def strip(inter: int, programs: int) -> int:
@@ -138,41 +158,54 @@ def _device(x: torch.Tensor) -> tuple[int, int]:
 def _launch(
     x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, tuning: dict | None = None
 ) -> torch.Tensor:
-    """``down(silu(gate(x)) * up(x))`` for ``x`` (..., hidden), contiguous. ``tuning`` (benchmarks): ``programs``
-    (phase 1's; default two per SM), ``BK1``, ``BN2``, ``BK2``, ``num_stages`` (default: as deep as fits, up to
-    4); ``only``: "gate_up" or "down" to launch that kernel alone (for its time: the output is then meaningless)."""
+    """The fp32 partial sums of ``down(silu(gate(x)) * up(x))`` over slices of K, (slices, ..., hidden), for ``x``
+    (..., hidden), contiguous: their sum over the first dimension (in order) is the MLP's output. ``tuning``
+    (benchmarks): ``programs`` (phase 1's; default two per SM), ``BK1``, ``BN2``, ``BK2``, ``slices`` (default: the
+    module's), ``num_stages`` (default: as deep as fits, up to 4); ``only``: "gate_up" or "down" to launch that
+    kernel alone (for its time: the output is then meaningless)."""
     x2 = x.reshape(-1, x.size(-1))
     rows, hidden = x2.shape
     inter = gate.size(0)
     sms, smem = _device(x)
     size = x.element_size()
-    wide = size >= 4  # fp32: half the K blocks, so the pipelined tiles fit shared memory
-    t = {"programs": 2 * sms, "BK1": 64 if wide else 128, "BN2": BN2, "BK2": 256 if wide else 512, **(tuning or {})}
+    t = {"programs": 2 * sms, "BK1": 64 if size >= 4 else 128, **_settings(x), **(tuning or {})}
     pairs = strip(inter, t["programs"])
     block_m, block_p = max(16, triton.next_power_of_2(rows)), triton.next_power_of_2(pairs)
+    slices, per = down_slices(inter, t["BK2"], t["slices"])
     m = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
-    y = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
-    common = {"BLOCK_M": block_m, "PRECISION": "ieee" if wide else "tf32", "num_warps": 4}
+    part = torch.empty(slices, rows, hidden, dtype=torch.float32, device=x.device)
+    common = {"BLOCK_M": block_m, "PRECISION": "ieee" if size >= 4 else "tf32", "num_warps": 4}
     if t.get("only") != "down":
         depth = t.get("num_stages") or stages((2 * block_p + block_m) * t["BK1"] * size, smem)
         args = (x2, gate, up, m, rows, hidden, inter, x2.stride(0), m.stride(0), pairs)
         _run(_gate_up_kernel, (-(-inter // pairs),), args, depth, BLOCK_P=block_p, BK=t["BK1"], **common)
     if t.get("only") != "gate_up":
         depth = t.get("num_stages") or stages((block_m + t["BN2"]) * t["BK2"] * size, smem)
-        args = (m, down, y, rows, hidden, inter, m.stride(0), y.stride(0))
-        _run(_down_kernel, (-(-hidden // t["BN2"]),), args, depth, BN=t["BN2"], BK=t["BK2"], **common)
-    return y.view(*x.shape[:-1], hidden)
+        args = (m, down, part, rows, hidden, inter, m.stride(0), per)
+        _run(_down_kernel, (-(-hidden // t["BN2"]), slices), args, depth, BN=t["BN2"], BK=t["BK2"], **common)
+    return part.view(slices, *x.shape[:-1], hidden)
 
 
 if triton is not None:
     # Opaque to torch.compile: inductor calls it as it is (a CUDA graph captures its two launches).
     @torch.library.custom_op("vlm_grpo::decode_mlp", mutates_args=())
-    def _decode_mlp_op(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-        return _launch(x, gate, up, down)
+    def _decode_mlp_op(
+        x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, bn2: int, bk2: int, slices: int
+    ) -> torch.Tensor:
+        return _launch(x, gate, up, down, {"BN2": bn2, "BK2": bk2, "slices": slices})
 
     @_decode_mlp_op.register_fake
-    def _(x, gate, up, down):
-        return x.new_empty(*x.shape[:-1], down.size(0))
+    def _(x, gate, up, down, bn2, bk2, slices):
+        slices = down_slices(gate.size(0), bk2, slices)[0]
+        return x.new_empty(slices, *x.shape[:-1], down.size(0), dtype=torch.float32)
+
+
+def fused_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """The MLP's output through the kernels, in ``x``'s dtype: the slices' partial sums added in order and rounded
+    once, as one fp32 dot product would be. Under torch.compile inductor adds them inside the kernel that reads the
+    output next (the residual add and the next norm): no launch of its own."""
+    t = _settings(x)
+    return torch.ops.vlm_grpo.decode_mlp(x, gate, up, down, t["BN2"], t["BK2"], t["slices"]).sum(0).to(x.dtype)
 
 
 def _on_gpu(*tensors: torch.Tensor) -> bool:
@@ -196,7 +229,7 @@ class FusedMLP(nn.Module):
         gate, up, down = self.weights()
         if x.numel() > ROWS_MAX * x.size(-1) or not x.is_contiguous() or x.dtype != gate.dtype:
             return self.mlp(x)
-        return torch.ops.vlm_grpo.decode_mlp(x, gate, up, down)
+        return fused_mlp(x, gate, up, down)
 
 
 def silu_mlp(module: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module] | None:

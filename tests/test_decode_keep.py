@@ -21,7 +21,7 @@ import test_group_sharing
 from test_decode_speed import _decode, _tiny_qwen
 from test_decode_windows import _windows_on
 from test_group_sharing import _generate_both, make_trainer
-from vlm_grpo.fastpath import decode, decode_fusion
+from vlm_grpo.fastpath import decode, decode_fusion, decode_mlp
 from vlm_grpo.utils import peft_base
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -131,7 +131,8 @@ def test_a_call_not_kept_leaves_the_kept_state_alone_and_the_default_frees_it(ti
 
 def test_what_a_graph_bakes_in_makes_a_new_workspace(tiny_models, monkeypatch):
     """A kept workspace is used again only while its graphs would be right: a module's train / eval mode, a
-    parameter moved to new memory (ZeRO-3 gathers, model.to) or another number of rows each make a new one."""
+    parameter moved to new memory (ZeRO-3 gathers, model.to), the MLP kernels' settings or another number of rows
+    each make a new one."""
     _windows_on(monkeypatch, window=4, bucket=8)
     model = _tiny_qwen(tiny_models)
     _decode(model, 20, compile=False, keep=True)
@@ -152,6 +153,11 @@ def test_what_a_graph_bakes_in_makes_a_new_workspace(tiny_models, monkeypatch):
     _decode(model, 20, compile=False, keep=True)
     third = _kept(model)
     assert third is not second
+
+    monkeypatch.setattr(decode_mlp, "DOWN_SLICES", 1)  # a setting the MLP kernels' launches bake in
+    _decode(model, 20, compile=False, keep=True)
+    assert _kept(model) is not third
+    third = _kept(model)
 
     monkeypatch.setattr(decode, "_pointers", lambda decoder, head: ())  # control: addresses not checked
     _decode(model, 20, compile=False, keep=True)

@@ -405,7 +405,7 @@ def fast_decode(
     eos_count = None if gc._eos_token_tensor is None else gc._eos_token_tensor.numel()
     key = (
         rows, tuple((x.dtype, x.size(1), x.size(-1)) for layer in layers for x in (layer.keys, layer.values)),
-        attn, windowed, tuple(next_positions.shape[:-1]), use_graph, compile, (fuse, decode_mlp.KERNEL), autocast,
+        attn, windowed, tuple(next_positions.shape[:-1]), use_graph, compile, (fuse, decode_mlp.switches()), autocast,
         _modes(decoder), eos_count, in_step and (gc.do_sample, signature(processors)), attention_module.SHARED_PROMPT,
     )  # fmt: skip
     if keep is None:

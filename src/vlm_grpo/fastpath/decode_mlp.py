@@ -118,6 +118,11 @@ def down_slices(inter: int, block: int, slices: int) -> tuple[int, int]:
     return -(-inter // per), per
 
 
+def switches() -> tuple:
+    """The module's settings a captured decode step bakes in (part of a kept workspace's key)."""
+    return KERNEL, BN2, BK2, DOWN_SLICES
+
+
 def _settings(x: torch.Tensor) -> dict:
     """Down's settings for ``x``'s dtype, from the module's (fp32: half the K blocks)."""
     return {"BN2": BN2, "BK2": BK2 // 2 if x.element_size() >= 4 else BK2, "slices": DOWN_SLICES}

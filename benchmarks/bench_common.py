@@ -329,6 +329,9 @@ BENCH_ONLY = {
     "compile_vision", "select_in_graph", "varlen_blocks", "varlen_vision", "decode_kernel", "compile_select",
     "decode_mlp", "down_slices",
 }  # fmt: skip
+# decode_mlp's (BN2, BK2, DOWN_SLICES) before the twenty-fourth session: 16 columns over the whole K, 512-column
+# blocks (``down_slices=false`` here and in decode_lengths.py).
+WHOLE_K_DOWN = (16, 512, 1)
 
 
 @contextmanager
@@ -362,7 +365,7 @@ def bench_switches(kind: str):
     kernel, compiled_select, mlp = decode_attention.KERNEL, decode_select.COMPILE, decode_mlp.KERNEL
     down = decode_mlp.BN2, decode_mlp.BK2, decode_mlp.DOWN_SLICES
     if switches.get("down_slices") is False:
-        decode_mlp.BN2, decode_mlp.BK2, decode_mlp.DOWN_SLICES = 16, 512, 1
+        decode_mlp.BN2, decode_mlp.BK2, decode_mlp.DOWN_SLICES = WHOLE_K_DOWN
     if switches.get("compile_vision") is False:
         compiled_layers.vision_blocks = lambda model, vlm_module: []
     decode.SELECT_IN_GRAPH = switches.get("select_in_graph", select) is not False

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from bench_common import decode_weight_bytes, device_defaults, flag_bool, hbm_bandwidth
+from bench_common import WHOLE_K_DOWN, decode_weight_bytes, device_defaults, flag_bool, hbm_bandwidth
 
 CAPTURES: list[float] = []  # seconds of each CUDA-graph warm-up + capture (once per window of a fast_decode call)
 
@@ -169,7 +169,7 @@ def one_call(
         shared, decode_attention.SHARED_PROMPT = decode_attention.SHARED_PROMPT, shared_prompt
         down = decode_mlp.BN2, decode_mlp.BK2, decode_mlp.DOWN_SLICES
         if not down_slices:
-            decode_mlp.BN2, decode_mlp.BK2, decode_mlp.DOWN_SLICES = 16, 512, 1
+            decode_mlp.BN2, decode_mlp.BK2, decode_mlp.DOWN_SLICES = WHOLE_K_DOWN
         torch.manual_seed(seed)
         start = time.perf_counter()
         try:

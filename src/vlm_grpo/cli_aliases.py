@@ -4,6 +4,12 @@ The Lewis-game seed passes ``--lo_rank / --lo_alpha / --lo_dropout``; they mean 
 --lora_alpha / --lora_dropout`` exactly. VLM-R1's older run scripts (``grpo_rec.py``) and open-r1's pass
 ``--torch_dtype bfloat16``: TRL's ``ModelConfig`` field was renamed ``dtype``, with the same meaning. So all are
 plain synonyms (each rewrite is logged). Giving both spellings of one flag is an error rather than a silent pick.
+
+RynnBrain's SFT script (RynnScale's ``easy_vlm.api.train``) passes ``--model_path`` (the checkpoint:
+``--model_name_or_path``), ``--data_mixture`` (its training file(s): ``--data_file_paths``, ':'-separated),
+``--model_max_length`` (the longest sequence in tokens: SFT's ``--max_length``) and ``--use_multimodal_thinking``
+(images inside the thinking turn). Only the last one's default, false, can be honoured here: SFT rows' thinking is
+text, so ``--use_multimodal_thinking false`` is accepted (logged) and ``true`` is an error saying so.
 """
 
 from __future__ import annotations
@@ -20,14 +26,56 @@ FLAG_ALIASES: dict[str, str] = {
     "--lo_alpha": "--lora_alpha",
     "--lo_dropout": "--lora_dropout",
     "--torch_dtype": "--dtype",
+    "--model_path": "--model_name_or_path",
+    "--data_mixture": "--data_file_paths",
+    "--model_max_length": "--max_length",
 }
+
+# Boolean flags of other projects whose one value we honour by doing nothing (the flag is then removed, logged);
+# the other value is an error: (value we honour, why, what to do instead).
+HONOURED_ONLY_AS: dict[str, tuple[bool, str, str]] = {
+    "--use_multimodal_thinking": (
+        False,
+        "the thinking turn is text only here",
+        "RynnScale's multimodal thinking (images inside the thinking turn) is not supported: pass "
+        "--use_multimodal_thinking false or leave it out (vlm-grpo-data preprocess --keep_images appends a thinking "
+        "turn's images to the prompt instead)",
+    ),
+}
+_TRUE, _FALSE = ("true", "1", "yes", "y", "t"), ("false", "0", "no", "n", "f")
+
+
+def _drop_honoured_flags(argv: Sequence[str]) -> list[str]:
+    """``argv`` without the :data:`HONOURED_ONLY_AS` flags given their honoured value; SystemExit for the other."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        flag, eq, value = argv[i].partition("=")
+        rule = HONOURED_ONLY_AS.get(flag)
+        if rule is None:
+            out.append(argv[i])
+            i += 1
+            continue
+        if not eq:  # a bare flag means true; else the next word is its value
+            has_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+            value = argv[i + 1] if has_value else "true"
+            i += 1 + has_value
+        else:
+            i += 1
+        honoured, why, instead = rule
+        if value.lower() not in (_TRUE + _FALSE):
+            raise SystemExit(f"error: {flag} {value}: expected true or false")
+        if (value.lower() in _TRUE) != honoured:
+            raise SystemExit(f"error: {flag} {value}: {instead}")
+        logger.info("%s %s: nothing to change (%s)", flag, value, why)
+    return out
 
 
 def expand_flag_aliases(argv: Sequence[str]) -> list[str]:
     """``argv`` with every alias (``--lo_rank 8`` or ``--lo_rank=8``) written as the flag it stands for."""
     out: list[str] = []
     seen: dict[str, str] = {}
-    for arg in argv:
+    for arg in _drop_honoured_flags(argv):
         flag, eq, value = arg.partition("=")
         target = FLAG_ALIASES.get(flag)
         canonical = target or flag

@@ -1,0 +1,101 @@
+"""RynnBrain's own launch lines: its SFT script's flags (RynnScale spellings) run as they mean."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from PIL import Image
+
+from vlm_grpo.sft_jsonl import main, parse_args
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+ANSWER = "The apple is on the left.\n#### <answer><affordance><frame 1> (325, 480)</affordance></answer>"
+
+
+@pytest.fixture(scope="module")
+def formatted_rows(tmp_path_factory):
+    """Rows as RynnBrain's format_data.py writes them (ChatML conversation, every item with all fields)."""
+    root = tmp_path_factory.mktemp("rynn_sft")
+    rows = []
+    for i in range(4):
+        image = root / f"scene_{i}.png"
+        Image.new("RGB", (56 + 28 * i, 56), (40 * i, 90, 160)).save(image)
+
+        def item(kind, text="", path=""):
+            return {"type": kind, "text": text, "image": path, "video": "", "width": 0, "height": 0, "duration": 0.0}
+
+        rows.append(
+            {
+                "data_source": "affordance_cot",
+                "id": str(i),
+                "text_sequence_length": 64,
+                "conversation": [
+                    {"role": "user", "content": [item("image", path=str(image)), item("text", "Where to grasp?")]},
+                    {"role": "assistant", "content": [item("text", ANSWER)]},
+                ],
+            }
+        )
+    path = root / "cot_train_formatted.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def sft_flag_line(model, data, output_dir, *extra):
+    """train_sft.sh's flag line, paths changed, sized for one CPU step."""
+    return [
+        "--model_path", str(model),
+        "--data_mixture", str(data),
+        "--model_max_length", "16384",
+        "--mm_max_length", "10240",
+        "--per_device_train_batch_size", "2",
+        "--num_train_epochs", "1",
+        "--llm_lr", "1e-5",
+        "--vision_encoder_lr", "2e-6",
+        "--lr_scheduler_type", "cosine",
+        "--bf16", "False",
+        "--gradient_checkpointing", "True",
+        "--output_dir", str(output_dir),
+        "--save_steps", "2000",
+        "--use_multimodal_thinking", "False",
+        "--max_steps", "1", "--report_to", "none", "--dataloader_num_workers", "0",
+        *extra,
+    ]  # fmt: skip
+
+
+def test_sft_flag_line_means_what_rynnscale_means(tiny_models, formatted_rows, tmp_path):
+    script, training, model = parse_args(sft_flag_line(tiny_models["qwen2_5_vl"], formatted_rows, tmp_path / "o"))
+    assert model.model_name_or_path == str(tiny_models["qwen2_5_vl"])
+    assert script.data_file_paths == str(formatted_rows)
+    assert training.max_length == 16384 and script.mm_max_length == 10240
+    assert (training.llm_lr, training.vision_encoder_lr) == (1e-5, 2e-6)
+    assert training.gradient_checkpointing is True and training.lr_scheduler_type == "cosine"
+
+
+def test_sft_flag_line_trains_one_step(tiny_models, formatted_rows, tmp_path, capsys):
+    trainer = main(*parse_args(sft_flag_line(tiny_models["qwen2_5_vl"], formatted_rows, tmp_path / "o")))
+    assert trainer.state.global_step == 1
+    # the two learning rates reached the optimizer (the scheduler keeps each group's starting one)
+    assert {g["initial_lr"] for g in trainer.optimizer.param_groups} == {1e-5, 2e-6}
+    assert (tmp_path / "o" / "config.json").is_file()
+    assert "[vlm-grpo-sft] step 1;" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("spelling", [["--use_multimodal_thinking", "True"], ["--use_multimodal_thinking"],
+                                      ["--use_multimodal_thinking=true"]])  # fmt: skip
+def test_multimodal_thinking_true_is_refused_not_dropped(spelling, tmp_path):
+    with pytest.raises(SystemExit, match=r"multimodal thinking .* is not supported"):
+        parse_args(["--model_path", "m", "--output_dir", str(tmp_path), *spelling])
+
+
+def test_multimodal_thinking_false_changes_nothing(tmp_path):
+    base = ["--model_path", "m", "--output_dir", str(tmp_path)]
+    assert parse_args([*base, "--use_multimodal_thinking", "false"]) == parse_args(base)
+    with_bf16 = [*base, "--bf16", "false"]
+    assert parse_args(["--use_multimodal_thinking=False", *with_bf16]) == parse_args(with_bf16)
+
+
+def test_both_spellings_of_the_model_flag_are_an_error(tmp_path):
+    with pytest.raises(SystemExit, match="--model_name_or_path and --model_path are the same option"):
+        parse_args(["--model_name_or_path", "a", "--model_path", "b", "--output_dir", str(tmp_path)])

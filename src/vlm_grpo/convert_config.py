@@ -248,6 +248,11 @@ def easyr1_config_argv(argv: Sequence[str]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["verl"]:  # vlm-grpo-convert-config verl key=value ...: a verl main_ppo line
+        from vlm_grpo.convert_verl import main as verl_main
+
+        return verl_main(argv[1:])
     parser = argparse.ArgumentParser(prog="vlm-grpo-convert-config", description=__doc__.split("\n\n")[0])
     parser.add_argument("config", help="EasyR1 YAML (data / algorithm / worker / trainer)")
     parser.add_argument("-o", "--output", help="write the vlm-grpo YAML here (default: stdout)")

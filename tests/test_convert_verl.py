@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
@@ -122,7 +121,7 @@ def test_what_cannot_be_kept_is_an_error(words, message):
 
 
 def test_defaults_and_spellings():
-    flags, notes = translate([*BASE, "+trainer.logger=[console]", f"{ACTOR}optim.lr_warmup_steps_ratio=0.1"])
+    flags, _ = translate([*BASE, "+trainer.logger=[console]", f"{ACTOR}optim.lr_warmup_steps_ratio=0.1"])
     assert flags["report_to"] == "none" and flags["warmup_steps"] == 0.1
     assert flags["lr_scheduler_type"] == "constant_with_warmup"
     assert flags["num_train_epochs"] == 30 and flags["beta"] == 0.0 and flags["top_k"] == 0  # verl's defaults
@@ -156,7 +155,8 @@ def counted(completions, **kwargs):
 
 def test_translated_line_trains_one_verl_step(tiny_models, tmp_path, monkeypatch):
     """RynnBrain's line sized for one CPU: one verl step = one generation of 2 prompts x 2, trained on twice."""
-    from vlm_grpo.grpo_jsonl import main as train, parse_args
+    from vlm_grpo.grpo_jsonl import main as train
+    from vlm_grpo.grpo_jsonl import parse_args
 
     data, _ = make_dataset(tmp_path / "data", kinds=("single",), n=2)
     plugin = tmp_path / "counted.py"

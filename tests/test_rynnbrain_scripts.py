@@ -99,3 +99,46 @@ def test_multimodal_thinking_false_changes_nothing(tmp_path):
 def test_both_spellings_of_the_model_flag_are_an_error(tmp_path):
     with pytest.raises(SystemExit, match="--model_name_or_path and --model_path are the same option"):
         parse_args(["--model_name_or_path", "a", "--model_path", "b", "--output_dir", str(tmp_path)])
+
+
+# ----------------------------------------------------------------------------- format_data.py --check / --debug
+def format_line(model, rows, save, *extra):
+    """format_data.py's flag line (paths changed) as ``vlm-grpo-data format``."""
+    return ["format", "--ann_path", str(rows), "--save_path", str(save), "--tokenizer_path", str(model),
+            "--data_root", str(rows.parent), "-y", *extra]  # fmt: skip
+
+
+def test_format_check_validates_and_writes_nothing(tiny_models, formatted_rows, tmp_path, capsys):
+    from vlm_grpo.data.cli import main as data_main
+
+    save = tmp_path / "out.jsonl"
+    assert data_main(format_line(tiny_models["qwen2_5_vl"], formatted_rows, save, "--check")) == 0
+    out = capsys.readouterr().out
+    assert "count=4" in out and "RESULT: OK" in out and not save.exists()
+    broken = tmp_path / "broken.jsonl"
+    lines = formatted_rows.read_text().splitlines()
+    lines[2] = lines[2].replace("scene_2.png", "missing.png")
+    broken.write_text("\n".join(lines) + "\n")
+    assert data_main(format_line(tiny_models["qwen2_5_vl"], broken, save, "--check")) == 1
+    out = capsys.readouterr()
+    assert f"{broken}:3" in out.out + out.err and not save.exists()
+
+
+def test_format_debug_formats_one_thread_and_writes_nothing(tiny_models, formatted_rows, tmp_path, capsys):
+    from vlm_grpo.data.cli import main as data_main
+
+    save = tmp_path / "out.jsonl"
+    argv = format_line(tiny_models["qwen2_5_vl"], formatted_rows, save, "--layout", "chatml", "--debug")
+    assert data_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "formatted 4 rows; --debug: nothing written" in out and not save.exists()
+    first = json.loads(out[: out.index("formatted 4 rows")])
+    assert first["data_source"] == "affordance_cot" and first["text_sequence_length"] > 0
+    assert data_main(format_line(tiny_models["qwen2_5_vl"], formatted_rows, save, "--layout", "chatml")) == 0
+    assert json.loads(save.read_text().splitlines()[0]) == first  # --debug shows what would be written
+    # an error: one line normally, the traceback with --debug
+    missing = [*format_line(tiny_models["qwen2_5_vl"], tmp_path / "none.jsonl", save)]
+    assert data_main(missing) == 2
+    assert capsys.readouterr().err.startswith("vlm-grpo-data format: error:")
+    with pytest.raises(ValueError, match="data file not found"):
+        data_main([*missing, "--debug"])

@@ -289,7 +289,7 @@ FORMAT_LAYOUTS = ("vlm_r1", "chatml")
 
 def format_rows(
     data_file_paths: Sequence[str],
-    save_path: str | Path,
+    save_path: str | Path | None,
     *,
     model: str,
     image_folders: Sequence[str] | None = None,
@@ -299,14 +299,17 @@ def format_rows(
     overwrite: bool = False,
     skip_bad_rows: bool = False,
     layout: str = "vlm_r1",
+    write: bool = True,
 ) -> FormatResult:
     """Normalise rows into the canonical format with absolute image paths, ``image_sizes`` ([w, h] each) and
     ``text_sequence_length``; other top-level fields of the input rows are kept. ``layout="chatml"`` writes
-    RynnBrain's formatted rows instead (:mod:`vlm_grpo.data.chatml`)."""
+    RynnBrain's formatted rows instead (:mod:`vlm_grpo.data.chatml`). ``write=False``: the rows only (no file)."""
     if layout not in FORMAT_LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(FORMAT_LAYOUTS)}, got {layout!r}")
-    save_path = Path(save_path)
-    if save_path.exists() and not overwrite:
+    save_path = Path(save_path) if save_path else None
+    if write and save_path is None:
+        raise ValueError("no output path to write the formatted rows to")
+    if write and save_path.exists() and not overwrite:
         raise FileExistsError(f"Refusing to overwrite {save_path} (pass -y / --yes to overwrite)")
     nproc = nproc or os.cpu_count() or 1
     files = [str(p) for p in data_file_paths]
@@ -341,5 +344,6 @@ def format_rows(
                 **extra,
             )
         )
-    result.path = write_rows(save_path, result.rows)
+    if write:
+        result.path = write_rows(save_path, result.rows)
     return result

@@ -280,7 +280,9 @@ def _add_format(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--ann_path", "--input", "-i", nargs="+", required=True, help="input file(s): jsonl, json or parquet"
     )
-    p.add_argument("--save_path", "--output", "-o", required=True, help="output .jsonl / .json / .parquet")
+    p.add_argument(
+        "--save_path", "--output", "-o", help="output .jsonl / .json / .parquet (not needed with --check / --debug)"
+    )
     _add_model_flags(p, required=True)
     p.add_argument(
         "--data_root",
@@ -298,13 +300,38 @@ def _add_format(sub: argparse._SubParsersAction) -> None:
         help="vlm_r1 (default): canonical VLM-R1 rows; chatml: RynnBrain's formatted rows (ChatML 'conversation' with "
         "type/text/image/video/width/height/duration on every item, data_source, id, text_sequence_length)",
     )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="only validate the input (the report of 'vlm-grpo-data check' with this model); write nothing; exit 1 "
+        "on bad rows",
+    )
+    p.add_argument(
+        "--debug",
+        dest="format_debug",
+        action="store_true",
+        help="format in one thread, print the first formatted row, write nothing; errors show their traceback",
+    )
     p.add_argument("-y", "--yes", action="store_true", help="overwrite the output file")
     p.set_defaults(func=_run_format)
 
 
 def _run_format(args: argparse.Namespace) -> int:
-    from vlm_grpo.data.check import format_rows
+    from vlm_grpo.data.check import check, format_rows
 
+    if args.check:
+        report = check(
+            _paths(args.ann_path),
+            split_paths(args.image_folders),
+            model=args.model,
+            vlm_module=args.vlm_module,
+            task_type=args.task_type,
+            num_threads=args.nproc or os.cpu_count() or 1,
+        )
+        print(report.render())
+        return 0 if report.ok else 1
+    if not args.save_path and not args.format_debug:
+        raise ValueError("--save_path is required (or pass --check / --debug to write nothing)")
     result = format_rows(
         _paths(args.ann_path),
         args.save_path,
@@ -312,13 +339,19 @@ def _run_format(args: argparse.Namespace) -> int:
         image_folders=split_paths(args.image_folders),
         vlm_module=args.vlm_module,
         task_type=args.task_type,
-        nproc=args.nproc,
+        nproc=1 if args.format_debug else args.nproc,
         overwrite=args.yes,
         skip_bad_rows=args.skip_bad_rows,
         layout=args.layout,
+        write=not args.format_debug,
     )
     if _refuse_bad(result.bad, args.skip_bad_rows, "row"):
         return 1
+    if args.format_debug:
+        if result.rows:
+            print(json.dumps(result.rows[0], ensure_ascii=False, indent=2))
+        print(f"formatted {len(result.rows)} rows; --debug: nothing written")
+        return 0
     print(f"wrote {len(result.rows)} rows  {result.path}")
     return 0
 
@@ -359,6 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
+    parser.set_defaults(format_debug=False)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_preprocess(sub)
     _add_convert_vqa(sub)
@@ -370,6 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.debug = args.debug or args.format_debug  # format --debug (RynnBrain's format_data.py flag) shows tracebacks
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from vlm_grpo.data.merge import SchemaConflict
 

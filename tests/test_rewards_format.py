@@ -12,7 +12,7 @@ from vlm_grpo.rewards.format import (
     format_explain_reward,
     format_reward,
     format_rynnbrain_reward,
-    format_speaker_reward,
+    format_speaker_strict_reward,
     rynnbrain_format_score,
 )
 
@@ -46,8 +46,8 @@ SPEAKER_CASES = [
 
 
 @pytest.mark.parametrize(("completion", "expected"), SPEAKER_CASES)
-def test_format_speaker_table(completion, expected):
-    assert format_speaker_reward([completion]) == [expected]
+def test_format_speaker_strict_table(completion, expected):
+    assert format_speaker_strict_reward([completion]) == [expected]
 
 
 def test_format_tags_are_configurable_through_reward_kwargs():

@@ -84,6 +84,7 @@ ROWS: dict[str, tuple[Any, dict[str, Any]]] = {
     "format": (_text_rows, {}),
     "format_explain": (_text_rows, {}),
     "format_speaker": (_text_rows, {}),
+    "format_speaker_strict": (_text_rows, {}),
     "format_rynnbrain": (lambda n: {"task_type": _cycle([*TASKS, None], n)}, {}),
     "iou": (lambda n: {"solution": ["[10, 10, 50, 50]"] * n, "image_sizes": [[[100, 80]]] * n}, {}),
     "iou_threshold": (

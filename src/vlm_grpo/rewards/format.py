@@ -1,7 +1,8 @@
 """Format rewards and the tag helpers other rewards share.
 
 Tag-layout rewards (``format``: ``<think><answer>``, ``format_explain``: ``<think><answer><explain>`` (ViVQA-X),
-``format_speaker``: ``<thinking><coarse><detailed>`` (Lewis-game speaker), any list through ``make_format_reward``
+``format_speaker_strict``: ``<thinking><coarse><detailed>`` (Lewis-game speaker; the seed's lenient
+``format_speaker`` is in :mod:`vlm_grpo.rewards.listener`), any list through ``make_format_reward``
 or the ``tags`` keyword) and the RynnBrain ``#### <answer><task>…</task></answer>`` layout (``format_rynnbrain``).
 """
 
@@ -121,9 +122,10 @@ format_explain_reward.__doc__ = (
     "outside them); else 0.0. Range {0.0, 1.0}."
 )
 
-format_speaker_reward = make_format_reward(("thinking", "coarse", "detailed"), "format_speaker")
-format_speaker_reward.__doc__ = (
-    "Lewis-game speaker format reward: 1.0 iff the whole completion is ``<thinking>...</thinking> "
+format_speaker_strict_reward = make_format_reward(("thinking", "coarse", "detailed"), "format_speaker_strict")
+format_speaker_strict_reward.__doc__ = (
+    "Strict Lewis-game speaker format reward (``format_speaker`` is the seed's lenient one): 1.0 iff the whole "
+    "completion is ``<thinking>...</thinking> "
     "<coarse>...</coarse> <detailed>...</detailed>`` (all three present, in this order, each closed once, not "
     "nested, only whitespace outside them); else 0.0. Range {0.0, 1.0}."
 )
@@ -210,7 +212,7 @@ __all__ = [
     "format_explain_reward",
     "format_reward",
     "format_rynnbrain_reward",
-    "format_speaker_reward",
+    "format_speaker_strict_reward",
     "make_format_reward",
     "rynnbrain_format_score",
     "tag_layout_score",

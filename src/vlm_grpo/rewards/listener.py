@@ -1,7 +1,7 @@
-"""The Lewis-game ``listener`` reward: does a served listener pick the target image from the speaker's
-description?
-
-``listener`` and
+"""The Lewis-game speaker's rewards: ``listener`` (does a served listener pick the target image from the speaker's
+description?) and ``format_speaker`` (the seed's format check: ``<thinking>``, ``<coarse>`` and ``<detailed>`` all
+present and closed; ``format_speaker_strict`` in :mod:`vlm_grpo.rewards.format` also wants them in order with
+nothing around them).
 
 Client options (``url``, ``timeout``, retries, cache, ``fallback``, ...; environment ``LISTENER_*``) are those of
 :mod:`vlm_grpo.rewards.client`.
@@ -245,3 +245,22 @@ def log_games(
 
 
 listener_reward.value_range = (0.0, 1.0)  # type: ignore[attr-defined]  # plus whatever ``fallback`` is
+
+SPEAKER_TAGS = ("thinking", "coarse", "detailed")
+
+
+def _has_block(text: str, tag: str) -> bool:
+    """``<tag>`` and, after it, ``</tag>`` (exact, case-sensitive: the seed's tags)."""
+    start = text.find(f"<{tag}>")
+    return start >= 0 and text.find(f"</{tag}>", start + len(tag) + 2) >= 0
+
+
+def format_speaker_reward(completions: Sequence[Any], **kwargs: Any) -> list[float | None]:
+    """Lewis-game speaker format reward, as the seed defines it: 1.0 when ``<thinking>…</thinking>``,
+    ``<coarse>…</coarse>`` and ``<detailed>…</detailed>`` are all present and closed (in any order, text around
+    them allowed), else 0.0. Range {0.0, 1.0}. ``format_speaker_strict`` wants exactly the three blocks in order."""
+    texts = [completion_text(c) for c in completions]
+    return [1.0 if all(_has_block(t, tag) for tag in SPEAKER_TAGS) else 0.0 for t in texts]
+
+
+format_speaker_reward.value_range = (0.0, 1.0)  # type: ignore[attr-defined]

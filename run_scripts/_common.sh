@@ -81,3 +81,16 @@ launch() {
     "${ds_args[@]}" \
     "$@" 2>&1 | tee -a "$OUTPUT_DIR/train.log"
 }
+
+# After a successful run: remove DIR/checkpoint-* (the final model stays in DIR), as the Lewis seed's scripts do.
+# KEEP_CHECKPOINTS=1 keeps them (to resume or compare later).
+remove_checkpoints() {
+  local dir="$1" d
+  if [ "${KEEP_CHECKPOINTS:-0}" = 1 ]; then return 0; fi
+  for d in "$dir"/checkpoint-*; do
+    if [ -d "$d" ]; then
+      echo "Removing $d"
+      rm -rf -- "$d"
+    fi
+  done
+}

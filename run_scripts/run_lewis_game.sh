@@ -17,7 +17,9 @@
 # [$SPEAKER_MODEL], IMAGES [data/demo/images: the image root], CONCEPTS [none: games over IMAGES; else a concept
 # folder ROOT/<concept>/<image> or a JSONL of {image, concept}: same-concept distractors], GAMES
 # [$OUTPUT_DIR/games.jsonl, built when missing: ROWS=16 games of K=3], ROUNDS [2], STEPS [2 per phase], OUTPUT_DIR
-# [runs/$EXP_NAME], LOG_PATH [$OUTPUT_DIR/lewis_predictions.json: one JSON line per game the listener answered],
+# [runs/$EXP_NAME], LOG_PATH [$OUTPUT_DIR/lewis_predictions.json: one JSON line per game the listener answered;
+# DEBUG_MODE=true rollout logs go to their own files], intermediate checkpoints are removed after each phase
+# (KEEP_CHECKPOINTS=1 keeps them),
 # SPEAKER_DEVICE / LISTENER_DEVICE [cuda if present, else cpu], HEALTH_TIMEOUT [300 s], NPROC, MASTER_PORT,
 # DEEPSPEED, PYTHON. Extra arguments go to both trainers.
 source "$(dirname "$0")/_common.sh"
@@ -109,7 +111,9 @@ for round in $(seq 1 "$ROUNDS"); do
     --out "$dir/listener_rows.jsonl"
   stop_speaker
   EXP_NAME="lewis_game_r${round}_listener" MODEL="$listener" DATA="$dir/listener_rows.jsonl" OUTPUT_DIR="$dir/listener"
-  launch --config configs/lewis_listener.yaml --max_steps "$STEPS" "$@"
+  # LOG_PATH is the speaker games' prediction log; the listener phase's DEBUG_MODE rollouts go to their own file
+  LOG_PATH="$dir/listener/rollouts.jsonl" launch --config configs/lewis_listener.yaml --max_steps "$STEPS" "$@"
+  remove_checkpoints "$dir/listener"
   listener="$(usable "$dir/listener")"
 done
 echo "[lewis-game] $ROUNDS rounds done; speaker: $speaker; listener: $listener; predictions: $LOG_PATH"

@@ -49,7 +49,7 @@ def preflight(script_args: GRPOScriptArguments, training_args: Any) -> None:
     """Checks that take milliseconds, run before the data check and the model load (minutes on a 7B model):
     output_dir usable, --report_to integrations installed, data files and image folders present."""
     check_output_dir(training_args.output_dir)
-    check_dataset_name(script_args)
+    check_dataset_name(script_args, training_args.output_dir, training_args.seed)
     for name in training_args.report_to or []:
         if name in ("none", "all"):
             continue
@@ -123,11 +123,23 @@ def end_distributed(synchronize: bool = False) -> None:
         state.destroy_process_group()
 
 
-def check_dataset_name(script_args: GRPOScriptArguments) -> None:
-    """TRL's ``--dataset_name`` is never read here (VLM-R1's grpo_jsonl.py scripts pass ``this_is_not_used``;
-    its older grpo_rec.py took a data-config YAML there): an error without ``--data_file_paths``, else a log line."""
+def check_dataset_name(script_args: GRPOScriptArguments, output_dir: str, seed: int) -> None:
+    """``--dataset_name`` naming a folder or file (the Lewis seed's PerVA games, a saved dataset, a data file) is
+    the data (:func:`vlm_grpo.serve.lewis.dataset_name_source`). Any other name is not read (VLM-R1's grpo_jsonl.py
+    scripts pass ``this_is_not_used``; its older grpo_rec.py took a data-config YAML there): an error without
+    ``--data_file_paths``, else a log line."""
     name = script_args.dataset_name
     if not name:
+        return
+    if os.path.isdir(name) or (os.path.isfile(name) and not name.endswith((".yaml", ".yml"))):
+        if script_args.data_file_paths:
+            raise UserError(
+                f"--dataset_name {name} and --data_file_paths {script_args.data_file_paths} both name data; pass one"
+            )
+        from vlm_grpo.serve.lewis import dataset_name_source
+
+        script_args.data_file_paths = dataset_name_source(name, output_dir, seed)
+        logger.info("--dataset_name %s: training on %s", name, script_args.data_file_paths)
         return
     if not script_args.data_file_paths:
         raise UserError(

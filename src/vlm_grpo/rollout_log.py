@@ -9,7 +9,8 @@ suffix, so ranks never share a file. ``--rollout_log_every N`` logs every N-th s
 ``--rollout_log_max_chars`` cuts long prompts and completions.
 
 VLM-R1 users: ``DEBUG_MODE=true LOG_PATH=run.log`` turns the log on (to ``LOG_PATH``) when ``--rollout_log``
-is not given.
+is not given. In a Lewis-game run ``LOG_PATH`` is the ``listener`` reward's game-prediction log (its seed's
+meaning), so the rollouts then go beside it, to ``<LOG_PATH without suffix>.rollouts.jsonl``: one schema per file.
 """
 
 from __future__ import annotations
@@ -26,12 +27,17 @@ from vlm_grpo.rewards import completion_text
 logger = logging.getLogger(__name__)
 
 
-def rollout_log_path(configured: str | None, rank: int, environ: dict[str, str] | None = None) -> str | None:
-    """This rank's file: ``--rollout_log``, else VLM-R1's ``LOG_PATH`` under ``DEBUG_MODE=true``."""
+def rollout_log_path(
+    configured: str | None, rank: int, environ: dict[str, str] | None = None, predictions_in_log_path: bool = False
+) -> str | None:
+    """This rank's file: ``--rollout_log``, else VLM-R1's ``LOG_PATH`` under ``DEBUG_MODE=true`` (beside it when
+    ``predictions_in_log_path``: the Lewis game's prediction log is ``LOG_PATH``)."""
     environ = os.environ if environ is None else environ
     path = configured
     if path is None and environ.get("DEBUG_MODE", "").lower() == "true" and environ.get("LOG_PATH"):
         path = environ["LOG_PATH"]
+        if predictions_in_log_path:
+            path = str(Path(path).with_name(f"{Path(path).stem}.rollouts.jsonl"))
     if not path or rank == 0:
         return path
     p = Path(path)
@@ -82,7 +88,13 @@ class RolloutLogMixin:
 
     def _rollout_file(self) -> str | None:
         if not hasattr(self, "_rollout_path"):
-            self._rollout_path = rollout_log_path(getattr(self.args, "rollout_log", None), self.args.process_index)
+            from vlm_grpo.rewards.listener import listener_reward
+
+            unwrapped = [getattr(f, "fn", f) for f in self.reward_funcs]  # SafeReward -> function (or partial)
+            lewis = any(getattr(f, "func", f) is listener_reward for f in unwrapped)
+            self._rollout_path = rollout_log_path(
+                getattr(self.args, "rollout_log", None), self.args.process_index, predictions_in_log_path=lewis
+            )
             if self._rollout_path:
                 Path(self._rollout_path).parent.mkdir(parents=True, exist_ok=True)
                 logger.info("Rollout log: %s", self._rollout_path)

@@ -20,13 +20,22 @@ Each row is VLM-R1 JSONL; the ``solution`` is the JSON the ``listener`` reward r
 Candidate names are relative to the image folder (pass the same folder as ``--image_folders`` to training and
 as ``--image_root`` to the listener service). ``task_type: raw`` keeps the prompt as written (no think/answer
 suffix).
+
+Training's ``--dataset_name DIR`` (the Lewis seed's ``share_data/PerVA_all_test_subset_seed_23_K_3_subset_30``)
+builds PerVA games from a concept folder ``DIR/<concept>/<image>`` (:func:`dataset_name_source`): every image is
+the target of one game whose ``K`` candidates (``_K_<k>`` in the folder's name, else 3) are it and images of other
+concepts, drawn with the name's ``_seed_<s>`` (else ``--seed``); paths are absolute. A saved dataset or a data
+file given as ``--dataset_name`` is read as ``--data_file_paths`` would read it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import re
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -156,6 +165,48 @@ def make_concept_games(
         answer = {"candidates": candidates, "target": position, "concept": concept}
         out.append(_game_row(i, target, answer))
     return out
+
+
+def is_concept_tree(folder: str | Path) -> bool:
+    """A folder of concept sub-folders holding images (PerVA / YoLLaVA layout), not a saved dataset."""
+    folder = Path(folder)
+    if not folder.is_dir() or any((folder / f).exists() for f in ("dataset_info.json", "dataset_dict.json")):
+        return False
+    return any(
+        sub.is_dir() and any(p.suffix.lower() in IMAGE_SUFFIXES for p in sub.iterdir()) for sub in folder.iterdir()
+    )
+
+
+def perva_games(folder: str | Path, seed: int = 0) -> list[dict]:
+    """One game per image of a concept folder: the image among ``K - 1`` images of other concepts; ``K`` and the
+    seed from the folder's name (``..._seed_23_K_3...``) when it says, else 3 and ``seed``. Paths are absolute."""
+    folder = Path(folder).resolve()
+    k_match, seed_match = re.search(r"_K_(\d+)", folder.name), re.search(r"_seed_(\d+)", folder.name)
+    k = int(k_match.group(1)) if k_match else 3
+    seed = int(seed_match.group(1)) if seed_match else seed
+    items = read_concepts(folder)
+    games = make_concept_games(items, rows=len(items), k=k, seed=seed, distractors="other_concepts")
+    for game in games:
+        answer = json.loads(game["conversations"][1]["value"])
+        answer["candidates"] = [str(folder / c) for c in answer["candidates"]]
+        game["conversations"][1]["value"] = json.dumps(answer)
+        game["image"] = str(folder / game["image"])
+    return games
+
+
+def dataset_name_source(name: str, output_dir: str | Path, seed: int = 0) -> str:
+    """What training reads for ``--dataset_name NAME``: a concept folder's PerVA games, written to
+    ``output_dir/data/<folder name>_games.jsonl`` (the path is returned); any other NAME as it is."""
+    if not is_concept_tree(name):
+        return name
+    games = perva_games(name, seed)
+    target = Path(output_dir) / "data" / f"{Path(name).resolve().name}_games.jsonl"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # every rank writes the same rows; the rename makes each write whole
+    with tempfile.NamedTemporaryFile("w", dir=target.parent, suffix=".tmp", delete=False, encoding="utf-8") as f:
+        f.write("".join(json.dumps(g) + "\n" for g in games))
+    os.replace(f.name, target)
+    return str(target)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -187,3 +187,21 @@ def test_translated_line_trains_one_verl_step(tiny_models, tmp_path, monkeypatch
     )  # fmt: skip
     assert trainer.state.global_step == 2  # ppo_epochs=2: two optimizer steps on the one generation
     assert (tmp_path / "scored.txt").read_text().split() == ["4"]  # 2 prompts x n=2, generated once
+
+
+def test_verl_overrides_on_the_training_command_line(tmp_path):
+    """``vlm-grpo key=value ...`` with verl's keys: the same translation, the --flags winning."""
+    from vlm_grpo.grpo_jsonl import parse_args
+
+    line = [w.replace("/path/to/sft_model", "m") for w in RYNNBRAIN_LINE[3:] if not w.startswith("data.val_files")]
+    script, training, model = parse_args([*line, "--output_dir", str(tmp_path), "--save_steps", "7"])
+    assert model.model_name_or_path == "m" and script.data_file_paths == "/path/to/train.parquet"
+    assert (training.per_device_train_batch_size, training.gradient_accumulation_steps) == (2, 40)
+    assert (training.steps_per_generation, training.num_generations, training.num_iterations) == (40, 5, 2)
+    assert training.beta == 0.02 and training.save_steps == 7  # the flag after the overrides wins
+    # EasyR1's overrides (no verl-only section) are left for the EasyR1 reader; the same words twice is an error
+    from vlm_grpo.convert_verl import verl_overrides_argv
+
+    assert verl_overrides_argv(["data.train_files=a.jsonl", "--x", "1"]) == ["data.train_files=a.jsonl", "--x", "1"]
+    with pytest.raises(VerlConfigError, match="--config both"):
+        verl_overrides_argv([*line, "--config", "c.yaml"])

@@ -2,6 +2,7 @@
 
     vlm-grpo-convert-config verl algorithm.adv_estimator=grpo data.train_files=train.parquet ... -o rl.yaml
     vlm-grpo --config rl.yaml
+    vlm-grpo algorithm.adv_estimator=grpo actor_rollout_ref.model.path=... [--flag value ...]   # the same, directly
 
 The words before the first ``key=value`` (``python3 -m verl.trainer.main_ppo``) may be pasted along; they are
 skipped. Keys left out take verl's defaults (:data:`VERL_DEFAULTS`, those of ``ppo_trainer.yaml``), so the
@@ -23,12 +24,19 @@ engine, parallel sizes, profiling) are listed as ignored at the top of the YAML 
 from __future__ import annotations
 
 import argparse
+import logging
+import re
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from vlm_grpo.cli_errors import UserError
+
+logger = logging.getLogger(__name__)
 
 ACTOR = "actor_rollout_ref.actor."
 ROLLOUT = "actor_rollout_ref.rollout."
@@ -171,7 +179,7 @@ LOGGERS = {"wandb": "wandb", "tensorboard": "tensorboard", "swanlab": "swanlab",
 LAUNCHER_WORDS = {"python", "python3", "-m", "verl.trainer.main_ppo", "main_ppo"}
 
 
-class VerlConfigError(ValueError):
+class VerlConfigError(UserError, ValueError):
     """A main_ppo line whose meaning cannot be kept."""
 
 
@@ -459,6 +467,30 @@ def convert(overrides: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if errors:
         raise VerlConfigError("; ".join(errors))
     return out, notes
+
+
+_OVERRIDE = re.compile(r"^\+{0,2}[A-Za-z_][\w]*(?:\.[\w]+)+=")
+#: sections only verl has (EasyR1's overrides share data. / algorithm. / trainer. but not these)
+VERL_SECTIONS = ("actor_rollout_ref.", "critic.", "reward_model.", "custom_reward_function.")
+
+
+def verl_overrides_argv(argv: Sequence[str]) -> list[str]:
+    """A training command line holding verl ``key=value`` overrides (recognised by a key of a verl-only section,
+    e.g. ``actor_rollout_ref.model.path=...``): those words converted to a temporary ``--config`` YAML (each note
+    logged), the ``--flags`` kept after it so they win. Any other command line is returned unchanged."""
+    argv = list(argv)
+    words = [w for w in argv if _OVERRIDE.match(w)]
+    if not any(w.lstrip("+").startswith(VERL_SECTIONS) for w in words):
+        return argv
+    if any(a == "--config" or a.startswith("--config=") for a in argv):
+        raise VerlConfigError("verl key=value overrides and --config both configure the run; pass one of them")
+    flags, notes = convert(parse_overrides(words))
+    for note in notes:
+        logger.warning("verl overrides: %s", note)
+    handle = tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="verl_", delete=False, encoding="utf-8")
+    with handle:
+        handle.write(render(flags, notes))
+    return ["--config", handle.name, *(a for a in argv if not _OVERRIDE.match(a))]
 
 
 def render(flags: dict[str, Any], notes: Sequence[str]) -> str:

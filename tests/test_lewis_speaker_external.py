@@ -133,3 +133,15 @@ def test_speaker_trains_against_an_external_listener_on_loopback(tiny_models, pe
     # the seed's cleanup: intermediate checkpoints gone, the final model kept
     assert "Removing " in output and not list(out.glob("checkpoint-*"))
     assert (out / "config.json").is_file()
+
+
+def test_an_unreachable_external_listener_is_an_error_before_training(tiny_models, tmp_path):
+    port = free_port()  # nothing listens there
+    env = {**os.environ, "PYTHON": sys.executable, "MODEL": str(tiny_models["qwen2_5_vl"]),
+           "OUTPUT_DIR": str(tmp_path / "o"), "HEALTH_TIMEOUT": "1", "DATA": str(tmp_path / "games.jsonl")}  # fmt: skip
+    result = subprocess.run(
+        ["bash", str(SCRIPT), "127.0.0.1", str(port)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 1
+    assert f"error: no listener answers at http://127.0.0.1:{port}/health" in result.stderr
+    assert "vlm-grpo run" not in result.stdout and "Traceback" not in result.stderr

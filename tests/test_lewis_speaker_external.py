@@ -57,11 +57,11 @@ def test_perva_games_every_image_a_target_among_other_concepts(perva, tmp_path):
     assert dataset_name_source("rows.jsonl", tmp_path) == "rows.jsonl"
 
 
-def test_dataset_name_is_the_data(perva, tmp_path, tiny_models):
+def test_dataset_name_is_the_data(perva, tmp_path):
     from vlm_grpo.grpo_jsonl import parse_args
     from vlm_grpo.recipe import check_dataset_name
 
-    base = ["--model_name_or_path", str(tiny_models["qwen2_5_vl"]), "--output_dir", str(tmp_path / "o")]
+    base = ["--model_name_or_path", "m", "--output_dir", str(tmp_path / "o")]
     script, training, _ = parse_args([*base, "--dataset_name", str(perva)])
     check_dataset_name(script, training.output_dir, training.seed)
     assert script.data_file_paths == str(tmp_path / "o" / "data" / f"{PERVA}_games.jsonl")

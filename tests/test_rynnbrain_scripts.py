@@ -142,3 +142,10 @@ def test_format_debug_formats_one_thread_and_writes_nothing(tiny_models, formatt
     assert capsys.readouterr().err.startswith("vlm-grpo-data format: error:")
     with pytest.raises(ValueError, match="data file not found"):
         data_main([*missing, "--debug"])
+
+
+def test_model_max_length_on_the_grpo_recipe_says_where_it_belongs(tmp_path):
+    from vlm_grpo.grpo_jsonl import parse_args as grpo_parse_args
+
+    with pytest.raises(ValueError, match=r"an SFT flag .*--max_prompt_length"):
+        grpo_parse_args(["--model_path", "m", "--output_dir", str(tmp_path), "--model_max_length", "8"])

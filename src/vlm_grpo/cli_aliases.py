@@ -96,6 +96,9 @@ FOREIGN_FLAGS: dict[str, str] = {
     "--data_file_paths file or one for all)",
     "--max_output_token_length": "pass --max_completion_length N",
     "--custom_reward_weights": "pass TRL's --reward_weights W1 W2 ... (space-separated, one per --reward_funcs)",
+    # RynnScale's --model_max_length is read as --max_length, which only the SFT recipe has
+    "--max_length": "an SFT flag (vlm-grpo-sft; RynnScale's --model_max_length): GRPO bounds prompts with "
+    "--max_prompt_length and completions with --max_completion_length",
 }
 _UNUSED = "Some specified arguments are not used by the HfArgumentParser: "  # transformers' words, command line
 _CONFIG_UNUSED = "Unknown arguments from config file: "  # TRL's words, --config YAML keys

@@ -145,3 +145,25 @@ def test_an_unreachable_external_listener_is_an_error_before_training(tiny_model
     assert result.returncode == 1
     assert f"error: no listener answers at http://127.0.0.1:{port}/health" in result.stderr
     assert "vlm-grpo run" not in result.stdout and "Traceback" not in result.stderr
+
+
+def test_the_seeds_trainer_flag_line_parses_as_it_means(perva, tmp_path):
+    """train_speaker_dist.py's flags from run_speaker_training.sh (paths changed; --deepspeed left out: it loads
+    DeepSpeed, and the run scripts' tests cover it)."""
+    from vlm_grpo.grpo_jsonl import parse_args
+    from vlm_grpo.recipe import check_dataset_name
+
+    script, training, model = parse_args(
+        ["--output_dir", str(tmp_path / "save"),
+         "--model_name_or_path", "ckpt", "--dataset_name", str(perva), "--max_prompt_length", "1024",
+         "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "16", "--logging_steps", "1",
+         "--bf16", "true", "--gradient_checkpointing", "true", "--attn_implementation", "flash_attention_2",
+         "--max_pixels", "401408", "--num_train_epochs", "4", "--report_to", "wandb", "--run_name", "r",
+         "--save_only_model", "true", "--num_generations", "4", "--use_peft", "true", "--lo_rank", "64",
+         "--lo_alpha", "128", "--lo_dropout", "0.001"]
+    )  # fmt: skip
+    assert (model.lora_r, model.lora_alpha, model.lora_dropout, model.use_peft) == (64, 128, 0.001, True)
+    assert (training.num_generations, training.gradient_accumulation_steps, training.num_train_epochs) == (4, 16, 4)
+    assert model.max_pixels == 401408 and training.save_only_model is True
+    check_dataset_name(script, training.output_dir, training.seed)
+    assert script.data_file_paths.endswith(f"{PERVA}_games.jsonl")

@@ -107,6 +107,10 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
         peft_config=get_peft_config(model_args),
         tools=script_args.tools,
         tool_kwargs=script_args.tool_kwargs,
+        tool_protocol=script_args.tool_protocol,
+        max_turn_tokens=script_args.max_turn_tokens,
+        max_tool_images=script_args.max_tool_images,
+        max_context_tokens=script_args.max_context_tokens,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
     )

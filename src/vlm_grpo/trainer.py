@@ -157,6 +157,9 @@ class VLMGRPOTrainer(
         )
         if self._tool_turns is not None:
             self._order_tools(getattr(factory, "_tool_order", ()))
+            if not self._tool_turns.protocol.show_tools and getattr(self, "_env_tools", None):
+                # The protocol's own prompt describes the tools (PyVision's, DeepEyes'): the template shows none.
+                self._env_tools = {name: [] for name in self._env_tools}
         self._warn_if_groups_split()
         self._check_dynamic_sampling()
         sharded = self.is_fsdp_enabled or is_zero3(self.accelerator)
@@ -331,6 +334,7 @@ class VLMGRPOTrainer(
         """
         turns = self._tool_turns
         turns.reset_counts()
+        turns.names = {name for tools in self._sync_tool_dicts for name in tools} | {MALFORMED_CALL}
         environments = self.environments or []
         for i, rollout in enumerate(completions):
             env = environments[i] if i < len(environments) else None
@@ -417,18 +421,7 @@ class VLMGRPOTrainer(
         TRL marks a text-only prompt's images as ``None``; when the same batch also holds image prompts,
         the processor receives ``[[img], None]`` and fails. An empty list is what processors expect.
         """
-        hidden = self._tool_turns is not None and not self._tool_turns.protocol.show_tools
-        env_tools, tools = getattr(self, "_env_tools", None), self.tools
-        if hidden:  # the protocol's own prompt describes the tools: the chat template shows none
-            self.tools = []
-            if env_tools is not None:
-                self._env_tools = {k: [] for k in env_tools}
-        try:
-            prompt_ids, images, multimodal_fields = super()._tokenize_prompts(prompts)
-        finally:
-            self.tools = tools
-            if env_tools is not None:
-                self._env_tools = env_tools
+        prompt_ids, images, multimodal_fields = super()._tokenize_prompts(prompts)
         if images is not None:
             images = [image_list or [] for image_list in images]
         return prompt_ids, images, multimodal_fields

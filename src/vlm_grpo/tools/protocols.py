@@ -179,7 +179,7 @@ class PyVisionProtocol(ToolProtocol):
         return ParsedTurn(error=PYVISION_NO_CODE)
 
     def reply(self, result: Any, first_image: int) -> Any:
-        text = _SHOWN_NOTE.sub("", text_of(result))
+        text = _SHOWN_NOTE.sub("", text_of(result)).strip()  # PyVision strips the printed text
         text = "" if text == "(no output)" else text
         images = images_of(result)
         if not images:

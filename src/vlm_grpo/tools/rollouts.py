@@ -252,6 +252,8 @@ class ToolTurns:
         self.calls_after_answer = 0
         self.context_stops = 0
         self.image_refusals = 0
+        self.names: set[str] = set()  # every tool a rollout may call (TRL hands later turns' parses no tools
+        # when the protocol hides them from the prompt)
 
     def reset_counts(self) -> None:
         self.calls_after_answer = self.context_stops = self.image_refusals = 0
@@ -268,7 +270,7 @@ class ToolTurns:
         if calls and self.max_context_tokens is not None and context + len(ids) >= self.max_context_tokens:
             self.context_stops += 1
             calls = []
-        names = tool_names(tools)
+        names = tool_names(tools) or self.names
         if names:
             calls = [self._known(call, names) for call in calls]
         out = {k: v for k, v in message.items() if k != "tool_calls"}
@@ -291,7 +293,8 @@ class ToolTurns:
     def wrap(self, fn: Callable[..., Any], environment: Any, prompt_images: int, counts: dict[str, int]) -> Callable:
         """``fn`` (one rollout's tool) answering in the protocol's words, within the image budget. ``counts``:
         the rollout's images returned so far (shared by its tools)."""
-        protocol, limit = self.protocol, self.max_tool_images
+        protocol = self.protocol
+        limit = None if getattr(fn, "__name__", None) == MALFORMED_CALL else self.max_tool_images
 
         def tool(**arguments: Any) -> Any:
             env = environment if isinstance(environment, ToolEnvironment) else None
@@ -305,13 +308,12 @@ class ToolTurns:
                     f"(--max_tool_images {limit}): answer with what you have",
                     malformed=False,
                 )
-            first = len(env.images) if env is not None else prompt_images + counts["images"]
             try:
                 result = fn(**arguments)
             except Exception as exc:
                 return protocol.error(str(exc), malformed=isinstance(exc, MalformedCall))
             result = self._within_budget(result, counts)
-            return protocol.reply(result, first)
+            return protocol.reply(result, first_index(result, env, prompt_images + counts["images"]))
 
         tool.__name__ = getattr(fn, "__name__", "tool")
         return tool
@@ -332,6 +334,16 @@ class ToolTurns:
             out.append(block)
         note = f"[{len(images) - room} more image(s) not shown: --max_tool_images {self.max_tool_images}]"
         return [*out, {"type": "text", "text": note}]
+
+
+def first_index(result: Any, env: ToolEnvironment | None, default: int) -> int:
+    """The conversation index of the first image a call returned: where the environment recorded it (a call may
+    have run ahead of TRL's loop, see :func:`prefetch_tool_calls`), else ``default``."""
+    images = images_of(result)
+    if env is None or not images:
+        return default
+    found = [i for i, image in enumerate(env.images) if image is images[0]]
+    return found[-1] if found else default
 
 
 def tool_names(tools: Any) -> set[str]:

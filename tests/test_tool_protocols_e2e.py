@@ -35,14 +35,16 @@ DEEPEYES_PROMPT = (
 def first_turns(protocol: str, family: str) -> list[str]:
     """The good call, then the bad one (each a whole first turn)."""
     if protocol == "pyvision":
-        good = "<think>look</think>\n<code>\n```python\nprint('size', image.size)\ndisplay(image.crop((0, 0, 24, 24)))\n```\n</code>"
+        code = "print('size', image.size)\ndisplay(image.crop((0, 0, 24, 24)))"
+        good = f"<think>look</think>\n<code>\n```python\n{code}\n```\n</code>"
         bad = "```python\nraise ValueError('boom')\n```"
     elif protocol == "deepeyes":
         call = {"name": "zoom_in", "arguments": {"bbox_2d": BOX[family], "image_index": 0}}
         good = f"<think>zoom</think>\n<tool_call>\n{json.dumps(call)}\n</tool_call>"
         bad = '<tool_call>\n{"name": "zoom_in", "arguments": [1, 2}\n</tool_call>'
     else:
-        good = '<tool_call>\n{"name": "zoom_in", "arguments": {"bbox_2d": %s}}\n</tool_call>' % BOX[family]
+        call = {"name": "zoom_in", "arguments": {"bbox_2d": BOX[family]}}
+        good = f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
         bad = '<tool_call>\n{"name": "no_such_tool", "arguments": {}}\n</tool_call>'
     return [good + "<|im_end|>", bad + "<|im_end|>"]
 

@@ -352,7 +352,12 @@ def tool_names(tools: Any) -> set[str]:
         return set(tools)
     names = set()
     for tool in tools or []:
-        name = tool.get("function", tool).get("name") if isinstance(tool, dict) else getattr(tool, "__name__", None)
+        if isinstance(tool, str):
+            name = tool
+        elif isinstance(tool, dict):
+            name = tool.get("function", tool).get("name")
+        else:
+            name = getattr(tool, "__name__", None)
         if name:
             names.add(name)
     return names

@@ -314,3 +314,40 @@ def test_flags_parse_and_sft_refuses_tool_flags(tmp_path):
         build_trainer(*sft_args([*argv, "--tools", "zoom_in"]))
     with pytest.raises(UserError, match="--tool_protocol"):
         build_trainer(*sft_args([*argv, "--tool_protocol", "hermes"]))
+
+
+@pytest.mark.parametrize(
+    ("image", "why"),
+    [
+        (Image.new("RGB", (1, 201)), "1x201 image"),  # over the processors' 200:1 aspect ratio
+        ("not an image", "str where an image was expected"),
+        (None, "NoneType where an image was expected"),
+    ],
+)
+@pytest.mark.parametrize("protocol", ["pyvision", "hermes"])
+def test_an_image_the_processor_cannot_take_is_a_tool_error(protocol, image, why, tokenizer):
+    env = build_tool_environment(["zoom_in"])()
+    env.reset(images=[quadrants()])
+    env.successes = env.calls = 1  # as run_tool counts a call that returned
+
+    def returns(**kwargs):
+        return [{"type": "text", "text": "here"}, {"type": "image", "image": image}]
+
+    tool = ToolTurns(PROTOCOLS.get(protocol), tokenizer).wrap(returns, env, 1, {"images": 0})
+    if protocol == "hermes":
+        with pytest.raises(ValueError, match=why):
+            tool()
+    else:
+        assert why in tool()[0]["text"] and "Execution error" in tool()[0]["text"]
+    assert env.errors >= 1 and env.successes <= 0
+
+
+def test_images_the_processor_takes_pass_as_rgb(tokenizer):
+    def returns(**kwargs):
+        return [
+            {"type": "image", "image": Image.new("L", (1, 200))},
+            {"type": "image", "image": Image.new("P", (9, 9))},
+        ]
+
+    reply = ToolTurns(PROTOCOLS.get("hermes"), tokenizer).wrap(returns, None, 1, {"images": 0})()
+    assert [b["image"].mode for b in reply] == ["RGB", "RGB"] and reply[0]["image"].size == (1, 200)

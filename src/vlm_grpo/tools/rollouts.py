@@ -18,6 +18,7 @@ from vlm_grpo.tools.base import (
     MALFORMED_CALL,
     CoordSize,
     ToolEnvironment,
+    ToolError,
     make_environment_factory,
     parse_tool_kwargs,
 )
@@ -312,6 +313,13 @@ class ToolTurns:
                 result = fn(**arguments)
             except Exception as exc:
                 return protocol.error(str(exc), malformed=isinstance(exc, MalformedCall))
+            try:
+                result = showable(result)
+            except ToolError as exc:
+                if env is not None:  # run_tool counted it a success
+                    env.successes -= 1
+                    env.errors += 1
+                return protocol.error(str(exc), malformed=False)
             result = self._within_budget(result, counts)
             return protocol.reply(result, first_index(result, env, prompt_images + counts["images"]))
 
@@ -334,6 +342,39 @@ class ToolTurns:
             out.append(block)
         note = f"[{len(images) - room} more image(s) not shown: --max_tool_images {self.max_tool_images}]"
         return [*out, {"type": "text", "text": note}]
+
+
+#: The most extreme aspect ratio an image may have (the Qwen processors refuse more than 200:1).
+MAX_ASPECT = 200
+
+
+def showable(result: Any) -> Any:
+    """``result`` with its images as RGB PIL images the processor takes; a ToolError saying what is wrong with
+    an image that is not one (not an image, unreadable, empty, too thin)."""
+    if not isinstance(result, list) or not images_of(result):
+        return result
+    from PIL import Image
+
+    out = []
+    for block in result:
+        if isinstance(block, dict) and block.get("type") == "image":
+            image = block.get("image")
+            if not isinstance(image, Image.Image):
+                raise ToolError(f"the tool returned {type(image).__name__!s} where an image was expected")
+            try:
+                image.load()
+                image = image if image.mode == "RGB" else image.convert("RGB")
+            except Exception as exc:
+                raise ToolError(f"the tool returned an image that cannot be decoded: {exc}") from None
+            width, height = image.size
+            if min(width, height) < 1 or max(width, height) / min(width, height) > MAX_ASPECT:
+                raise ToolError(
+                    f"the tool returned a {width}x{height} image: images need both sides >= 1 pixel and an aspect "
+                    f"ratio up to {MAX_ASPECT}:1"
+                )
+            block = {**block, "image": image}
+        out.append(block)
+    return out
 
 
 def first_index(result: Any, env: ToolEnvironment | None, default: int) -> int:

@@ -16,6 +16,7 @@ import torch
 
 from e2e_utils import base_args, make_dataset
 from vlm_grpo.grpo_jsonl import main, parse_args
+from vlm_grpo.rewards import completion_text
 from vlm_grpo.testing.tiny import FAMILIES
 from vlm_grpo.trainer import VLMGRPOTrainer
 
@@ -123,7 +124,10 @@ CASES = [(p, f) for p in ("pyvision", "deepeyes") for f in FAMILIES] + [("hermes
 
 @pytest.mark.parametrize(("protocol", "family"), CASES)
 def test_each_protocol_runs_its_tools_and_rewards_read_the_rollout(protocol, family, tiny_models, dataset, tmp_path):
-    trainer, seen = run(protocol, family, tiny_models, dataset, tmp_path / "out")
+    rollout_log = tmp_path / "rollouts.jsonl"
+    trainer, seen = run(
+        protocol, family, tiny_models, dataset, tmp_path / "out", extra=["--rollout_log", str(rollout_log)]
+    )
     log = trainer.state.log_history[0]
     assert log["tools/calls_per_rollout"] == 1.0 and log["tools/errors_per_rollout"] == 0.5
     assert log["tools/images_returned"] == 0.5 and log["tools/turns"] == 2.0
@@ -149,6 +153,10 @@ def test_each_protocol_runs_its_tools_and_rewards_read_the_rollout(protocol, fam
             assert "<|image_pad|>" not in completion[1]["content"]
     if protocol == "pyvision":
         assert "boom" in seen["completions"][1][1]["content"]
+    # --rollout_log shows the same: the turns as written, the replies as read
+    logged = [json.loads(line)["completion"] for line in rollout_log.read_text().splitlines()]
+    assert logged == [completion_text(c) for c in seen["completions"]]
+    assert first_turns(protocol, family)[0].removesuffix("<|im_end|>") in logged[0] and good in logged[0]
 
     # The loss masks the replies: model runs are the two turns, the tool run is the reply in a user turn
     batch = seen["batches"][0]

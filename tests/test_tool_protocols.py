@@ -351,3 +351,37 @@ def test_images_the_processor_takes_pass_as_rgb(tokenizer):
 
     reply = ToolTurns(PROTOCOLS.get("hermes"), tokenizer).wrap(returns, None, 1, {"images": 0})()
     assert [b["image"].mode for b in reply] == ["RGB", "RGB"] and reply[0]["image"].size == (1, 200)
+
+
+def test_tool_flags_are_checked_before_a_model_loads(tmp_path):
+    from vlm_grpo.cli_errors import UserError
+    from vlm_grpo.grpo_jsonl import parse_args
+    from vlm_grpo.tools.rollouts import check_tool_flags
+
+    def check(*argv):
+        check_tool_flags(parse_args(["--model_name_or_path", "never-loaded", *argv])[0])
+
+    check("--tools", "zoom_in", "--tool_protocol", "deepeyes", "--max_tool_images", "0")  # fine
+    with pytest.raises(UserError, match=r"--tool_protocol, --max_turn_tokens without --tools"):
+        check("--tool_protocol", "hermes", "--max_turn_tokens", "8")
+    with pytest.raises(UserError, match="Unknown tool protocol 'pyvison'"):
+        check("--tools", "python", "--tool_protocol", "pyvison")
+    with pytest.raises(ValueError, match="--tool_protocol pyvision runs the python tool"):
+        check("--tools", "zoom_in", "--tool_protocol", "pyvision")
+    with pytest.raises(UserError, match="--max_turn_tokens must be a positive"):
+        check("--tools", "zoom_in", "--max_turn_tokens", "0")
+    with pytest.raises(ValueError, match="--max_context_tokens must be a positive"):
+        check("--tools", "zoom_in", "--max_context_tokens", "0")
+
+    # A protocol of the user's own, by file: the class or an instance
+    plugin = tmp_path / "my_protocol.py"
+    plugin.write_text(
+        "from vlm_grpo.tools.protocols import HermesProtocol\n\n"
+        "class Bracket(HermesProtocol):\n    name = 'bracket'\n\n"
+        "INSTANCE = Bracket()\nNOT_ONE = 3\n"
+    )
+    for spec in (f"{plugin}:Bracket", f"{plugin}:INSTANCE"):
+        turns = tool_turns([], build_tool_environment(["zoom_in"]), None, spec)
+        assert turns.protocol.name == "bracket"
+    with pytest.raises(ValueError, match="is not a ToolProtocol"):
+        check("--tools", "zoom_in", "--tool_protocol", f"{plugin}:NOT_ONE")

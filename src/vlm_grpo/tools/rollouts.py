@@ -82,6 +82,29 @@ def build_tool_environment(
     return make_environment_factory([TOOLS.get(name) for name in names], parse_tool_kwargs(tool_kwargs), coord_size)
 
 
+_TOOL_RUN_FLAGS = ("tool_protocol", "max_turn_tokens", "max_tool_images", "max_context_tokens")
+
+
+def check_tool_flags(script_args: Any) -> None:
+    """The tool flags of a run, checked before any model loads: tools, their options, the protocol, the budgets;
+    a tool flag without ``--tools`` is an error (it would do nothing)."""
+    from vlm_grpo.cli_errors import UserError
+
+    if not script_args.tools:
+        given = [f"--{name}" for name in _TOOL_RUN_FLAGS if getattr(script_args, name) is not None]
+        if given:
+            raise UserError(
+                f"{', '.join(given)} without --tools: name the tools the model may call, e.g. --tools zoom_in"
+            )
+    if script_args.tools or script_args.tool_kwargs:
+        factory = build_tool_environment(script_args.tools or [], script_args.tool_kwargs)
+        tool_turns(
+            [], factory, None, script_args.tool_protocol, script_args.max_context_tokens, script_args.max_tool_images
+        )
+    if script_args.max_turn_tokens is not None and script_args.max_turn_tokens < 1:
+        raise UserError(f"--max_turn_tokens must be a positive number of tokens, got {script_args.max_turn_tokens}")
+
+
 def tool_turns(
     tools: Sequence[Any],
     factory: Any,
@@ -99,6 +122,12 @@ def tool_turns(
     for name in getattr(factory, "_tool_order", ()) or []:
         functions.append(getattr(getattr(factory, name), "tool_function", None))
     protocol = resolve_protocol(protocol_name, [f for f in functions if f is not None])
+    if isinstance(protocol, type):  # a plugin named its class
+        protocol = protocol()
+    if not isinstance(protocol, ToolProtocol):
+        raise ValueError(
+            f"--tool_protocol {protocol_name}: {protocol!r} is not a ToolProtocol (vlm_grpo.tools.protocols)"
+        )
     available = {getattr(f, "__name__", None) for f in functions if f is not None}
     missing = [name for name in protocol.tool_names if name not in available]
     if missing:

@@ -125,14 +125,22 @@ CASES = [(p, f) for p in ("pyvision", "deepeyes") for f in FAMILIES] + [("hermes
 @pytest.mark.parametrize(("protocol", "family"), CASES)
 def test_each_protocol_runs_its_tools_and_rewards_read_the_rollout(protocol, family, tiny_models, dataset, tmp_path):
     rollout_log = tmp_path / "rollouts.jsonl"
-    trainer, seen = run(
-        protocol, family, tiny_models, dataset, tmp_path / "out", extra=["--rollout_log", str(rollout_log)]
-    )
+    extra = ["--rollout_log", str(rollout_log)]
+    if protocol == "hermes":  # three tools, shown in this order (alphabetical would be crop, rotate, zoom_in)
+        extra += ["--tools", "rotate", "zoom_in", "crop"]
+    trainer, seen = run(protocol, family, tiny_models, dataset, tmp_path / "out", extra=extra)
     log = trainer.state.log_history[0]
     assert log["tools/calls_per_rollout"] == 1.0 and log["tools/errors_per_rollout"] == 0.5
     assert log["tools/images_returned"] == 0.5 and log["tools/turns"] == 2.0
     assert log["rewards/format/mean"] == 1.0  # every final turn is <think>..</think><answer>..</answer>
-    assert seen["rounds"] == 1
+    assert seen["rounds"] == 1 and log["tools/calls_after_answer"] == 0.0
+
+    prompt = trainer._tokenizer.decode(seen["batches"][0]["prompt_ids"][0], skip_special_tokens=False)
+    if protocol == "hermes":
+        positions = [prompt.index(f'"name": "{name}"') for name in ("rotate", "zoom_in", "crop")]
+        assert positions == sorted(positions) and [t.__name__ for t in trainer.tools] == ["rotate", "zoom_in", "crop"]
+    else:  # PyVision's and DeepEyes' prompts describe their tools: the template shows none
+        assert "<tools>" not in prompt and '"name": "' not in prompt
 
     envs = trainer.environments
     size = envs[0].images[0].size
@@ -217,8 +225,8 @@ def check_against_own_forward(trainer, batch, ours, input_ids, attention):
 
 
 def test_a_call_in_the_answer_turn_is_not_run(tiny_models, dataset, tmp_path):
-    """The answer ends the rollout: the call written after it is counted, not run. Control: without the answer
-    tags the same call runs."""
+    """The answer ends the rollout: the call written after it is counted, not run (the control, the same call
+    without an answer, runs in the hermes case above)."""
     call = '<tool_call>\n{"name": "zoom_in", "arguments": {"bbox_2d": [4, 4, 44, 44]}}\n</tool_call><|im_end|>'
     answered = ["<think>done</think><answer>4</answer>\n" + call] * 2
     trainer, seen = run("hermes", "qwen2_5_vl", tiny_models, dataset, tmp_path / "a", first=answered)
@@ -226,26 +234,6 @@ def test_a_call_in_the_answer_turn_is_not_run(tiny_models, dataset, tmp_path):
     assert log["tools/calls_after_answer"] == 1.0 and log["tools/calls_per_rollout"] == 0.0
     assert log["tools/turns"] == 1.0 and seen["rounds"] == 0 and log["tools/call_frequency"] == 0.0
     assert all(len(c) == 1 and "<tool_call>" in c[0]["content"] for c in seen["completions"])
-
-    control = ["<think>done</think>4\n" + call] * 2
-    trainer, seen = run("hermes", "qwen2_5_vl", tiny_models, dataset, tmp_path / "b", first=control)
-    log = trainer.state.log_history[0]
-    assert log["tools/calls_after_answer"] == 0.0 and log["tools/calls_per_rollout"] == 1.0 and seen["rounds"] == 1
-
-
-def test_tools_are_shown_in_the_order_given_and_hidden_by_protocols_that_describe_them(tiny_models, dataset, tmp_path):
-    def system_prompt(trainer, seen):
-        return trainer._tokenizer.decode(seen["batches"][0]["prompt_ids"][0], skip_special_tokens=False)
-
-    argv = ("--tools", "rotate", "zoom_in", "crop")
-    trainer, seen = run("hermes", "qwen2_5_vl", tiny_models, dataset, tmp_path / "a", extra=argv)
-    prompt = system_prompt(trainer, seen)
-    positions = [prompt.index(f'"name": "{name}"') for name in ("rotate", "zoom_in", "crop")]
-    assert positions == sorted(positions)  # alphabetical would be crop, rotate, zoom_in
-    assert [t.__name__ for t in trainer.tools] == ["rotate", "zoom_in", "crop"]
-
-    trainer, seen = run("deepeyes", "qwen2_5_vl", tiny_models, dataset, tmp_path / "b")
-    assert "<tools>" not in system_prompt(trainer, seen) and '"name": "zoom_in"' not in system_prompt(trainer, seen)
 
 
 def test_the_image_budget_answers_with_an_error(tiny_models, dataset, tmp_path):

@@ -245,3 +245,16 @@ def test_the_image_budget_answers_with_an_error(tiny_models, dataset, tmp_path):
     assert log["tools/errors_per_rollout"] == 1.0
     reply = seen["completions"][0][1]["content"]
     assert re.fullmatch(r"Error: this conversation already holds 0 tool images.*--max_tool_images 0.*", reply)
+
+
+def test_the_context_budget_ends_the_rollout_without_running_the_call(tiny_models, dataset, tmp_path):
+    """The prompts fit in 70 tokens, prompt and first turn do not: the first turn's call is not run, the rollout
+    ends there."""
+    extra = ["--max_context_tokens", "70"]
+    trainer, seen = run("deepeyes", "qwen2_5_vl", tiny_models, dataset, tmp_path / "out", extra=extra)
+    log = trainer.state.log_history[0]
+    batch = seen["batches"][0]
+    prompt = int(batch["prompt_mask"].sum(1).max())
+    assert prompt < 70 <= prompt + int(batch["completion_mask"].sum(1).min())
+    assert log["tools/context_stops"] == 1.0 and log["tools/calls_per_rollout"] == 0.0 and log["tools/turns"] == 1.0
+    assert seen["rounds"] == 0 and all(len(c) == 1 for c in seen["completions"])

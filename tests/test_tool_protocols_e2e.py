@@ -258,3 +258,17 @@ def test_the_context_budget_ends_the_rollout_without_running_the_call(tiny_model
     assert prompt < 70 <= prompt + int(batch["completion_mask"].sum(1).min())
     assert log["tools/context_stops"] == 1.0 and log["tools/calls_per_rollout"] == 0.0 and log["tools/turns"] == 1.0
     assert seen["rounds"] == 0 and all(len(c) == 1 for c in seen["completions"])
+
+
+def test_the_turn_budget_cuts_real_generation(tiny_models, dataset, tmp_path):
+    """The tiny model's own turns (the speed path's generation) stop at --max_turn_tokens."""
+    data, plugin = dataset
+    argv = base_args(tiny_models["qwen2_5_vl"], data, plugin, tmp_path / "out", steps=1)
+    argv += ["--max_completion_length", "24", "--tools", "zoom_in", "--max_turn_tokens", "3"]
+    argv += ["--generation_kwargs", '{"min_new_tokens": 10}']  # control below: no end-of-turn before 10 tokens
+    log = main(*parse_args(argv)).state.log_history[0]
+    assert log["completions/max_length"] == 3.0 and log["tools/turns"] == 1.0
+    control = main(
+        *parse_args([*argv[:-4], "--generation_kwargs", '{"min_new_tokens": 10}', "--output_dir", str(tmp_path / "c")])
+    )
+    assert control.state.log_history[0]["completions/min_length"] >= 10

@@ -385,3 +385,25 @@ def test_tool_flags_are_checked_before_a_model_loads(tmp_path):
         assert turns.protocol.name == "bracket"
     with pytest.raises(ValueError, match="is not a ToolProtocol"):
         check("--tools", "zoom_in", "--tool_protocol", f"{plugin}:NOT_ONE")
+
+
+def test_image_clues_are_numbered_by_conversation_index(tokenizer):
+    """Two prompt images, then a call returning a grey image (converted to RGB for the processor): it is
+    image_clue_2, the index the environment gave it; a second call's image is image_clue_3."""
+    env = build_tool_environment(["zoom_in"])()
+    env.reset(images=[quadrants(), quadrants()])
+
+    def grey(**kwargs):
+        return [{"type": "image", "image": Image.new("L", (40, 40))}]
+
+    def shown(**kwargs):
+        image = grey()[0]["image"]
+        env._add_image(image)
+        return [{"type": "image", "image": image}]
+
+    tool = ToolTurns(PROTOCOLS.get("pyvision"), tokenizer).wrap(shown, env, 2, {"images": 0})
+    for index in (2, 3):
+        texts = [b["text"] for b in tool() if b["type"] == "text"]
+        assert f"<image_clue_{index}>" in texts and f"</image_clue_{index}>" in texts
+    plain = ToolTurns(PROTOCOLS.get("pyvision"), tokenizer).wrap(grey, None, 2, {"images": 0})  # no environment
+    assert "<image_clue_2>" in [b.get("text") for b in plain()]

@@ -342,6 +342,7 @@ class ToolTurns:
                 result = fn(**arguments)
             except Exception as exc:
                 return protocol.error(str(exc), malformed=isinstance(exc, MalformedCall))
+            first = first_index(result, env, prompt_images + counts["images"])  # before images are converted
             try:
                 result = showable(result)
             except ToolError as exc:
@@ -350,7 +351,7 @@ class ToolTurns:
                     env.errors += 1
                 return protocol.error(str(exc), malformed=False)
             result = self._within_budget(result, counts)
-            return protocol.reply(result, first_index(result, env, prompt_images + counts["images"]))
+            return protocol.reply(result, first)
 
         tool.__name__ = getattr(fn, "__name__", "tool")
         return tool

@@ -282,8 +282,8 @@ class ToolTurns:
         self.calls_after_answer = 0
         self.context_stops = 0
         self.image_refusals = 0
-        self.names: set[str] = set()  # every tool a rollout may call (TRL hands later turns' parses no tools
-        # when the protocol hides them from the prompt)
+        # Every tool a rollout may call: TRL hands later turns' parses no tools when the protocol hides them.
+        self.names: set[str] = set()
 
     def reset_counts(self) -> None:
         self.calls_after_answer = self.context_stops = self.image_refusals = 0

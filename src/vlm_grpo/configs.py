@@ -226,7 +226,7 @@ class GRPOScriptArguments(ScriptArguments):
         default=None,
         metadata={
             "help": "Tool rollouts: the most images the tools may return in one rollout; a call past it is answered "
-            "with an error the model reads, images past it are left out with a note. Default: no limit."
+            "with an error the model reads, images past it are left out (hermes replies say so). Default: no limit."
         },
     )
     max_context_tokens: int | None = field(

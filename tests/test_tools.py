@@ -302,25 +302,30 @@ def test_the_tool_loops_parser_marks_malformed_calls(tool_tokenizer, text, malfo
     else parses exactly as without the wrapper (which reads the malformed ones as plain answers)."""
     from trl.chat_template_utils import parse_response
 
-    from vlm_grpo.tools.rollouts import MALFORMED_CALL, MalformedCallParser
+    from vlm_grpo.tools.protocols import HERMES_MALFORMED, PROTOCOLS
+    from vlm_grpo.tools.rollouts import MALFORMED_CALL, ProtocolParser, ToolTurns
 
     ids = tool_tokenizer.encode(text, add_special_tokens=False)
     prefix = tool_tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
     plain = parse_response(tool_tokenizer, ids, prefix=prefix, tools=None)
-    parsed = parse_response(MalformedCallParser(tool_tokenizer), ids, prefix=prefix, tools=None)
+    turns = ToolTurns(PROTOCOLS.get("hermes"), tool_tokenizer)
+    parsed = parse_response(ProtocolParser(tool_tokenizer, turns), ids, prefix=prefix, tools=None)
     if not malformed:
         assert parsed == plain
         return
     assert "tool_calls" not in plain  # TRL alone: a plain answer, the rollout would end here
     assert parsed == {
         **plain,
-        "tool_calls": [{"type": "function", "function": {"name": MALFORMED_CALL, "arguments": {}}}],
+        "tool_calls": [
+            {"type": "function", "function": {"name": MALFORMED_CALL, "arguments": {"message": HERMES_MALFORMED}}}
+        ],
     }
     assert parsed["content"] == tool_tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def test_the_parser_is_the_tokenizer_otherwise_and_is_put_back():
-    from vlm_grpo.tools.rollouts import MalformedCallParser, parse_malformed_calls
+    from vlm_grpo.tools.protocols import PROTOCOLS
+    from vlm_grpo.tools.rollouts import ProtocolParser, ToolTurns, parse_with_protocol
 
     class Tokenizer:
         pad_token_id = 0
@@ -338,9 +343,9 @@ def test_the_parser_is_the_tokenizer_otherwise_and_is_put_back():
         _tokenizer = Tokenizer()
 
     trainer, tokenizer = Trainer(), Trainer._tokenizer
-    with pytest.raises(RuntimeError), parse_malformed_calls(trainer):
+    with pytest.raises(RuntimeError), parse_with_protocol(trainer, ToolTurns(PROTOCOLS.get("hermes"), tokenizer)):
         parser = trainer._tokenizer
-        assert isinstance(parser, MalformedCallParser)
+        assert isinstance(parser, ProtocolParser)
         assert parser.pad_token_id == 0 and len(parser) == 7 and parser("abc") == {"input_ids": [3]}
         parser.pad_token_id = 5  # a write reaches the tokenizer
         # Calls other than the tool loop's (one turn's token ids) are the tokenizer's own

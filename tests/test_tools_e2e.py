@@ -254,6 +254,7 @@ def test_a_malformed_later_call_is_answered_with_an_error(wrapper, tiny_models, 
     import contextlib
 
     import vlm_grpo.trainer
+    from vlm_grpo.tools.protocols import HERMES_MALFORMED
     from vlm_grpo.tools.rollouts import MALFORMED_CALL
 
     data, plugin = dataset
@@ -278,7 +279,7 @@ def test_a_malformed_later_call_is_answered_with_an_error(wrapper, tiny_models, 
         mp.setattr(VLMGRPOTrainer, "_tool_call_loop", keep_rollouts)
         mp.setattr(VLMGRPOTrainer, "_generate_and_score_completions", keep_batch)
         if not wrapper:
-            mp.setattr(vlm_grpo.trainer, "parse_malformed_calls", lambda trainer: contextlib.nullcontext())
+            mp.setattr(vlm_grpo.trainer, "parse_with_protocol", lambda trainer, turns: contextlib.nullcontext())
         trainer = main(*parse_args(argv))
     log = trainer.state.log_history[0]
     assert len(rollouts) == 4
@@ -288,7 +289,7 @@ def test_a_malformed_later_call_is_answered_with_an_error(wrapper, tiny_models, 
         assert seen["tool_rounds"] == 1 and log["tools/errors_per_rollout"] == 0.0
         return
     assert seen["tool_rounds"] == 2  # the answer came after the error message, not by the iteration limit
-    marker = [{"type": "function", "function": {"name": MALFORMED_CALL, "arguments": {}}}]
+    marker = [{"type": "function", "function": {"name": MALFORMED_CALL, "arguments": {"message": HERMES_MALFORMED}}}]
     for turns in rollouts:
         assert [m["role"] for m in turns] == ["assistant", "tool", "assistant", "tool", "assistant"]
         assert turns[0]["tool_calls"][0]["function"]["name"] == "zoom_in" and turns[1]["name"] == "zoom_in"
@@ -304,7 +305,7 @@ def test_a_malformed_later_call_is_answered_with_an_error(wrapper, tiny_models, 
     # The loss sees the model's three turns; both tool results, the error message included, are masked.
     batch = batches[0]
     tokenizer = trainer._tokenizer
-    assert type(tokenizer).__name__ != "MalformedCallParser"  # the tokenizer is back after the loop
+    assert type(tokenizer).__name__ != "ProtocolParser"  # the tokenizer is back after the loop
     ids, mask, kept = batch["completion_ids"], batch["tool_mask"], batch["completion_mask"]
     for row in range(ids.size(0)):
         model_text = tokenizer.decode(ids[row][(mask[row] == 1) & (kept[row] == 1)])

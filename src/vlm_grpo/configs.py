@@ -205,6 +205,38 @@ class GRPOScriptArguments(ScriptArguments):
             '\'{"python": {"timeout": 10, "memory_mb": 2048}, "zoom_in": {"size": 448}}\'.'
         },
     )
+    tool_protocol: str | None = field(
+        default=None,
+        metadata={
+            "help": "How the model calls tools and reads their replies: 'hermes' (<tool_call> JSON, <tool_response> "
+            "replies, tool schemas in the system prompt), 'pyvision' (```python / <code> blocks run in the python "
+            "tool, <interpreter> replies) or 'deepeyes' (DeepEyes' <tool_call> and reply text). Default: the "
+            "protocol the tools name (DeepEyes' image_zoom_in_tool: deepeyes), else hermes. A turn with "
+            "<answer>...</answer> always ends the rollout; its tool calls are not run."
+        },
+    )
+    max_turn_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "Tool rollouts: the most new tokens one assistant turn may write (verl's "
+            "single_response_max_tokens); max_completion_length still bounds the whole rollout. Default: none."
+        },
+    )
+    max_tool_images: int | None = field(
+        default=None,
+        metadata={
+            "help": "Tool rollouts: the most images the tools may return in one rollout; a call past it is answered "
+            "with an error the model reads, images past it are left out (hermes replies say so). Default: no limit."
+        },
+    )
+    max_context_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "Tool rollouts: the most tokens of one rollout's whole context (prompt, turns, tool replies). "
+            "A turn is cut where the context reaches it, and a turn that ends at or past it runs no tool: the "
+            "rollout ends there. Default: the model's own limit."
+        },
+    )
 
 
 @dataclass

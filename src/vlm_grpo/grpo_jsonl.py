@@ -60,7 +60,7 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
     from vlm_grpo.recipe import finish_loggers, load_datasets, load_model, pick_module, preflight
     from vlm_grpo.resume import resolve_resume
     from vlm_grpo.rewards import build_reward_funcs
-    from vlm_grpo.tools.rollouts import build_tool_environment
+    from vlm_grpo.tools.rollouts import check_tool_flags
     from vlm_grpo.trainer import VLMGRPOTrainer
     from vlm_grpo.trainer_common import log_metrics_to_logger
     from vlm_grpo.utils import quiet_warnings
@@ -78,10 +78,7 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
         is_main_process=is_main,
     )
 
-    if script_args.tools or script_args.tool_kwargs:  # unknown tool, bad option, no sandbox: say so before loading
-        build_tool_environment(script_args.tools or [], script_args.tool_kwargs)
-    if script_args.tools or script_args.tool_kwargs:  # unknown tool, bad option, no sandbox: say so before loading
-        build_tool_environment(script_args.tools or [], script_args.tool_kwargs)
+    check_tool_flags(script_args)  # unknown tool or protocol, bad option, no sandbox: say so before loading
     module, processor = pick_module(model_args, training_args.trust_remote_code)
     overrides = module.reward_overrides if script_args.is_reward_customized_from_vlm_module else None
     reward_funcs = build_reward_funcs(
@@ -109,6 +106,10 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
         peft_config=get_peft_config(model_args),
         tools=script_args.tools,
         tool_kwargs=script_args.tool_kwargs,
+        tool_protocol=script_args.tool_protocol,
+        max_turn_tokens=script_args.max_turn_tokens,
+        max_tool_images=script_args.max_tool_images,
+        max_context_tokens=script_args.max_context_tokens,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
     )

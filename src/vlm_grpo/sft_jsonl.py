@@ -84,6 +84,7 @@ def build_trainer(
     from vlm_grpo.sft_trainer import SFTTransform, VLMSFTTrainer, assistant_masks_supported
 
     is_main = training_args.process_index == 0
+    refuse_tool_flags(script_args)
     preflight(script_args, training_args)
     resume = resolve_resume(
         training_args.output_dir,
@@ -121,6 +122,22 @@ def build_trainer(
         eval_dataset=eval_dataset,
     )
     return trainer, resume
+
+
+def refuse_tool_flags(script_args: GRPOScriptArguments) -> None:
+    """SFT trains on the rows' own turns and renders no tool schemas: tool flags would be ignored, so say so."""
+    given = [f"--{name}" for name in _TOOL_FLAGS if getattr(script_args, name) not in (None, [], "")]
+    if given:
+        from vlm_grpo.cli_errors import UserError
+
+        raise UserError(
+            f"{', '.join(given)}: vlm-grpo-sft does not run tools or render tool schemas. Write the tool calls and "
+            "tool replies into the rows' messages (assistant turns with the calls, tool turns with the replies) "
+            "and drop these flags"
+        )
+
+
+_TOOL_FLAGS = ("tools", "tool_kwargs", "tool_protocol", "max_turn_tokens", "max_tool_images", "max_context_tokens")
 
 
 def save_final_model(trainer: VLMSFTTrainer, args: VLMSFTConfig, base: str) -> None:

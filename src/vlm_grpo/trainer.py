@@ -34,13 +34,15 @@ from vlm_grpo.rollout_log import RolloutLogMixin
 from vlm_grpo.tools.rollouts import (
     MALFORMED_CALL,
     ToolBatch,
+    ToolTurns,
     build_tool_environment,
     malformed_call_tool,
-    mark_malformed_call,
-    parse_malformed_calls,
+    parse_with_protocol,
     prepare_for_tools,
+    rollout_messages,
     rollout_tool_stats,
     tile_fields,
+    tool_turns,
 )
 from vlm_grpo.trainer_common import (
     CheckpointReloadMixin,
@@ -70,6 +72,10 @@ class VLMGRPOTrainer(
         tools: registered tool names / ``file.py:fn`` plugins (they see the row's images, see
             :mod:`vlm_grpo.tools`), and/or plain callables passed to TRL as they are.
         tool_kwargs: options per named tool, ``{"python": {"timeout": 10}}`` (JSON text or a mapping).
+        tool_protocol: how the model calls tools and reads replies (:mod:`vlm_grpo.tools.protocols`); None: the
+            one the tools name, else ``hermes``.
+        max_turn_tokens, max_tool_images, max_context_tokens: tool-rollout budgets (None: none); see
+            ``GRPOScriptArguments``.
         args: a ``VLMGRPOConfig``; a plain ``trl.GRPOConfig`` keeps its values and gets ``VLMGRPOConfig``'s
             defaults for the speed options (``share_prompt``, ``fast_decode``, ...); None: all defaults.
     """
@@ -88,6 +94,10 @@ class VLMGRPOTrainer(
         peft_config: Any = None,
         tools: Sequence[str | Callable] | None = None,
         tool_kwargs: str | Mapping[str, Any] | None = None,
+        tool_protocol: str | None = None,
+        max_turn_tokens: int | None = None,
+        max_tool_images: int | None = None,
+        max_context_tokens: int | None = None,
         **kwargs: Any,
     ) -> None:
         if any(getattr(t, "__name__", None) == MALFORMED_CALL for t in tools or []):  # before any model loads
@@ -125,10 +135,16 @@ class VLMGRPOTrainer(
 
             kwargs["environment_factory"] = build_tool_environment(named, tool_kwargs, coord_size)
             tools = [t for t in tools if not isinstance(t, str)]
-        if tools or kwargs.get("environment_factory") is not None:
+        factory = kwargs.get("environment_factory")
+        self._tool_turns: ToolTurns | None = None
+        if tools or factory is not None:
             prepare_for_tools(args, processing_class)
+            self._tool_turns = tool_turns(
+                tools, factory, processing_class, tool_protocol, max_context_tokens, max_tool_images
+            )
         elif getattr(args, "max_tool_calling_iterations", None) is not None:
             logger.warning("max_tool_calling_iterations has no effect without tools (--tools)")
+        self.max_turn_tokens = max_turn_tokens
 
         super().__init__(
             model=model,
@@ -139,6 +155,11 @@ class VLMGRPOTrainer(
             tools=tools or None,
             **kwargs,
         )
+        if self._tool_turns is not None:
+            self._order_tools(getattr(factory, "_tool_order", ()))
+            if not self._tool_turns.protocol.show_tools and getattr(self, "_env_tools", None):
+                # The protocol's own prompt describes the tools (PyVision's, DeepEyes'): the template shows none.
+                self._env_tools = {name: [] for name in self._env_tools}
         self._warn_if_groups_split()
         self._check_dynamic_sampling()
         sharded = self.is_fsdp_enabled or is_zero3(self.accelerator)
@@ -244,6 +265,33 @@ class VLMGRPOTrainer(
     def _generate_single_turn(
         self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False
     ) -> tuple[list[list[int]], Any]:
+        """One turn of every row (:meth:`_generate_turn`) within the tool budgets: ``max_turn_tokens`` new tokens
+        a turn, and a row's whole context (prompt, turns, tool replies) within ``max_context_tokens``."""
+        limit = self.max_turn_tokens
+        budget = self._tool_turns.max_context_tokens if self._tool_turns is not None else None
+        if limit is None and budget is None:
+            return self._generate_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        rooms = [limit if limit is not None else self.max_completion_length] * len(prompt_ids)
+        if budget is not None:  # the first turn keeps a token: TRL's bookkeeping needs a non-empty completion
+            least = 0 if getattr(self, "_in_tool_loop", False) else 1
+            rooms = [max(least, min(room, budget - len(ids))) for room, ids in zip(rooms, prompt_ids, strict=True)]
+        config = getattr(self, "generation_config", None)
+        before = getattr(config, "max_new_tokens", None)
+        if config is not None and before is not None:
+            config.max_new_tokens = max(1, min(before, max(rooms)))
+        try:
+            ids, logprobs = self._generate_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        finally:
+            if config is not None and before is not None:
+                config.max_new_tokens = before
+        ids = [row[:room] for row, room in zip(ids, rooms, strict=True)]
+        if logprobs is not None:
+            logprobs = [row[: len(kept)] for row, kept in zip(logprobs, ids, strict=True)]
+        return ids, logprobs
+
+    def _generate_turn(
+        self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False
+    ) -> tuple[list[list[int]], Any]:
         """Prefill each unique prompt once and decode its G samples from the shared cache (``share_prefill``).
 
         The turns of TRL's tool loop after a tool result (``num_generations == 1``: each row its own history)
@@ -276,33 +324,89 @@ class VLMGRPOTrainer(
         return [[kinds.get(t, 0) for t in row] for row in prompt_ids]
 
     def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
-        """TRL's tool loop, plus per-rollout metrics: tool calls, errors, turns, images, sandbox timeouts.
+        """TRL's tool loop with the run's tool protocol (:class:`~vlm_grpo.tools.rollouts.ToolTurns`), plus
+        per-rollout metrics: tool calls, errors, turns, images, sandbox timeouts, calls after the answer.
 
-        A turn whose ``<tool_call>`` block did not parse (TRL then reads it as a plain answer) is answered with an
-        error message instead, so the model sees what was wrong and goes on: the first turn's here, later turns'
-        as TRL's loop parses them (:class:`~vlm_grpo.tools.rollouts.MalformedCallParser`). Every rollout's tool
-        dict holds the hidden tool that answers them.
+        Every turn is read by the protocol: the first one here, later ones as TRL's loop parses them
+        (:class:`~vlm_grpo.tools.rollouts.ProtocolParser`). A malformed action or an unknown tool becomes a call
+        of the hidden tool that answers with an error message, so the model sees what was wrong and goes on; a turn
+        with the final answer runs nothing. Every rollout's tools reply in the protocol's words.
         """
+        turns = self._tool_turns
+        turns.reset_counts()
+        turns.names = {name for tools in self._sync_tool_dicts for name in tools} | {MALFORMED_CALL}
         environments = self.environments or []
-        for i, turns in enumerate(completions):
+        for i, rollout in enumerate(completions):
             env = environments[i] if i < len(environments) else None
-            self._sync_tool_dicts[i][MALFORMED_CALL] = malformed_call_tool(env)
-            mark_malformed_call(turns[-1])
+            tools = self._sync_tool_dicts[i]
+            tools[MALFORMED_CALL] = malformed_call_tool(env)
+            counts = {"images": 0}
+            prompt_images = len(images[i] or []) if images is not None else 0
+            for name, fn in list(tools.items()):
+                tools[name] = turns.wrap(fn, env, prompt_images, counts)
+            rollout[-1] = turns.read(rollout[-1], completion_ids[i], len(prompt_ids[i]), tools)
         multimodal_fields = tile_fields(
             getattr(self.processing_class, "image_processor", None), images, multimodal_fields
         )
-        # The rollouts' sandbox cells run together, per round; later turns' malformed calls are marked as parsed.
-        with ToolBatch(self.environments, completions), parse_malformed_calls(self):
-            result = super()._tool_call_loop(
-                prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields
-            )
-        mode = "train" if self.model.training else "eval"
+        # The rollouts' sandbox cells run together, per round; later turns are read as TRL's loop parses them.
+        self._in_tool_loop = True
+        try:
+            with ToolBatch(self.environments, completions), parse_with_protocol(self, turns):
+                result = super()._tool_call_loop(
+                    prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields
+                )
+        finally:
+            self._in_tool_loop = False
         stats = rollout_tool_stats(result[1], self.environments)
+        n = max(1, len(completions))
+        stats["calls_after_answer"] = [turns.calls_after_answer / n]
+        stats["context_stops"] = [turns.context_stops / n]
+        stats["image_budget_refusals"] = [turns.image_refusals / n]
+        self._log_tool_stats(stats)
+        return result
+
+    def _log_tool_stats(self, stats: dict[str, list[float]]) -> None:
+        mode = "train" if self.model.training else "eval"
         for name, values in stats.items():
             local = torch.tensor(values, dtype=torch.float32, device=self.accelerator.device)
             gathered = self.accelerator.gather(local)
             self._metrics[mode][f"tools/{name}"].append(gathered.mean().item())
-        return result
+
+    def _generate(self, prompts: list):
+        """TRL's; with tools, each completion handed on (rewards, ``--rollout_log``, the completions table) is the
+        rollout as the model wrote and read it (:func:`~vlm_grpo.tools.rollouts.rollout_messages`), rebuilt from
+        its tokens: TRL's parsed messages move ``<think>`` and the calls out of the text."""
+        out = super()._generate(prompts)
+        if self._tool_turns is None or out[2] is None:
+            return out
+        prompt_ids, completion_ids, tool_mask, completions, *rest = out
+        tokenizer = self._tokenizer
+        completions = [
+            rollout_messages(tokenizer, ids, mask, turns)
+            for ids, mask, turns in zip(completion_ids, tool_mask, completions, strict=True)
+        ]
+        return (prompt_ids, completion_ids, tool_mask, completions, *rest)
+
+    def _get_tool_suffix_ids(self, tool_messages):
+        """A protocol that words its own replies (PyVision, DeepEyes) has them rendered as one user turn."""
+        if self._tool_turns is not None and self._tool_turns.protocol.user_replies:
+            content = []
+            for message in tool_messages:
+                body = message.get("content")
+                content += body if isinstance(body, list) else [{"type": "text", "text": str(body)}]
+            tool_messages = [{"role": "user", "name": tool_messages[0].get("name"), "content": content}]
+        return super()._get_tool_suffix_ids(tool_messages)
+
+    def _order_tools(self, order: Sequence[str]) -> None:
+        """Show the tools in the order given (``--tools``), not TRL's alphabetical order of environment methods."""
+        rank = {name: i for i, name in enumerate(order)}
+
+        def ordered(tools: list) -> list:
+            return sorted(tools, key=lambda t: rank.get(getattr(t, "__name__", ""), -1))  # stable: plain tools first
+
+        self.tools = ordered(list(self.tools or []))
+        for key, tools in (getattr(self, "_env_tools", None) or {}).items():
+            self._env_tools[key] = ordered(list(tools))
 
     def _forward_parameters(self) -> set[str]:
         """Names the model's forward accepts (the base model's, under PEFT)."""

@@ -189,7 +189,25 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "trl:GRPOTrainer",
         "_tool_call_loop",
         ("prompts", "prompt_ids", "completion_ids", "completions", "logprobs", "images", "multimodal_fields"),
-        why="tool metrics, malformed calls answered, sandbox cells prefetched",
+        why="tool protocols: turns read, replies worded, budgets; tool metrics, sandbox cells prefetched",
+    ),
+    PrivateName(
+        "trl:GRPOTrainer",
+        "_generate",
+        ("prompts",),
+        why="with tools, the completions handed on are rebuilt from the tokens (the rollout as written and read)",
+    ),
+    PrivateName(
+        "trl:GRPOTrainer",
+        "_get_tool_suffix_ids",
+        ("tool_messages",),
+        why="protocols that word their own replies (PyVision, DeepEyes) have them rendered as one user turn",
+    ),
+    PrivateName(
+        "trl:GRPOTrainer",
+        "_env_tools",
+        source="trl:GRPOTrainer._tokenize_prompts",
+        why="protocols whose prompts describe the tools render no tool schemas; tools shown in --tools order",
     ),
     PrivateName(
         "trl:GRPOTrainer",

@@ -18,8 +18,8 @@ import unicodedata
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from vlm_grpo.rewards.base import completion_text
 from vlm_grpo.rewards.format import extract_answer
+from vlm_grpo.rewards.turns import final_answer
 
 # math-verify only sees this many trailing characters of an answer (final answers sit at the end).
 MATH_VERIFY_MAX_CHARS = 2000
@@ -419,7 +419,7 @@ def accuracy_reward(
         if sol is None:
             raise ValueError("solution is None")
         gold = extract_answer(sol if isinstance(sol, str) else str(sol))
-        pred = extract_answer(completion_text(completion))
+        pred = final_answer(completion)  # never tool output
         rewards.append(float(compare(pred, gold)))
     return rewards
 
@@ -448,7 +448,7 @@ def vqa_graded_reward(
         if sol is None:
             raise ValueError("solution is None")
         gold = extract_answer(sol if isinstance(sol, str) else str(sol))
-        pred = extract_answer(completion_text(completion))
+        pred = final_answer(completion)  # never tool output
         rewards.append(scale * vqa_graded_match(pred, gold))
     return rewards
 

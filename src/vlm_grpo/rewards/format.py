@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from vlm_grpo.rewards.base import RewardFunc, completion_text
+from vlm_grpo.rewards.turns import final_turn
 from vlm_grpo.tasks import RYNNBRAIN_TASK_TAGS
 
 _TAG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
@@ -84,6 +85,8 @@ def make_format_reward(tags: Sequence[str], name: str) -> RewardFunc:
     The reward of a completion is 1.0 iff its whole text (leading/trailing whitespace allowed) is exactly the
     given tags, each opened and closed once, in that order, separated only by whitespace, and no block contains
     an opening or closing tag of any of the given names (no nesting, no repeats); block contents may be empty.
+    Of a tool rollout the model's final turn is scored (:func:`vlm_grpo.rewards.turns.final_turn`), so that it
+    scores as the single-turn text of the same answer.
     Otherwise 0.0. Tag names are matched case-sensitively. E.g.
     ``make_format_reward(("think", "answer", "explain"), "format_explain")``. The reward also takes a ``tags``
     keyword (``--reward_kwargs '{"format": {"tags": ["think", "answer", "explain"]}}'``) replacing its tag list.
@@ -94,7 +97,7 @@ def make_format_reward(tags: Sequence[str], name: str) -> RewardFunc:
 
     def reward(completions: Sequence[Any], tags: Sequence[str] | None = None, **kwargs: Any) -> list[float | None]:
         pattern = _layout_pattern(_check_tags(tags) if tags is not None else reward.tags)  # type: ignore[attr-defined]
-        return [1.0 if pattern.fullmatch(completion_text(c)) else 0.0 for c in completions]
+        return [1.0 if pattern.fullmatch(final_turn(c)) else 0.0 for c in completions]
 
     reward.__name__ = name
     reward.__qualname__ = name

@@ -43,7 +43,6 @@ from collections.abc import Callable, Coroutine, Sequence
 from importlib import resources
 from typing import Any
 
-from vlm_grpo.rewards.base import completion_text
 from vlm_grpo.rewards.client import (
     RETRY_STATUSES,
     CallResult,
@@ -56,6 +55,7 @@ from vlm_grpo.rewards.client import (
     retry_after_seconds,
 )
 from vlm_grpo.rewards.format import extract_answer
+from vlm_grpo.rewards.turns import final_turn
 from vlm_grpo.tasks import IMAGE_TOKEN
 
 DEFAULT_TEMPLATE = "judge_default.txt"
@@ -369,7 +369,7 @@ def llm_judge_reward(
 
     payloads = []
     for i, completion in enumerate(completions):
-        text = completion_text(completion)
+        text = final_turn(completion)  # the model's last turn: never tool output
         row_question = question[i] if question is not None and i < len(question) else ""
         row_solution = solution[i] if solution is not None and i < len(solution) else ""
         reference = extract_answer(row_solution if isinstance(row_solution, str) else str(row_solution))

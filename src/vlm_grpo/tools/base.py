@@ -45,6 +45,7 @@ class ToolEnvironment:
 
     _options: ClassVar[dict[str, dict[str, Any]]] = {}
     _coord_size: ClassVar[CoordSize | None] = None
+    _tool_order: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self) -> None:
         self.images: list[Any] = []
@@ -207,6 +208,7 @@ def make_environment_factory(
         if callable(setup):
             setup(options.get(fn.__name__, {}))
     attrs: dict[str, Any] = {"_options": options, "__doc__": ToolEnvironment.__doc__, **methods}
+    attrs["_tool_order"] = tuple(methods)  # the order given: the order the model is shown the tools in
     if coord_size is not None:
         attrs["_coord_size"] = staticmethod(coord_size)
     return type("VLMToolEnvironment", (ToolEnvironment,), attrs)

@@ -8,6 +8,7 @@ chat format and are given the same one), parsed by TRL's Qwen response template.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -17,8 +18,17 @@ from vlm_grpo.tools.base import (
     MALFORMED_CALL,
     CoordSize,
     ToolEnvironment,
+    ToolError,
     make_environment_factory,
     parse_tool_kwargs,
+)
+from vlm_grpo.tools.protocols import (
+    ANSWER,
+    HERMES_MALFORMED,
+    ToolProtocol,
+    function_call,
+    images_of,
+    resolve_protocol,
 )
 from vlm_grpo.tools.templates import family_tool_template
 
@@ -70,6 +80,63 @@ def build_tool_environment(
     if not names:
         raise ValueError("--tool_kwargs was given without --tools")
     return make_environment_factory([TOOLS.get(name) for name in names], parse_tool_kwargs(tool_kwargs), coord_size)
+
+
+_TOOL_RUN_FLAGS = ("tool_protocol", "max_turn_tokens", "max_tool_images", "max_context_tokens")
+
+
+def check_tool_flags(script_args: Any) -> None:
+    """The tool flags of a run, checked before any model loads: tools, their options, the protocol, the budgets;
+    a tool flag without ``--tools`` is an error (it would do nothing)."""
+    from vlm_grpo.cli_errors import UserError
+
+    if not script_args.tools:
+        given = [f"--{name}" for name in _TOOL_RUN_FLAGS if getattr(script_args, name) is not None]
+        if given:
+            raise UserError(
+                f"{', '.join(given)} without --tools: name the tools the model may call, e.g. --tools zoom_in"
+            )
+    if script_args.tools or script_args.tool_kwargs:
+        factory = build_tool_environment(script_args.tools or [], script_args.tool_kwargs)
+        tool_turns(
+            [], factory, None, script_args.tool_protocol, script_args.max_context_tokens, script_args.max_tool_images
+        )
+    if script_args.max_turn_tokens is not None and script_args.max_turn_tokens < 1:
+        raise UserError(f"--max_turn_tokens must be a positive number of tokens, got {script_args.max_turn_tokens}")
+
+
+def tool_turns(
+    tools: Sequence[Any],
+    factory: Any,
+    processing_class: Any,
+    protocol_name: str | None,
+    max_context_tokens: int | None = None,
+    max_tool_images: int | None = None,
+) -> ToolTurns:
+    """The run's :class:`ToolTurns`: its protocol (``--tool_protocol``, else the one the tools name, else hermes),
+    checked against the tools it calls by itself, and the budgets (positive, or None)."""
+    for flag, value in (("max_context_tokens", max_context_tokens), ("max_tool_images", max_tool_images)):
+        if value is not None and value < (1 if flag == "max_context_tokens" else 0):
+            raise ValueError(f"--{flag} must be a positive number of {flag.split('_')[1]}, got {value}")
+    functions = list(tools)
+    for name in getattr(factory, "_tool_order", ()) or []:
+        functions.append(getattr(getattr(factory, name), "tool_function", None))
+    protocol = resolve_protocol(protocol_name, [f for f in functions if f is not None])
+    if isinstance(protocol, type):  # a plugin named its class
+        protocol = protocol()
+    if not isinstance(protocol, ToolProtocol):
+        raise ValueError(
+            f"--tool_protocol {protocol_name}: {protocol!r} is not a ToolProtocol (vlm_grpo.tools.protocols)"
+        )
+    available = {getattr(f, "__name__", None) for f in functions if f is not None}
+    missing = [name for name in protocol.tool_names if name not in available]
+    if missing:
+        raise ValueError(
+            f"--tool_protocol {protocol.name} runs the {', '.join(missing)} tool: add it to --tools "
+            f"(now: {', '.join(sorted(n for n in available if n)) or 'none'})"
+        )
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    return ToolTurns(protocol, tokenizer, max_context_tokens, max_tool_images)
 
 
 def prepare_for_tools(args: Any, processing_class: Any) -> None:
@@ -174,52 +241,211 @@ class ToolBatch:
             env._batch = None
 
 
-def mark_malformed_call(message: dict[str, Any]) -> bool:
-    """Turn an assistant message that wrote ``<tool_call>`` but no parseable call into a call of the hidden
-    :data:`MALFORMED_CALL` tool (its text, and the tokens the model wrote, stay as they are)."""
-    content = message.get("content")
-    if message.get("role") != "assistant" or message.get("tool_calls") or not isinstance(content, str):
-        return False
-    if "<tool_call>" not in content:
-        return False
-    message["tool_calls"] = [{"type": "function", "function": {"name": MALFORMED_CALL, "arguments": {}}}]
-    return True
+class MalformedCall(ValueError):
+    """An action the protocol could not read (or a call of an unknown tool): the model reads the message."""
 
 
-def answer_malformed_call() -> str:
-    """What the model reads back after a malformed call (TRL counts it as a failed call)."""
-    raise ValueError(
-        'the <tool_call> block could not be read: write <tool_call>{"name": "<tool name>", "arguments": {...}}'
-        "</tool_call> with valid JSON"
-    )
-
-
-def malformed_call_tool(environment: Any = None) -> Callable[[], str]:
+def malformed_call_tool(environment: Any = None) -> Callable[..., str]:
     """The hidden :data:`MALFORMED_CALL` tool of one rollout, for its entry in TRL's per-rollout tool dict: it
-    answers with :func:`answer_malformed_call`'s error, counted as a failed call of the rollout's environment
+    answers with the protocol's error message (``message``), counted as a failed call of the rollout's environment
     (``tools/calls_per_rollout``, ``tools/errors_per_rollout``) as TRL counts it in ``tools/failure_frequency``."""
 
-    def malformed_tool_call() -> str:
+    def malformed_tool_call(message: str = HERMES_MALFORMED) -> str:
         if isinstance(environment, ToolEnvironment):
             environment.calls += 1
             environment.errors += 1
-        return answer_malformed_call()
+        raise MalformedCall(message)
 
     return malformed_tool_call
 
 
-class MalformedCallParser:
+def malformed(message: str) -> dict[str, Any]:
+    return function_call(MALFORMED_CALL, {"message": message})
+
+
+class ToolTurns:
+    """One run's tool protocol at work in TRL's loop: reads each assistant turn (:meth:`read`), words each
+    reply (:meth:`wrap`), and counts what it stopped: calls after a final answer, rollouts at the context budget,
+    images over the per-rollout budget."""
+
+    def __init__(
+        self,
+        protocol: ToolProtocol,
+        tokenizer: Any,
+        max_context_tokens: int | None = None,
+        max_tool_images: int | None = None,
+    ) -> None:
+        self.protocol = protocol
+        self.tokenizer = tokenizer
+        self.max_context_tokens = max_context_tokens
+        self.max_tool_images = max_tool_images
+        self.calls_after_answer = 0
+        self.context_stops = 0
+        self.image_refusals = 0
+        # Every tool a rollout may call: TRL hands later turns' parses no tools when the protocol hides them.
+        self.names: set[str] = set()
+
+    def reset_counts(self) -> None:
+        self.calls_after_answer = self.context_stops = self.image_refusals = 0
+
+    def read(self, message: dict[str, Any], ids: Sequence[int], context: int, tools: Any) -> dict[str, Any]:
+        """The assistant message for one turn (``ids``; ``context``: tokens before it), with the calls to run:
+        none once the turn answers or the context budget is reached; the hidden tool for a malformed action or an
+        unknown tool."""
+        text = self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        turn = self.protocol.parse(text, message)
+        if turn.answered:
+            self.calls_after_answer += len(self.protocol.parse(ANSWER.sub("", text), message).calls)
+        calls = [malformed(turn.error)] if turn.error is not None else list(turn.calls)
+        if calls and self.max_context_tokens is not None and context + len(ids) >= self.max_context_tokens:
+            self.context_stops += 1
+            calls = []
+        names = tool_names(tools) or self.names
+        if names:
+            calls = [self._known(call, names) for call in calls]
+        out = {k: v for k, v in message.items() if k != "tool_calls"}
+        out.setdefault("role", "assistant")
+        if self.protocol.name != "hermes" or "content" not in out:
+            out["content"] = text
+        if calls:
+            out["tool_calls"] = calls
+        return out
+
+    @staticmethod
+    def _known(call: dict[str, Any], names: set[str]) -> dict[str, Any]:
+        function = call.get("function") if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if name == MALFORMED_CALL or name in names:
+            return call
+        shown = ", ".join(sorted(names - {MALFORMED_CALL}))
+        return malformed(f"there is no tool named {name!r}; the tools are: {shown}")
+
+    def wrap(self, fn: Callable[..., Any], environment: Any, prompt_images: int, counts: dict[str, int]) -> Callable:
+        """``fn`` (one rollout's tool) answering in the protocol's words, within the image budget. ``counts``:
+        the rollout's images returned so far (shared by its tools)."""
+        protocol = self.protocol
+        limit = None if getattr(fn, "__name__", None) == MALFORMED_CALL else self.max_tool_images
+
+        def tool(**arguments: Any) -> Any:
+            env = environment if isinstance(environment, ToolEnvironment) else None
+            if limit is not None and counts["images"] >= limit:
+                self.image_refusals += 1
+                if env is not None:
+                    env.calls += 1
+                    env.errors += 1
+                return protocol.error(
+                    f"this conversation already holds {counts['images']} tool images, the most allowed "
+                    f"(--max_tool_images {limit}): answer with what you have",
+                    malformed=False,
+                )
+            try:
+                result = fn(**arguments)
+            except Exception as exc:
+                return protocol.error(str(exc), malformed=isinstance(exc, MalformedCall))
+            first = first_index(result, env, prompt_images + counts["images"])  # before images are converted
+            try:
+                result = showable(result)
+            except ToolError as exc:
+                if env is not None:  # run_tool counted it a success
+                    env.successes -= 1
+                    env.errors += 1
+                return protocol.error(str(exc), malformed=False)
+            result = self._within_budget(result, counts)
+            return protocol.reply(result, first)
+
+        tool.__name__ = getattr(fn, "__name__", "tool")
+        return tool
+
+    def _within_budget(self, result: Any, counts: dict[str, int]) -> Any:
+        images = images_of(result)
+        room = len(images) if self.max_tool_images is None else max(0, self.max_tool_images - counts["images"])
+        counts["images"] += min(room, len(images))
+        if len(images) <= room:
+            return result
+        self.image_refusals += 1
+        kept, out = 0, []
+        for block in result:
+            if isinstance(block, dict) and block.get("type") == "image":
+                kept += 1
+                if kept > room:
+                    continue
+            out.append(block)
+        note = f"[{len(images) - room} more image(s) not shown: --max_tool_images {self.max_tool_images}]"
+        return [*out, {"type": "text", "text": note}]
+
+
+#: The most extreme aspect ratio an image may have (the Qwen processors refuse more than 200:1).
+MAX_ASPECT = 200
+
+
+def showable(result: Any) -> Any:
+    """``result`` with its images as RGB PIL images the processor takes; a ToolError saying what is wrong with
+    an image that is not one (not an image, unreadable, empty, too thin)."""
+    if not isinstance(result, list) or not images_of(result):
+        return result
+    from PIL import Image
+
+    out = []
+    for block in result:
+        if isinstance(block, dict) and block.get("type") == "image":
+            image = block.get("image")
+            if not isinstance(image, Image.Image):
+                raise ToolError(f"the tool returned {type(image).__name__!s} where an image was expected")
+            try:
+                image.load()
+                image = image if image.mode == "RGB" else image.convert("RGB")
+            except Exception as exc:
+                raise ToolError(f"the tool returned an image that cannot be decoded: {exc}") from None
+            width, height = image.size
+            if min(width, height) < 1 or max(width, height) / min(width, height) > MAX_ASPECT:
+                raise ToolError(
+                    f"the tool returned a {width}x{height} image: images need both sides >= 1 pixel and an aspect "
+                    f"ratio up to {MAX_ASPECT}:1"
+                )
+            block = {**block, "image": image}
+        out.append(block)
+    return out
+
+
+def first_index(result: Any, env: ToolEnvironment | None, default: int) -> int:
+    """The conversation index of the first image a call returned: where the environment recorded it (a call may
+    have run ahead of TRL's loop, see :func:`prefetch_tool_calls`), else ``default``."""
+    images = images_of(result)
+    if env is None or not images:
+        return default
+    found = [i for i, image in enumerate(env.images) if image is images[0]]
+    return found[-1] if found else default
+
+
+def tool_names(tools: Any) -> set[str]:
+    """Names of the tools a rollout may call (callables, schema dicts or a name-keyed dict)."""
+    if isinstance(tools, Mapping):
+        return set(tools)
+    names = set()
+    for tool in tools or []:
+        if isinstance(tool, str):
+            name = tool
+        elif isinstance(tool, dict):
+            name = tool.get("function", tool).get("name")
+        else:
+            name = getattr(tool, "__name__", None)
+        if name:
+            names.add(name)
+    return names
+
+
+class ProtocolParser:
     """Stands in for the trainer's tokenizer (``trainer._tokenizer``) while TRL's tool loop runs.
 
-    The loop parses every post-tool turn with ``trl.chat_template_utils.parse_response(trainer._tokenizer, ...)``,
-    which calls ``tokenizer.parse_response`` and reads a turn whose call does not parse as plain text, ending the
-    rollout. Here ``parse_response`` runs TRL's own ``parse_response`` on the real tokenizer (its fallback to
-    text, its tool-call checks) and marks such a turn as a call of the hidden :data:`MALFORMED_CALL` tool
-    (:func:`mark_malformed_call`), so the loop answers it like a first turn's. Everything else is the tokenizer's.
+    The loop parses every post-tool turn with ``trl.chat_template_utils.parse_response(trainer._tokenizer, ...)``.
+    Here ``parse_response`` runs TRL's own ``parse_response`` on the real tokenizer (its fallback to text, its
+    tool-call checks) and then the run's protocol (:meth:`ToolTurns.read`): its calls, a malformed action as a call
+    of the hidden :data:`MALFORMED_CALL` tool, no calls after the answer. Everything else is the tokenizer's.
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, turns: ToolTurns) -> None:
         object.__setattr__(self, "_wrapped", tokenizer)
+        object.__setattr__(self, "_turns", turns)
 
     def parse_response(self, response: Any, schema: Any = None, **kwargs: Any) -> Any:
         one_turn = isinstance(response, list) and all(isinstance(t, int) for t in response)
@@ -227,12 +453,12 @@ class MalformedCallParser:
             return self._wrapped.parse_response(response, schema, **kwargs)
         from trl.chat_template_utils import parse_response
 
-        parsed = parse_response(self._wrapped, response, prefix=kwargs.get("prefix"), tools=kwargs.get("tools"))
-        mark_malformed_call(parsed)
-        return parsed
+        prefix, tools = kwargs.get("prefix"), kwargs.get("tools")
+        parsed = parse_response(self._wrapped, response, prefix=prefix, tools=tools)
+        return self._turns.read(parsed, response, len(prefix or []), tools)
 
     def __getattr__(self, name: str) -> Any:  # only for names the instance lacks: everything but _wrapped
-        if name == "_wrapped":
+        if name in ("_wrapped", "_turns"):
             raise AttributeError(name)
         return getattr(self._wrapped, name)
 
@@ -247,15 +473,64 @@ class MalformedCallParser:
 
 
 @contextmanager
-def parse_malformed_calls(trainer: Any) -> Iterator[None]:
-    """``trainer._tokenizer`` is a :class:`MalformedCallParser` inside the block, the tokenizer again after it
+def parse_with_protocol(trainer: Any, turns: ToolTurns) -> Iterator[None]:
+    """``trainer._tokenizer`` is a :class:`ProtocolParser` inside the block, the tokenizer again after it
     (exceptions included)."""
     tokenizer = trainer._tokenizer
-    trainer._tokenizer = MalformedCallParser(tokenizer)
+    trainer._tokenizer = ProtocolParser(tokenizer, turns)
     try:
         yield
     finally:
         trainer._tokenizer = tokenizer
+
+
+_PADS = ("<|image_pad|>", "<|video_pad|>", "<IMG_CONTEXT>")
+_FRAME_START = re.compile(r"^\s*<\|im_start\|>\w+\n")
+_FRAME_END = re.compile(r"<\|im_end\|>\s*<\|im_start\|>assistant\n?$")
+
+
+def observation_text(tokenizer: Any, ids: Sequence[int]) -> str:
+    """A tool reply as the model read it, without the chat turn around it, one image marker per image."""
+    text = tokenizer.decode(list(ids), skip_special_tokens=False)
+    for pad in _PADS:
+        text = re.sub(f"(?:{re.escape(pad)})+", pad, text)
+    return _FRAME_END.sub("", _FRAME_START.sub("", text))
+
+
+def rollout_messages(tokenizer: Any, ids: Sequence[int], mask: Sequence[int], turns: Sequence[Any]) -> list[dict]:
+    """The completion handed to rewards: each model turn's text as the model wrote it (think, calls, answer:
+    special tokens dropped as in a single-turn completion) and each tool reply as the model read it
+    (:func:`observation_text`), in order. ``turns``: TRL's messages of the rollout, whose parsed
+    ``tool_calls`` the model turns keep."""
+    assistants = [m for m in turns if isinstance(m, dict) and m.get("role") == "assistant"]
+    rounds: list[list[Any]] = []  # the tool names of each round of replies
+    for previous, m in zip([None, *turns], turns, strict=False):
+        if isinstance(m, dict) and m.get("role") == "tool":
+            if not (isinstance(previous, dict) and previous.get("role") == "tool"):
+                rounds.append([])
+            rounds[-1].append(m.get("name"))
+    messages: list[dict[str, Any]] = []
+    start = 0
+    for end in range(1, len(ids) + 1):
+        if end < len(ids) and mask[end] == mask[start]:
+            continue
+        segment = list(ids[start:end])
+        if mask[start]:
+            message: dict[str, Any] = {
+                "role": "assistant",
+                "content": tokenizer.decode(segment, skip_special_tokens=True),
+            }
+            if assistants:
+                calls = assistants.pop(0).get("tool_calls")
+                if calls:
+                    message["tool_calls"] = calls
+        else:
+            message = {"role": "tool", "content": observation_text(tokenizer, segment)}
+            if rounds:
+                message["names"] = rounds.pop(0)
+        messages.append(message)
+        start = end
+    return messages or [{"role": "assistant", "content": ""}]
 
 
 def rollout_tool_stats(completions: Sequence[Any], environments: Sequence[Any] | None) -> dict[str, list[float]]:

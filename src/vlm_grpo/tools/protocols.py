@@ -1,0 +1,229 @@
+"""Tool protocols: how a model writes a tool call, and how the reply it reads back looks (``--tool_protocol``).
+
+A checkpoint trained on one protocol only calls tools in that syntax and expects the replies it was trained on:
+
+* ``hermes`` (the default): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Qwen2.5 / Qwen3 /
+  Hermes), any number a turn; replies are ``tool`` turns rendered by the chat template (``<tool_response>``
+  blocks of one user turn), the tool schemas are in the system prompt.
+* ``pyvision`` (PyVision): Python in ``<code>```python ... ```</code>``, or a bare ```` ```python ```` fence, or
+  ``<code>...</code>``; the last block of the turn runs in the ``python`` tool. The reply is a user turn
+  ``<tool_response>\\n<interpreter>...</interpreter>\\n\\n</tool_response>`` holding ``Text Result:`` and
+  ``Image Result:`` with each image between ``<image_clue_i>`` tags (``i``: its index in the conversation,
+  the name it has in later cells). A turn with neither code nor answer is told so and the rollout goes on.
+* ``deepeyes`` (DeepEyes): the last ``<tool_call>`` JSON block of the turn is run; the reply is a user turn
+  ``<tool_response>`` + the image + DeepEyes' instruction + ``</tool_response>``; an error is a user turn
+  ``Error: ...``. A turn with no call and no answer ends the rollout.
+
+In every protocol a turn holding ``<answer>...</answer>`` ends the rollout: its tool calls are not run. PyVision's
+and DeepEyes' prompts describe their tools themselves (their datasets carry them), so with those protocols the
+chat template shows no tool schemas.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from vlm_grpo.registry import Registry
+
+ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_FENCED_CODE = re.compile(r"<code>\s*```python\s*(.*?)\s*```\s*</code>", re.DOTALL)
+_PYTHON_FENCE = re.compile(r"```python\s*(.*?)\s*```", re.DOTALL)
+_BARE_CODE = re.compile(r"<code>\s*(.*?)\s*</code>", re.DOTALL)
+# The python tool's own note of the images a cell showed (the protocol numbers them itself).
+_INTERPRETER = "<tool_response>\n<interpreter>{}</interpreter>\n\n</tool_response>"
+_SHOWN_NOTE = re.compile(r"\n?\[\d+ image\(s\) shown: image [\d, ]+\]$")
+
+#: DeepEyes' instruction after a zoomed view (its ``USER_PROMPT_V2``).
+DEEPEYES_USER_PROMPT = (
+    "\nThink first, call **image_zoom_in_tool** if needed, then answer. Format strictly as:  <think>...</think>  "
+    "<tool_call>...</tool_call> (if tools needed)  <answer>...</answer> "
+)
+#: What the model reads after a ``<tool_call>`` block that does not parse (``hermes``).
+HERMES_MALFORMED = (
+    'the <tool_call> block could not be read: write <tool_call>{"name": "<tool name>", "arguments": {...}}'
+    "</tool_call> with valid JSON"
+)
+#: PyVision's message for a turn with neither code nor a final answer.
+PYVISION_NO_CODE = "No Python code or final answer found. There is something wrong with the format."
+
+
+@dataclass
+class ParsedTurn:
+    """What one assistant turn asks for: tool calls (TRL's ``tool_calls`` form), or a malformed action (the
+    message the model reads back), and whether the turn gave the final answer (then nothing is run)."""
+
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None
+    answered: bool = False
+
+
+def function_call(name: str, arguments: Any) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def has_answer(text: str) -> bool:
+    """The turn gives a final answer (a closed ``<answer>`` tag)."""
+    return ANSWER.search(text) is not None
+
+
+def text_of(result: Any) -> str:
+    """The text blocks of a tool result (a string, or a list of content blocks), joined."""
+    if isinstance(result, list):
+        return "".join(str(b.get("text", "")) for b in result if isinstance(b, dict) and b.get("type") == "text")
+    return "" if result is None else str(result)
+
+
+def images_of(result: Any) -> list[Any]:
+    if not isinstance(result, list):
+        return []
+    return [b["image"] for b in result if isinstance(b, dict) and b.get("type") == "image"]
+
+
+class ToolProtocol:
+    """One protocol: parse a turn (:meth:`parse`) and word the replies (:meth:`reply`, :meth:`error`).
+
+    ``show_tools``: the chat template renders the tool schemas in the system prompt. ``user_replies``: replies are
+    rendered as one user turn of the protocol's own text (else as the chat template's ``tool`` turns, and errors
+    as TRL words them). ``tool_names``: the tools the protocol calls by itself (``pyvision``: ``python``).
+    """
+
+    name = ""
+    show_tools = True
+    user_replies = False
+    tool_names: tuple[str, ...] = ()
+
+    def parse(self, text: str, message: dict[str, Any] | None = None) -> ParsedTurn:
+        """``text``: the turn as decoded; ``message``: TRL's parse of it (its ``tool_calls``), where it has one."""
+        raise NotImplementedError
+
+    def reply(self, result: Any, first_image: int) -> Any:
+        """The tool message content for a successful call; ``first_image``: the conversation index of the first
+        image the call returned."""
+        return result
+
+    def error(self, message: str, malformed: bool) -> Any:
+        """The tool message content for a failed call (``malformed``: the action could not be read)."""
+        raise NotImplementedError
+
+
+class HermesProtocol(ToolProtocol):
+    name = "hermes"
+
+    def parse(self, text: str, message: dict[str, Any] | None = None) -> ParsedTurn:
+        answered = has_answer(text)
+        calls = list((message or {}).get("tool_calls") or [])
+        if answered:
+            return ParsedTurn(answered=True)
+        if not calls and "<tool_call>" in text:
+            return ParsedTurn(error=HERMES_MALFORMED)
+        return ParsedTurn(calls=calls)
+
+    def error(self, message: str, malformed: bool) -> Any:
+        raise ValueError(message)  # TRL's loop words it: {'error': '...'}
+
+
+class DeepEyesProtocol(ToolProtocol):
+    name = "deepeyes"
+    show_tools = False
+    user_replies = True
+
+    def parse(self, text: str, message: dict[str, Any] | None = None) -> ParsedTurn:
+        if has_answer(text):
+            return ParsedTurn(answered=True)
+        blocks = _TOOL_CALL.findall(text)
+        if not blocks:
+            return ParsedTurn()
+        action = blocks[-1].strip()
+        try:
+            call = json.loads(action)
+            name, arguments = call["name"], call["arguments"]
+        except Exception as exc:  # whatever the model wrote: the model reads why
+            return ParsedTurn(error=f"Invalid tool call format: {action}. Error: {exc}")
+        if not isinstance(name, str) or not isinstance(arguments, dict):
+            return ParsedTurn(
+                error=f"Invalid tool call format: {action}. Error: name must be a string, arguments an object"
+            )
+        return ParsedTurn(calls=[function_call(name, arguments)])
+
+    def reply(self, result: Any, first_image: int) -> Any:
+        images = images_of(result)
+        if not images:
+            return [{"type": "text", "text": f"<tool_response>{text_of(result)}{DEEPEYES_USER_PROMPT}</tool_response>"}]
+        return [
+            {"type": "text", "text": "<tool_response>"},
+            *({"type": "image", "image": image} for image in images),
+            {"type": "text", "text": f"{DEEPEYES_USER_PROMPT}</tool_response>"},
+        ]
+
+    def error(self, message: str, malformed: bool) -> Any:
+        return [{"type": "text", "text": f"Error: {message}"}]
+
+
+class PyVisionProtocol(ToolProtocol):
+    name = "pyvision"
+    show_tools = False
+    user_replies = True
+    tool_names = ("python",)
+
+    def parse(self, text: str, message: dict[str, Any] | None = None) -> ParsedTurn:
+        if has_answer(text):
+            return ParsedTurn(answered=True)
+        for pattern in (_FENCED_CODE, _PYTHON_FENCE, _BARE_CODE):
+            blocks = pattern.findall(text)
+            if blocks:
+                return ParsedTurn(calls=[function_call("python", {"code": blocks[-1]})])
+        return ParsedTurn(error=PYVISION_NO_CODE)
+
+    def reply(self, result: Any, first_image: int) -> Any:
+        text = _SHOWN_NOTE.sub("", text_of(result)).strip()  # PyVision strips the printed text
+        text = "" if text == "(no output)" else text
+        images = images_of(result)
+        if not images:
+            return [
+                {
+                    "type": "text",
+                    "text": _INTERPRETER.format(f"\nText Result:\n{text}"),
+                }
+            ]
+        head = "<tool_response>\n<interpreter>" + (f"Text Result:\n{text}\n" if text else "") + "Image Result:\n"
+        content: list[dict[str, Any]] = [{"type": "text", "text": head}]
+        for k, image in enumerate(images, start=first_image):
+            content += [
+                {"type": "text", "text": f"<image_clue_{k}>"},
+                {"type": "image", "image": image},
+                {"type": "text", "text": f"</image_clue_{k}>"},
+            ]
+        content.append({"type": "text", "text": "</interpreter>\n\n</tool_response>"})
+        return content
+
+    def error(self, message: str, malformed: bool) -> Any:
+        what = "Error" if malformed else "Execution error"
+        return [
+            {
+                "type": "text",
+                "text": _INTERPRETER.format(f"{what}: {message}"),
+            }
+        ]
+
+
+PROTOCOLS: Registry[ToolProtocol] = Registry("tool protocol", entry_point_group="vlm_grpo.tool_protocols")
+PROTOCOLS.register("hermes", HermesProtocol())
+PROTOCOLS.register("pyvision", PyVisionProtocol())
+PROTOCOLS.register("deepeyes", DeepEyesProtocol())
+
+
+def resolve_protocol(name: str | None, tools: list[Any] | tuple[Any, ...] = ()) -> ToolProtocol:
+    """The protocol named by ``--tool_protocol``; unset, the one the tools name (a tool function's ``protocol``
+    attribute, e.g. DeepEyes' ``image_zoom_in_tool``), else ``hermes``."""
+    if name:
+        return PROTOCOLS.get(name)
+    named = {getattr(t, "protocol", None) for t in tools} - {None}
+    if len(named) > 1:
+        raise ValueError(
+            f"The tools ask for different protocols ({', '.join(sorted(named))}): pick one with --tool_protocol"
+        )
+    return PROTOCOLS.get(named.pop() if named else "hermes")

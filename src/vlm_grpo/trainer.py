@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from trl import GRPOTrainer
 
+from vlm_grpo.advantages import AdvantageEstimatorMixin
 from vlm_grpo.configs import VLMGRPOConfig
 from vlm_grpo.dynamic_sampling import DynamicSamplingMixin
 from vlm_grpo.fastpath.block_attention import use_block_attention
@@ -56,7 +57,12 @@ _TRL_LOGP_PARAMS = frozenset(inspect.signature(GRPOTrainer._get_per_token_logps_
 
 
 class VLMGRPOTrainer(
-    DynamicSamplingMixin, RolloutLogMixin, CompleteCheckpointMixin, CheckpointReloadMixin, GRPOTrainer
+    DynamicSamplingMixin,
+    RolloutLogMixin,
+    AdvantageEstimatorMixin,
+    CompleteCheckpointMixin,
+    CheckpointReloadMixin,
+    GRPOTrainer,
 ):
     """GRPO for vision-language models.
 

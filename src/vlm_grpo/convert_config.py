@@ -320,12 +320,29 @@ def _convert_trainer(out: dict[str, Any], notes: list[str], take: Any) -> None:
         )
 
 
-def convert_file(path: str | Path) -> tuple[dict[str, Any], list[str]]:
+def override_value(text: str) -> Any:
+    """A dotted override's value as OmegaConf reads it: YAML scalars and lists, ``1e-3`` as a number."""
     try:
-        config = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{path}: cannot read the config: {exc}") from exc
-    return convert(config)
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if isinstance(value, str):
+        try:
+            return float(value) if value.strip().lower() not in ("nan", "inf", "-inf", "infinity") else value
+        except ValueError:
+            return value
+    return value
+
+
+def apply_override(config: dict, dotted: str, value: Any) -> None:
+    node = config
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{dotted}={value!r}: '{part}' holds a value, not a section")
+        node = child
+    node[leaf] = value
 
 
 def render(flags: dict[str, Any], notes: Sequence[str], source: str) -> str:
@@ -336,14 +353,29 @@ def render(flags: dict[str, Any], notes: Sequence[str], source: str) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vlm-grpo-convert-config", description=__doc__.split("\n\n")[0])
     parser.add_argument("config", help="EasyR1 YAML (data / algorithm / worker / trainer)")
+    parser.add_argument("overrides", nargs="*", help="EasyR1 overrides section.key=value, as its scripts pass them")
     parser.add_argument("-o", "--output", help="write the vlm-grpo YAML here (default: stdout)")
+    parser.add_argument(
+        "--accept_easyr1_differences",
+        action="store_true",
+        help="convert settings that would train differently here (each listed as a note) instead of refusing",
+    )
     args = parser.parse_args(argv)
     try:
-        flags, notes = convert_file(args.config)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        config = yaml.safe_load(Path(args.config).read_text(encoding="utf-8"))
+        for item in args.overrides:
+            key, _, text = item.partition("=")
+            if not text and "=" not in item:
+                raise ConfigError(f"override {item!r}: write section.key=value")
+            apply_override(config, key, override_value(text))
+        flags, notes = convert(config, accept_differences=args.accept_easyr1_differences)
+    except (OSError, yaml.YAMLError) as exc:
+        print(f"error: {args.config}: cannot read the config: {exc}", file=sys.stderr)
         return 2
-    text = render(flags, notes, args.config)
+    except (ConfigError, ValueError) as exc:
+        print(f"error: {args.config}: {exc}", file=sys.stderr)
+        return 2
+    text = render(flags, notes, " ".join([args.config, *args.overrides]))
     if args.output:
         Path(args.output).write_text(text, encoding="utf-8")
     else:

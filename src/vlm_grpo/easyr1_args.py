@@ -21,37 +21,20 @@ from typing import Any
 import yaml
 
 from vlm_grpo.cli_errors import UserError
-from vlm_grpo.convert_config import EASYR1_SECTIONS, ConfigError, convert, is_easyr1_config, render
+from vlm_grpo.convert_config import (
+    EASYR1_SECTIONS,
+    ConfigError,
+    apply_override,
+    convert,
+    is_easyr1_config,
+    override_value,
+    render,
+)
 
 logger = logging.getLogger("vlm_grpo")
 
 ACCEPT_FLAG = "--accept_easyr1_differences"
 _EVAL_FLAGS = ("eval_file_paths", "eval_strategy", "eval_steps", "eval_on_start")
-
-
-def override_value(text: str) -> Any:
-    """A dotted override's value as OmegaConf reads it: YAML scalars and lists, ``1e-3`` as a number."""
-    try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-    if isinstance(value, str):
-        try:
-            return float(value) if value.strip().lower() not in ("nan", "inf", "-inf", "infinity") else value
-        except ValueError:
-            return value
-    return value
-
-
-def apply_override(config: dict, dotted: str, value: Any) -> None:
-    node = config
-    *parents, leaf = dotted.split(".")
-    for part in parents:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise UserError(f"{dotted}={value!r}: '{part}' holds a value, not a section")
-        node = child
-    node[leaf] = value
 
 
 def _is_override(arg: str) -> bool:
@@ -131,11 +114,11 @@ def easyr1_argv(argv: Sequence[str]) -> list[str]:
     config = _read(path) if path else {}
     if path and not is_easyr1_config(config):
         raise UserError(f"config={path}: not an EasyR1 config (top-level sections {', '.join(EASYR1_SECTIONS)})")
-    for item in overrides:
-        key, _, text = item.partition("=")
-        apply_override(config, key, override_value(text))
     source = f"config={path}" if path else "command line"
     try:
+        for item in overrides:
+            key, _, text = item.partition("=")
+            apply_override(config, key, override_value(text))
         flags, notes = convert(config, accept_differences=accept)
     except ConfigError as exc:
         raise UserError(f"{source}{' (with its overrides)' if overrides else ''}: {exc}") from None

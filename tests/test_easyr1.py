@@ -99,7 +99,7 @@ def test_every_key_of_the_example_config_is_mapped_or_ignored_with_its_reason():
 
 
 def test_an_unknown_key_or_override_is_an_error():
-    with pytest.raises(UserError, match="unknown EasyR1 key worker.actor.optim.lr_warmup_ratioo"):
+    with pytest.raises(UserError, match=r"unknown EasyR1 key worker\.actor\.optim\.lr_warmup_ratioo"):
         easyr1_argv([f"config={CONFIG}", "worker.actor.optim.lr_warmup_ratioo=0.1"])
 
 
@@ -132,7 +132,7 @@ def test_warmup_ratio_means_a_ratio_of_the_total_steps():
     assert training.warmup_steps == 0.1 and training.get_warmup_steps(200) == 20
     _, training, _ = parse_args(["--warmup_ratio", "0.03", "--output_dir", "x"])
     assert training.get_warmup_steps(100) == 3
-    with pytest.raises(SystemExit, match="warmup_ratio 1.5"):
+    with pytest.raises(SystemExit, match=r"warmup_ratio 1\.5"):
         parse_args(["--warmup_ratio", "1.5", "--output_dir", "x"])
 
 
@@ -166,7 +166,7 @@ def test_filter_key_names_a_key_of_the_dict_the_reward_returns():
     trainer.args.filter_key = "b/accuracy"
     assert torch.equal(DynamicSamplingMixin._filter_column(trainer, 2).isnan(), torch.tensor([False, True]))
     trainer.args.filter_key = "acuracy"
-    with pytest.raises(ValueError, match="no reward returned it.*math/accuracy"):
+    with pytest.raises(ValueError, match=r"no reward returned it.*math/accuracy"):
         DynamicSamplingMixin._filter_column(trainer, 2)
 
 
@@ -180,22 +180,25 @@ def test_a_math_py_plugin_does_not_shadow_the_stdlib(tmp_path, monkeypatch):
     assert fn([{"response": "<think>a</think> \\boxed{2}", "ground_truth": "2"}])[0]["overall"] == 1.0
 
 
-def test_a_plugin_whose_import_fails_is_one_error_line(tmp_path):
+@pytest.mark.slow  # a subprocess: python -m with a math.py in the working directory
+def test_a_plugin_whose_import_fails_is_one_error_line(tmp_path, tiny_models):
     plugin = tmp_path / "math.py"
     plugin.write_text("from mathruler_not_installed.grader import grade_answer\n")
     with pytest.raises(PluginImportError, match=r"math.py: cannot import mathruler_not_installed \(pip install"):
         load_object(f"{plugin}:compute_score")
     missing = tmp_path / "needs_pylatexenc.py"
-    missing.write_text("raise ModuleNotFoundError(\"No module named 'pylatexenc'\", name='pylatexenc')\n")  # as if absent
+    # as if pylatexenc were not installed
+    missing.write_text("raise ModuleNotFoundError(\"No module named 'pylatexenc'\", name='pylatexenc')\n")
     with pytest.raises(PluginImportError, match=r"cannot import pylatexenc .*vlm-grpo\[easyr1\]"):
         load_object(f"{missing}:fn")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src"), "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, "-m", "vlm_grpo.grpo_jsonl", "--reward_funcs", f"{plugin}:compute_score",
-            "--model_name_or_path", "/nonexistent_model_dir_for_the_test", "--output_dir", str(tmp_path / "o")]  # fmt: skip
+            "--model_name_or_path", str(tiny_models["qwen2_5_vl"]), "--output_dir", str(tmp_path / "o")]  # fmt: skip
     result = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, result.stderr[-2000:]
+    assert "math.py: cannot import mathruler_not_installed (pip install mathruler_not_installed" in errors[0]
 
 
 @pytest.mark.usefixtures("one_torch_thread")

@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 from trl import GRPOTrainer
 
-from vlm_grpo.advantages import reinforce_plus_plus_advantages, rloo_advantages
+from vlm_grpo.advantages import reinforce_plus_plus_advantages, remax_advantages, rloo_advantages
 from vlm_grpo.configs import VLMGRPOConfig
 from vlm_grpo.data import prepare_rows, read_rows, to_datasets
 from vlm_grpo.modules import get_vlm_module
@@ -57,7 +57,13 @@ def test_length_weighting_matters():
     assert not torch.allclose(unequal, equal)
 
 
-@pytest.mark.parametrize("name", ["gae", "remax", "ppo"])
+def test_remax_is_the_reward_minus_the_greedy_completions_reward():
+    rewards = torch.tensor([1.0, 0.0, 0.5, 2.0, NAN, 1.0])
+    baselines = torch.tensor([0.5, 0.5, 0.5, 1.0, 1.0, NAN])  # one greedy reward per group of 3, repeated
+    torch.testing.assert_close(remax_advantages(rewards, baselines), torch.tensor([0.5, -0.5, 0.0, 1.0, 0.0, 0.0]))
+
+
+@pytest.mark.parametrize("name", ["gae", "ppo"])
 def test_estimators_it_cannot_run_are_refused(name):
     with pytest.raises(ValueError, match=f"advantage_estimator {name}"):
         VLMGRPOConfig(output_dir="unused", advantage_estimator=name, report_to="none")
@@ -93,16 +99,9 @@ def make_trainer(model_dir, rows_file, tmp_path, **overrides):
     model = module.load_model(str(model_dir), dtype=torch.float32, attn_implementation="sdpa")
     rows, bad = read_rows([str(rows_file)], task_type="raw")
     dataset, _ = to_datasets(prepare_rows(rows, bad, module, processor), module)
-    args = VLMGRPOConfig(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=2 * G,
-        num_generations=G,
-        max_completion_length=6,
-        report_to="none",
-        seed=3,
-        gradient_checkpointing=False,
-        **overrides,
-    )
+    settings = dict(per_device_train_batch_size=2 * G, num_generations=G, max_completion_length=6, report_to="none",
+                    seed=3, gradient_checkpointing=False)  # fmt: skip
+    args = VLMGRPOConfig(output_dir=str(tmp_path / "out"), **{**settings, **overrides})
     return VLMGRPOTrainer(
         model=model, reward_funcs=[_reward], args=args, vlm_module=module, processing_class=processor,
         train_dataset=dataset,
@@ -110,6 +109,8 @@ def make_trainer(model_dir, rows_file, tmp_path, **overrides):
 
 
 def expected_advantages(name, rewards, batch):
+    if name == "remax":
+        return None  # checked against the recorded greedy pass in its own test
     if name == "rloo":
         return rloo_advantages(rewards, G)
     return reinforce_plus_plus_advantages(rewards, batch["completion_mask"].sum(1))
@@ -134,7 +135,7 @@ def test_the_trainer_hands_the_loss_the_estimators_advantages(name, speed, tiny_
     assert not torch.allclose(batch["advantages"], grpo.reshape(-1), atol=1e-3)
 
 
-@pytest.mark.parametrize("name", ["rloo", "reinforce_plus_plus"])
+@pytest.mark.parametrize("name", ["rloo", "reinforce_plus_plus", "remax"])
 def test_the_speed_path_loss_matches_the_per_row_loss(name, tiny_models, rows_file, tmp_path):
     trainer = make_trainer(tiny_models["qwen2_5_vl"], rows_file, tmp_path, advantage_estimator=name)
     trainer.model.train()
@@ -160,7 +161,7 @@ def test_the_speed_path_loss_matches_the_per_row_loss(name, tiny_models, rows_fi
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["rloo", "reinforce_plus_plus"])
+@pytest.mark.parametrize("name", ["rloo", "reinforce_plus_plus", "remax"])
 def test_two_steps_train_through_the_speed_path(name, tiny_models, rows_file, tmp_path):
     trainer = make_trainer(tiny_models["qwen2_5_vl"], rows_file, tmp_path, advantage_estimator=name, max_steps=2,
                            learning_rate=1e-3, logging_steps=1, save_strategy="no")  # fmt: skip
@@ -169,3 +170,60 @@ def test_two_steps_train_through_the_speed_path(name, tiny_models, rows_file, tm
     assert trainer.state.global_step == 2
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True))
     assert all(math.isfinite(e["loss"]) for e in trainer.state.log_history if "loss" in e)
+
+
+class Recorder:
+    """A reward that records each call's completions (texts) and scores them by their text."""
+
+    def __init__(self):
+        self.calls: list[list[str]] = []
+        self.__name__ = "recorded"
+
+    def __call__(self, completions, **kwargs):
+        texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+        self.calls.append(texts)
+        return _reward(texts)
+
+
+@pytest.mark.parametrize("speed", [True, False], ids=["speed_path", "trl_path"])
+def test_remax_baseline_is_the_reward_of_each_prompts_greedy_completion(speed, tiny_models, rows_file, tmp_path):
+    trainer = make_trainer(
+        tiny_models["qwen2_5_vl"], rows_file, tmp_path, advantage_estimator="remax", share_prompt=speed,
+        share_prefill=speed, temperature=1.5,
+    )  # fmt: skip
+    recorder = Recorder()
+    trainer.reward_funcs = [recorder]
+    trainer.model.train()
+    batch_inputs = next(iter(trainer.get_train_dataloader()))
+    batch = trainer._generate_and_score_completions(batch_inputs)
+    greedy, sampled = recorder.calls
+    assert len(greedy) == 2 and len(sampled) == 2 * G  # one greedy completion per prompt (group)
+    assert trainer.generation_config.do_sample  # sampling is back on for the samples
+    assert len(set(sampled)) > 2, "the samples did not vary: the test shows nothing"
+    baselines = torch.tensor(_reward(greedy)).repeat_interleave(G)
+    torch.testing.assert_close(batch["advantages"], torch.tensor(_reward(sampled)) - baselines)
+    # greedy: the same completions again; and the greedy pass left no trace in the logged metrics
+    assert (
+        trainer._metrics["train"]["completions/mean_length"]
+        and len(trainer._metrics["train"]["completions/mean_length"]) == 1
+    )
+    recorder.calls.clear()
+    trainer._remax_baselines(batch_inputs)
+    assert recorder.calls == [greedy]
+
+
+def test_remax_needs_whole_groups_per_process():
+    """Two processes with 2 rows each and groups of 4: a group would be split (TRL allows it: 4 rows in all)."""
+    from types import SimpleNamespace
+
+    from vlm_grpo.advantages import AdvantageEstimatorMixin
+
+    args = SimpleNamespace(advantage_estimator="remax", use_vllm=False, per_device_train_batch_size=2,
+                           steps_per_generation=1)  # fmt: skip
+    with pytest.raises(ValueError, match="multiple of num_generations"):
+        AdvantageEstimatorMixin._check_advantage_estimator(SimpleNamespace(args=args, num_generations=4))
+    args.per_device_train_batch_size = 4
+    AdvantageEstimatorMixin._check_advantage_estimator(SimpleNamespace(args=args, num_generations=4))
+    args.use_vllm = True
+    with pytest.raises(ValueError, match="not vLLM"):
+        AdvantageEstimatorMixin._check_advantage_estimator(SimpleNamespace(args=args, num_generations=4))

@@ -119,10 +119,15 @@ def test_the_reinforce_script_is_refused_for_its_kl_in_the_reward_unless_accepte
     assert flags["advantage_estimator"] == "reinforce_plus_plus" and flags["beta"] == 0.0
 
 
-@pytest.mark.parametrize("name", ["gae", "remax"])
-def test_estimators_it_cannot_run_are_errors_even_when_differences_are_accepted(name):
-    with pytest.raises(UserError, match=f"algorithm.adv_estimator={name}"):
-        easyr1_argv([f"config={CONFIG}", f"algorithm.adv_estimator={name}", "--accept_easyr1_differences"])
+def test_gae_is_an_error_even_when_differences_are_accepted():
+    with pytest.raises(UserError, match=r"algorithm\.adv_estimator=gae: GAE needs a value model \(a critic\)"):
+        easyr1_argv([f"config={CONFIG}", "algorithm.adv_estimator=gae", "--accept_easyr1_differences"])
+
+
+@pytest.mark.parametrize("name", ["rloo", "remax", "reinforce_plus_plus"])
+def test_other_estimators_map_to_ours_not_to_grpo(name):
+    flags = yaml.safe_load(Path(easyr1_argv([f"config={CONFIG}", f"algorithm.adv_estimator={name}"])[1]).read_text())
+    assert flags["advantage_estimator"] == name
 
 
 def test_warmup_ratio_means_a_ratio_of_the_total_steps():

@@ -87,7 +87,7 @@ DEFAULTS = {
 #: values kept as one leaf (mappings of the user's own), not split into dotted keys
 LEAF_DICTS = ("worker.reward.reward_function_kwargs", "worker.actor.model.override_config")
 LOGGERS = {"wandb": "wandb", "tensorboard": "tensorboard", "swanlab": "swanlab", "mlflow": "mlflow"}
-ESTIMATORS = {"grpo": "grpo", "rloo": "rloo", "reinforce_plus_plus": "reinforce_plus_plus"}
+ESTIMATORS = {name: name for name in ("grpo", "rloo", "reinforce_plus_plus", "remax")}
 SCHEDULERS = {"constant": "constant_with_warmup", "cosine": "cosine", "linear": "linear"}
 
 

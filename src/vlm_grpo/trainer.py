@@ -147,6 +147,7 @@ class VLMGRPOTrainer(
         )
         self._warn_if_groups_split()
         self._check_dynamic_sampling()
+        self._check_advantage_estimator()
         sharded = self.is_fsdp_enabled or is_zero3(self.accelerator)
         # compile_layers as this run resolves it (None: on GPU without ZeRO-3 / FSDP); the args stay as given.
         self.compile_layers = resolve_compile_layers(self.args.compile_layers, self.accelerator.device.type, sharded)

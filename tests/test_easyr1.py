@@ -216,6 +216,10 @@ def test_the_example_config_with_the_grpo_script_line_trains(tiny_models, easyr1
     assert trainer.eval_dataset is None  # data.val_files not loaded with --eval_strategy no
     logged = trainer.state.log_history[0]
     assert {"rewards/compute_score/accuracy", "rewards/compute_score/format", "reward"} <= set(logged)
+    # EasyR1's names for the same numbers
+    assert {"reward/overall", "reward/accuracy", "reward/format"} <= set(logged)
+    assert logged["reward/accuracy"] == logged["rewards/compute_score/accuracy"]
+    assert logged["reward/overall"] == pytest.approx(logged["rewards/compute_score/mean"])
 
 
 @pytest.mark.usefixtures("one_torch_thread")
@@ -225,3 +229,17 @@ def test_the_reinforce_script_line_trains_with_reinforce_plus_plus(tiny_models, 
                    str(tmp_path / "out"), "--report_to", "none", "--eval_strategy", "no", "--save_strategy", "no",
                    "--dataloader_num_workers", "0"])  # fmt: skip
     assert trainer.state.global_step == 2 and trainer.args.advantage_estimator == "reinforce_plus_plus"
+
+
+def test_easyr1_metric_names_only_when_the_run_has_one_reward():
+    from vlm_grpo.rewards import build_reward_funcs
+
+    spec = f"{FIXTURES / 'math.py'}:compute_score"
+    (single,) = build_reward_funcs([spec])
+    assert single.easyr1_metric_names
+    logged: dict[str, float] = {}
+    single(["<think>a</think> \\boxed{2}", "x"], solution=["2", "2"], log_metric=logged.__setitem__)
+    assert logged["reward/overall"] == pytest.approx(0.5) and logged["reward/format"] == 0.5
+    assert logged["reward/accuracy"] == logged["rewards/compute_score/accuracy"] == 0.5
+    two = build_reward_funcs([spec, "format"])  # two rewards' "reward/accuracy" would be ambiguous
+    assert not any(f.easyr1_metric_names for f in two)

@@ -225,6 +225,9 @@ class SafeReward:
         self._metrics: dict[str, list[float]] = {}
         self._last_error: BaseException | None = None
         self._raw_outputs: list[Any] = []
+        #: also log EasyR1's names, ``reward/<key>`` for every key of the returned dicts (``reward/overall``, ...);
+        #: set by ``build_reward_funcs`` when the run has this one reward, as EasyR1 runs do
+        self.easyr1_metric_names = False
         #: per sample of the latest call, the numeric keys of the dict the reward returned ({} for a plain number
         #: or a failed sample): what dynamic sampling's filter_key can name besides the rewards themselves
         self.last_outputs: list[dict[str, float]] = []
@@ -347,6 +350,9 @@ class SafeReward:
             for key, vals in sorted(self._metrics.items()):
                 if vals:
                     log_metric(f"rewards/{self.__name__}/{key}", sum(vals) / len(vals))
+            if self.easyr1_metric_names:
+                for key, value in easyr1_reward_metrics(self.last_outputs).items():
+                    log_metric(key, value)
         self._metrics = {}
         return clean
 
@@ -360,3 +366,12 @@ def _numeric_items(out: Any) -> dict[str, float]:
         for k, v in out.items()
         if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
     }
+
+
+def easyr1_reward_metrics(outputs: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """EasyR1's reward metrics: ``reward/<key>``, the mean of each key over the samples whose dict has it."""
+    sums: dict[str, list[float]] = {}
+    for out in outputs:
+        for key, value in out.items():
+            sums.setdefault(f"reward/{key}", []).append(value)
+    return {key: sum(values) / len(values) for key, values in sums.items()}

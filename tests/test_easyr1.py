@@ -243,3 +243,12 @@ def test_easyr1_metric_names_only_when_the_run_has_one_reward():
     assert logged["reward/accuracy"] == logged["rewards/compute_score/accuracy"] == 0.5
     two = build_reward_funcs([spec, "format"])  # two rewards' "reward/accuracy" would be ambiguous
     assert not any(f.easyr1_metric_names for f in two)
+
+
+def test_the_guide_lists_every_key_the_converter_knows():
+    from vlm_grpo.convert_config import DEFAULTS, DIRECT
+    from vlm_grpo.easyr1_keys import IGNORED, REFUSED_UNLESS
+
+    guide = (Path(__file__).parents[1] / "docs" / "guides" / "easyr1.md").read_text()
+    missing = [key for key in [*DIRECT, *DEFAULTS, *IGNORED, *REFUSED_UNLESS] if f"`{key}`" not in guide]
+    assert missing == []

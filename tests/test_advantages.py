@@ -227,3 +227,10 @@ def test_remax_needs_whole_groups_per_process():
     args.use_vllm = True
     with pytest.raises(ValueError, match="not vLLM"):
         AdvantageEstimatorMixin._check_advantage_estimator(SimpleNamespace(args=args, num_generations=4))
+
+
+def test_the_private_trl_names_it_overrides_still_exist():
+    from vlm_grpo.advantages import PRIVATE_NAMES
+    from vlm_grpo.fastpath.contract import check
+
+    assert [problem for entry in PRIVATE_NAMES if (problem := check(entry))] == []

@@ -252,3 +252,23 @@ def test_the_guide_lists_every_key_the_converter_knows():
     guide = (Path(__file__).parents[1] / "docs" / "guides" / "easyr1.md").read_text()
     missing = [key for key in [*DIRECT, *DEFAULTS, *IGNORED, *REFUSED_UNLESS] if f"`{key}`" not in guide]
     assert missing == []
+
+
+def test_val_files_are_not_read_with_eval_strategy_no(tmp_path, easyr1_data):
+    from vlm_grpo.grpo_jsonl import parse_args
+    from vlm_grpo.recipe import preflight
+
+    line = [f"config={CONFIG}", f"data.train_files={easyr1_data}", "data.val_files=missing.parquet",
+            "--output_dir", str(tmp_path / "o")]  # fmt: skip
+    script, _, _ = parse_args(line)
+    assert script.eval_file_paths == "missing.parquet"  # control: the config names it
+    script, training, _ = parse_args([*line, "--eval_strategy", "no"])
+    preflight(script, training)  # a missing evaluation file would be an error here if it were read
+    assert script.eval_file_paths is None and not training.eval_on_start
+
+
+def test_sft_reads_warmup_ratio_too():
+    from vlm_grpo.sft_jsonl import parse_args
+
+    _, training, _ = parse_args(["--warmup_ratio", "0.03", "--output_dir", "x", "--model_name_or_path", "m"])
+    assert training.warmup_steps == 0.03 and training.get_warmup_steps(1000) == 30

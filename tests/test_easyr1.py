@@ -103,6 +103,21 @@ def test_an_unknown_key_or_override_is_an_error():
         easyr1_argv([f"config={CONFIG}", "worker.actor.optim.lr_warmup_ratioo=0.1"])
 
 
+def test_a_null_typo_is_an_error_too(tmp_path):
+    path = tmp_path / "e.yaml"
+    path.write_text(CONFIG.read_text() + "  max_stepz: null\n")  # under trainer:, the file's last section
+    with pytest.raises(UserError, match=r"unknown EasyR1 key trainer\.max_stepz"):
+        easyr1_argv([f"config={path}"])
+
+
+def test_easyr1_overrides_with_a_vlm_grpo_config_are_an_error(tmp_path):
+    ours = tmp_path / "ours.yaml"
+    ours.write_text("learning_rate: 1.0e-6\n")
+    with pytest.raises(UserError, match="apply to an EasyR1 config"):
+        easyr1_argv(["--config", str(ours), "worker.rollout.n=8"])
+    assert easyr1_argv(["--config", str(ours), "--seed", "1"]) == ["--config", str(ours), "--seed", "1"]
+
+
 def test_overrides_win_and_values_read_as_omegaconf_does():
     argv = easyr1_argv([f"config={CONFIG}", "worker.rollout.n=8", "worker.actor.optim.lr=1e-5",
                         "algorithm.online_filtering=True", "--seed", "3"])  # fmt: skip

@@ -127,7 +127,8 @@ def convert(config: dict, accept_differences: bool = False) -> tuple[dict[str, A
     ``accept_differences`` (then each is a note); GAE and ReMax always raise."""
     if not is_easyr1_config(config):
         raise ConfigError(f"not an EasyR1 config: expected top-level sections among {', '.join(EASYR1_SECTIONS)}")
-    flat = {**DEFAULTS, **{k: v for k, v in _flatten(config).items() if v is not None}}
+    given = _flatten(config)
+    flat = {**DEFAULTS, **{k: v for k, v in given.items() if v is not None}}  # null: EasyR1's "not set"
     out: dict[str, Any] = {}
     notes: list[str] = []
     refused: list[str] = []
@@ -158,8 +159,10 @@ def convert(config: dict, accept_differences: bool = False) -> tuple[dict[str, A
     if flat.get("worker.actor.model.tokenizer_path") == flat.get("worker.actor.model.model_path"):
         take("worker.actor.model.tokenizer_path")  # the model's own tokenizer, named twice
 
-    for key, value in flat.items():
+    for key, value in given.items():
         if key in used or key in DEFAULTS:
+            continue
+        if value is None and (key in REFUSED_UNLESS or ignore_reason(key)):
             continue
         if key in REFUSED_UNLESS:
             fine, why = REFUSED_UNLESS[key]

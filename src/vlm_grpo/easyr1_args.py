@@ -51,6 +51,11 @@ def _read(path: str) -> Any:
         raise UserError(f"config={path}: not valid YAML ({exc})") from None
 
 
+def _is_easyr1_file(path: str) -> bool:
+    """``--config PATH`` names an EasyR1 YAML (any other file is TrlParser's to read, or to report)."""
+    return Path(path).is_file() and is_easyr1_config(_read(path))
+
+
 def _take_accept_flag(argv: list[str]) -> tuple[list[str], bool]:
     out, accept = [], False
     i = 0
@@ -89,19 +94,11 @@ def easyr1_argv(argv: Sequence[str]) -> list[str]:
         arg = argv[i]
         if arg.startswith("config=") and path is None:
             path = arg.partition("=")[2]
-        elif arg in ("--config", "-c") and i + 1 < len(argv) and path is None:
-            candidate = argv[i + 1]
-            if is_easyr1_config(_read(candidate)) if Path(candidate).is_file() else False:
-                path = candidate
-                i += 1
-            else:
-                rest.append(arg)
-        elif arg.startswith("--config=") and path is None and Path(arg.partition("=")[2]).is_file():
-            candidate = arg.partition("=")[2]
-            if is_easyr1_config(_read(candidate)):
-                path = candidate
-            else:
-                rest.append(arg)
+        elif arg == "--config" and i + 1 < len(argv) and path is None and _is_easyr1_file(argv[i + 1]):
+            path = argv[i + 1]
+            i += 1
+        elif arg.startswith("--config=") and path is None and _is_easyr1_file(arg.partition("=")[2]):
+            path = arg.partition("=")[2]
         elif _is_override(arg):
             overrides.append(arg)
         else:
@@ -111,6 +108,11 @@ def easyr1_argv(argv: Sequence[str]) -> list[str]:
         if accept:
             raise UserError(f"{ACCEPT_FLAG}: only with an EasyR1 config (config=x.yaml or section.key=value)")
         return argv
+    if path is None and any(a == "--config" or a.startswith("--config=") for a in rest):
+        raise UserError(
+            f"EasyR1 overrides ({overrides[0]}, ...) apply to an EasyR1 config: pass it as config=x.yaml, or write "
+            "the overrides as --flags of the vlm-grpo config"
+        )
     config = _read(path) if path else {}
     if path and not is_easyr1_config(config):
         raise UserError(f"config={path}: not an EasyR1 config (top-level sections {', '.join(EASYR1_SECTIONS)})")

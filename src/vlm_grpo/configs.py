@@ -388,8 +388,9 @@ class VLMGRPOConfig(GRPOConfig):
     filter_key: str | None = field(
         default=None,
         metadata={
-            "help": "dynamic_sampling: filter on the group mean of this reward (a reward name, or 'reward' / "
-            "'overall' for the weighted sum) instead of on zero spread (EasyR1 algorithm.filter_key)."
+            "help": "dynamic_sampling: filter on the group mean of this value instead of on zero spread (EasyR1 "
+            "algorithm.filter_key): a reward name, 'reward' / 'overall' for the weighted sum, or a key of the dicts a "
+            "batch reward returns ('accuracy' of {overall, accuracy, format}; 'name/key' when two rewards return it)."
         },
     )
     filter_low: float = field(

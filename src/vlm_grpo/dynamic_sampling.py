@@ -2,7 +2,8 @@
 
 A group whose G completions all earn the same reward (all right or all wrong) has zero advantage and
 teaches nothing, yet it fills a slot of the batch. With ``dynamic_sampling`` the trainer drops such groups
-(or, with ``filter_key``, groups whose mean of that reward lies outside ``(filter_low, filter_high)``), then
+(or, with ``filter_key``, groups whose mean of that reward, or of that key of the dicts a batch reward returns,
+lies outside ``(filter_low, filter_high)``), then
 generates groups for further prompts until every rank's generation batch is full again, at most
 ``max_sampling_rounds`` generation rounds per batch. When the rounds run out, the remaining slots are filled
 with dropped groups (zero advantage: they add no policy-gradient signal), and a warning says so.
@@ -10,8 +11,9 @@ with dropped groups (zero advantage: they add no policy-gradient signal), and a 
 It wraps TRL's ``_generate_and_score_completions``: each round is TRL's own generation, scoring and
 advantage computation; the mixin only keeps whole groups and concatenates rounds (re-padding prompts left and
 completions right). Group advantages are per group, so keeping a subset of groups leaves them unchanged
-(with ``scale_rewards="batch"`` the std is that of the round). ``num_items_in_batch`` is recomputed over the
-kept rows, so the loss is the one the kept groups alone give.
+(with ``scale_rewards="batch"`` or ``advantage_estimator="reinforce_plus_plus"`` the batch statistics are those
+of the round). ``num_items_in_batch`` is recomputed over the kept rows, so the loss is the one the kept groups
+alone give.
 
 Further prompts come from a second seeded pass over the training set, split across ranks as TRL's sampler
 splits the first; its position is saved with each checkpoint (``dynamic_sampling.json``) and restored on

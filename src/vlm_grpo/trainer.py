@@ -4,8 +4,9 @@ TRL already trains VLMs; what it lacks is knowing *which* family it trains. The 
 model and processor with the family's image limits, keeps LoRA off the vision tower, freezes
 the tower on request, and lets rewards be given by registered name. On top of TRL's loop the
 trainer computes each GRPO group once (``share_prompt``, ``share_prefill``; see
-:mod:`vlm_grpo.fastpath.sharing`), reloads resumed checkpoints correctly, and survives batches that mix
-text-only and image prompts. Losses, logging, DeepSpeed and the rest are TRL's, unmodified.
+:mod:`vlm_grpo.fastpath.sharing`), reloads resumed checkpoints correctly, survives batches that mix
+text-only and image prompts, and offers RLOO / REINFORCE++ / ReMax advantages (:mod:`vlm_grpo.advantages`).
+Losses, logging, DeepSpeed and the rest are TRL's, unmodified.
 """
 
 from __future__ import annotations

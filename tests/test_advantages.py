@@ -234,3 +234,48 @@ def test_the_private_trl_names_it_overrides_still_exist():
     from vlm_grpo.fastpath.contract import check
 
     assert [problem for entry in PRIVATE_NAMES if (problem := check(entry))] == []
+
+
+def _rollouts(out, step):
+    records = []
+    for name in ("rollouts.jsonl", "rollouts.rank1.jsonl"):
+        records += [json.loads(line) for line in (out / name).read_text().splitlines()]
+    return [r for r in records if r["step"] == step]
+
+
+@pytest.mark.slow  # two processes under torchrun
+def test_two_gloo_ranks_whiten_reinforce_plus_plus_over_both_and_share_remax_baselines(tiny_models, tmp_path):
+    from e2e_utils import base_args, make_dataset
+    from test_distributed import torchrun
+
+    data, plugin = make_dataset(tmp_path / "data", kinds=("single",))
+    for name in ("reinforce_plus_plus", "remax"):
+        out = tmp_path / name
+        argv = base_args(tiny_models["qwen2_5_vl"], data, plugin, out)
+        i = argv.index("--reward_funcs")
+        argv[i + 1 : i + 3] = [f"{plugin}:text_shape"]
+        torchrun([*argv, "--advantage_estimator", name, "--rollout_log", str(out / "rollouts.jsonl")])
+        rank0, rank1 = torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")
+        assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)  # the ranks trained together
+        for step in (1, 2):
+            records = _rollouts(out, step)
+            assert {r["rank"] for r in records} == {0, 1} and len(records) == 8
+            if name == "reinforce_plus_plus":
+                # one affine map reward -> advantage for the rows of both ranks: whitened together
+                lo, hi = min(records, key=lambda r: r["reward"]), max(records, key=lambda r: r["reward"])
+                assert hi["reward"] > lo["reward"], "the rewards do not vary: the test shows nothing"
+                scale = (hi["advantage"] - lo["advantage"]) / (hi["reward"] - lo["reward"])
+                assert scale > 0
+                for r in records:
+                    assert r["advantage"] == pytest.approx(
+                        lo["advantage"] + scale * (r["reward"] - lo["reward"]), abs=1e-5
+                    )
+                # negative control: not whitened per rank (each rank's own advantages do not sum to 0)
+                assert any(abs(sum(r["advantage"] for r in records if r["rank"] == k)) > 1e-3 for k in (0, 1))
+            else:  # one greedy baseline per group: advantage differences are reward differences
+                for rank in (0, 1):
+                    group = [r for r in records if r["rank"] == rank and r["group"] == 0]
+                    for r in group:
+                        assert r["advantage"] - group[0]["advantage"] == pytest.approx(
+                            r["reward"] - group[0]["reward"], abs=1e-5
+                        )

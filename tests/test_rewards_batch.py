@@ -207,4 +207,8 @@ def test_accuracy_format_metrics_and_weight():
         "rewards/accuracy_format/failures": 1.0,
         "rewards/accuracy_format/accuracy": 1.0,
         "rewards/accuracy_format/format": 0.5,
+        # EasyR1's names for a run with one reward (over the scored samples)
+        "reward/overall": 0.75,
+        "reward/accuracy": 1.0,
+        "reward/format": 0.5,
     }

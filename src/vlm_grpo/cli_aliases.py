@@ -2,7 +2,9 @@
 
 The Lewis-game seed passes ``--lo_rank / --lo_alpha / --lo_dropout``; they mean TRL's ``--lora_r /
 --lora_alpha / --lora_dropout`` exactly. VLM-R1's older run scripts (``grpo_rec.py``) and open-r1's pass
-``--torch_dtype bfloat16``: TRL's ``ModelConfig`` field was renamed ``dtype``, with the same meaning. So all are
+``--torch_dtype bfloat16``: TRL's ``ModelConfig`` field was renamed ``dtype``, with the same meaning. RynnBrain's
+SFT and older scripts pass ``--warmup_ratio R``: transformers 5 reads ``--warmup_steps R`` with R below 1 as that
+ratio of the total steps (a ratio of 1 or more is refused). So all are
 plain synonyms (each rewrite is logged). Giving both spellings of one flag is an error rather than a silent pick.
 
 RynnBrain's SFT script (RynnScale's ``easy_vlm.api.train``) passes ``--model_path`` (the checkpoint:
@@ -29,6 +31,8 @@ FLAG_ALIASES: dict[str, str] = {
     "--model_path": "--model_name_or_path",
     "--data_mixture": "--data_file_paths",
     "--model_max_length": "--max_length",
+    # transformers 5 folded warmup_ratio into warmup_steps: a value below 1 is a ratio of the total steps
+    "--warmup_ratio": "--warmup_steps",
 }
 
 # Boolean flags of other projects whose one value we honour by doing nothing (the flag is then removed, logged);
@@ -87,6 +91,16 @@ def expand_flag_aliases(argv: Sequence[str]) -> list[str]:
             logger.info("%s is read as %s", flag, target)
             arg = target + eq + value
         out.append(arg)
+    for i, arg in enumerate(argv):  # a ratio of 1 or more would be read as a number of steps
+        flag, eq, value = arg.partition("=")
+        if flag == "--warmup_ratio":
+            value = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+            try:
+                ratio = float(value)
+            except ValueError:
+                continue  # the parser names the bad value
+            if not 0.0 <= ratio < 1.0:
+                raise SystemExit(f"error: --warmup_ratio {value}: a fraction of the training steps in [0, 1)")
     return out
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from trl import GRPOConfig, ModelConfig, ScriptArguments, TrlParser
 
+from vlm_grpo.advantages import check_estimator
 from vlm_grpo.cli_aliases import expand_flag_aliases, explain_unknown_flags
 from vlm_grpo.cli_errors import UserError
 
@@ -389,6 +390,17 @@ class VLMGRPOConfig(GRPOConfig):
         },
     )
 
+    advantage_estimator: str = field(
+        default="grpo",
+        metadata={
+            "help": "How advantages are computed from the rewards (EasyR1 algorithm.adv_estimator). 'grpo': TRL's "
+            "group-normalised advantages (see scale_rewards). 'rloo': reward minus the mean of the other "
+            "completions of its group (leave-one-out), not scaled. 'reinforce_plus_plus': no group baseline; "
+            "rewards whitened over all completion tokens of the generation batch. 'gae' (needs a critic) and "
+            "'remax' are refused with an error.",
+        },
+    )
+
     dynamic_sampling: bool = field(
         default=False,
         metadata={
@@ -408,8 +420,9 @@ class VLMGRPOConfig(GRPOConfig):
     filter_key: str | None = field(
         default=None,
         metadata={
-            "help": "dynamic_sampling: filter on the group mean of this reward (a reward name, or 'reward' / "
-            "'overall' for the weighted sum) instead of on zero spread (EasyR1 algorithm.filter_key)."
+            "help": "dynamic_sampling: filter on the group mean of this value instead of on zero spread (EasyR1 "
+            "algorithm.filter_key): a reward name, 'reward' / 'overall' for the weighted sum, or a key of the dicts a "
+            "batch reward returns ('accuracy' of {overall, accuracy, format}; 'name/key' when two rewards return it)."
         },
     )
     filter_low: float = field(
@@ -433,6 +446,7 @@ class VLMGRPOConfig(GRPOConfig):
     )
 
     def __post_init__(self) -> None:
+        check_estimator(self.advantage_estimator)
         apply_device_defaults(self)
         if isinstance(self.report_to, str) and "," in self.report_to:  # the command line takes one string
             self.report_to = [name.strip() for name in self.report_to.split(",") if name.strip()]

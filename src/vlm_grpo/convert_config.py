@@ -15,12 +15,13 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from vlm_grpo.easyr1_keys import REFUSED_UNLESS, ignore_reason
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +30,6 @@ EASYR1_SECTIONS = ("data", "algorithm", "worker", "trainer")
 #: EasyR1 dotted key -> vlm-grpo flag, for the one-to-one fields
 DIRECT = {
     "data.train_files": "data_file_paths",
-    "data.val_files": "eval_file_paths",
     "data.prompt_key": "prompt_key",
     "data.answer_key": "answer_key",
     "data.image_key": "image_key",
@@ -50,26 +50,45 @@ DIRECT = {
     "worker.actor.max_grad_norm": "max_grad_norm",
     "worker.actor.clip_ratio_low": "epsilon",
     "worker.actor.clip_ratio_high": "epsilon_high",
+    "worker.actor.ppo_epochs": "num_iterations",
     "worker.actor.model.model_path": "model_name_or_path",
     "worker.actor.model.enable_gradient_checkpointing": "gradient_checkpointing",
     "worker.actor.model.trust_remote_code": "trust_remote_code",
     "worker.actor.model.freeze_vision_tower": "freeze_vision_modules",
     "worker.actor.optim.lr": "learning_rate",
     "worker.actor.optim.weight_decay": "weight_decay",
-    "worker.actor.optim.lr_warmup_ratio": "warmup_ratio",
     "worker.rollout.n": "num_generations",
     "worker.rollout.temperature": "temperature",
     "worker.rollout.top_p": "top_p",
-    "worker.rollout.top_k": "top_k",
+    "worker.rollout.val_override_config.n": "num_generations_eval",
     "trainer.total_epochs": "num_train_epochs",
     "trainer.max_steps": "max_steps",
     "trainer.experiment_name": "run_name",
     "trainer.save_limit": "save_total_limit",
-    "trainer.val_before_train": "eval_on_start",
     "trainer.load_checkpoint_path": "resume_from_checkpoint",
     "trainer.save_checkpoint_path": "output_dir",
 }
+#: EasyR1's defaults where they decide what is trained (a key left out of the YAML means these)
+DEFAULTS = {
+    "algorithm.adv_estimator": "grpo",
+    "algorithm.gamma": 1.0,
+    "algorithm.disable_kl": False,
+    "algorithm.use_kl_loss": False,
+    "algorithm.kl_penalty": "kl",
+    "algorithm.kl_coef": 1e-3,
+    "algorithm.filter_key": "overall",
+    "worker.actor.clip_ratio_low": 0.2,
+    "worker.actor.clip_ratio_high": 0.3,
+    "worker.actor.loss_avg_mode": "token",
+    "worker.actor.loss_type": "default",
+    "worker.actor.optim.lr_scheduler_type": "constant",
+    "worker.rollout.n": 1,
+}
+#: values kept as one leaf (mappings of the user's own), not split into dotted keys
+LEAF_DICTS = ("worker.reward.reward_function_kwargs", "worker.actor.model.override_config")
 LOGGERS = {"wandb": "wandb", "tensorboard": "tensorboard", "swanlab": "swanlab", "mlflow": "mlflow"}
+ESTIMATORS = {name: name for name in ("grpo", "rloo", "reinforce_plus_plus", "remax")}
+SCHEDULERS = {"constant": "constant_with_warmup", "cosine": "cosine", "linear": "linear"}
 
 
 class ConfigError(ValueError):
@@ -90,7 +109,7 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in tree.items():
         dotted = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
+        if isinstance(value, dict) and value and dotted not in LEAF_DICTS:
             flat.update(_flatten(value, dotted + "."))
         else:
             flat[dotted] = value
@@ -101,13 +120,18 @@ def _paths(value: Any) -> str:
     return ":".join(value) if isinstance(value, list) else str(value)
 
 
-def convert(config: dict) -> tuple[dict[str, Any], list[str]]:
-    """(vlm-grpo flags, notes on what was ignored or changed) for an EasyR1 config."""
+def convert(config: dict, accept_differences: bool = False) -> tuple[dict[str, Any], list[str]]:
+    """(vlm-grpo flags, notes on what was ignored or changed) for an EasyR1 config.
+
+    A setting that would train differently here raises :class:`ConfigError` naming every such key, unless
+    ``accept_differences`` (then each is a note); GAE and ReMax always raise."""
     if not is_easyr1_config(config):
         raise ConfigError(f"not an EasyR1 config: expected top-level sections among {', '.join(EASYR1_SECTIONS)}")
-    flat = _flatten(config)
+    given = _flatten(config)
+    flat = {**DEFAULTS, **{k: v for k, v in given.items() if v is not None}}  # null: EasyR1's "not set"
     out: dict[str, Any] = {}
     notes: list[str] = []
+    refused: list[str] = []
     used: set[str] = set()
 
     def take(key: str, default: Any = None) -> Any:
@@ -117,10 +141,53 @@ def convert(config: dict) -> tuple[dict[str, Any], list[str]]:
     for key, flag in DIRECT.items():
         value = take(key)
         if value is not None:
-            out[flag] = _paths(value) if flag in ("data_file_paths", "eval_file_paths") else value
+            out[flag] = _paths(value) if flag == "data_file_paths" else value
+    if take("worker.rollout.top_k") not in (None, -1, 0):
+        out["top_k"] = int(flat["worker.rollout.top_k"])
+    _convert_batches(out, notes, take)
+    _convert_algorithm(out, refused, take)
+    _convert_optimizer(out, refused, take)
+    _convert_lora(out, refused, take)
+    _convert_trainer(out, notes, take)
 
-    # batch sizes: prompts per rollout / per optimizer step (EasyR1) -> rows per device and micro-steps (TRL)
-    n = int(out.get("num_generations", take("worker.rollout.n") or 8))
+    reward, reward_kwargs = take("worker.reward.reward_function"), take("worker.reward.reward_function_kwargs")
+    if reward:
+        spec = reward if ":" in str(reward) else f"{reward}:main"  # EasyR1's default function name
+        out["reward_funcs"] = [spec]
+        if reward_kwargs:
+            out["reward_kwargs"] = {spec: dict(reward_kwargs)}
+    if flat.get("worker.actor.model.tokenizer_path") == flat.get("worker.actor.model.model_path"):
+        take("worker.actor.model.tokenizer_path")  # the model's own tokenizer, named twice
+
+    for key, value in given.items():
+        if key in used or key in DEFAULTS:
+            continue
+        if value is None and (key in REFUSED_UNLESS or ignore_reason(key)):
+            continue
+        if key in REFUSED_UNLESS:
+            fine, why = REFUSED_UNLESS[key]
+            if not fine(value):
+                refused.append(f"{key}={value!r}: {why}")
+                continue
+            notes.append(f"ignored: {key}={value!r} (at this value it changes nothing here)")
+            continue
+        reason = ignore_reason(key)
+        if reason is None:
+            raise ConfigError(f"unknown EasyR1 key {key}={value!r}: EasyR1 has no such key (a typo?)")
+        notes.append(f"ignored: {key}={value!r} ({reason})")
+    if refused and not accept_differences:
+        raise ConfigError(
+            "these settings would train differently here: "
+            + "; ".join(refused)
+            + ". Change them, or pass --accept_easyr1_differences to train without them"
+        )
+    notes += [f"accepted difference: {item}" for item in refused]
+    return out, notes
+
+
+def _convert_batches(out: dict[str, Any], notes: list[str], take: Any) -> None:
+    """Prompts per rollout / per optimizer step (EasyR1) -> rows per device and micro-steps (TRL)."""
+    n = int(out.get("num_generations", 1))
     world = int(take("trainer.nnodes") or 1) * int(take("trainer.n_gpus_per_node") or 1)
     rollout, update = take("data.rollout_batch_size"), take("worker.actor.global_batch_size")
     micro = take("worker.actor.micro_batch_size_per_device_for_update")
@@ -140,44 +207,90 @@ def convert(config: dict) -> tuple[dict[str, Any], list[str]]:
             f"{out['gradient_accumulation_steps']}, steps_per_generation {out['steps_per_generation']} "
             f"(run it with torchrun --nproc_per_node {take('trainer.n_gpus_per_node') or 1})"
         )
-
     out["per_device_eval_batch_size"] = n  # TRL evaluates whole groups: one prompt's n samples per device
-    # KL: EasyR1 adds it as a loss term (use_kl_loss) with kl_coef, k3 ("low_var_kl") as TRL does
-    disable_kl, use_kl_loss, kl_coef = (
-        take("algorithm.disable_kl"),
-        take("algorithm.use_kl_loss"),
-        take("algorithm.kl_coef"),
-    )
-    penalty = take("algorithm.kl_penalty")
-    out["beta"] = 0.0 if disable_kl or use_kl_loss is False else float(kl_coef or 0.0)
-    if penalty not in (None, "low_var_kl"):
-        notes.append(f"algorithm.kl_penalty={penalty}: TRL's KL is k3 (low_var_kl); used that")
-    estimator = take("algorithm.adv_estimator")
-    if estimator not in (None, "grpo"):
-        notes.append(f"algorithm.adv_estimator={estimator}: only GRPO advantages here; used grpo")
-    avg = take("worker.actor.loss_avg_mode")
-    if avg is not None:
-        out["loss_type"] = {"token": "dapo", "seq": "grpo"}.get(avg, "dapo")
-    tries = take("trainer.max_try_make_batch")
-    if tries is not None:
-        if tries > 0:
-            out["max_sampling_rounds"] = int(tries)
-        else:
-            notes.append("trainer.max_try_make_batch<=0 (unlimited): kept max_sampling_rounds' default")
     if take("data.filter_overlong_prompts"):
         out["skip_bad_rows"] = True
         notes.append(
             "data.filter_overlong_prompts -> skip_bad_rows: every bad row is skipped and counted, not only long ones"
         )
 
-    reward, reward_kwargs = take("worker.reward.reward_function"), take("worker.reward.reward_function_kwargs")
-    if reward:
-        spec = reward if ":" in str(reward) else f"{reward}:main"  # EasyR1's default function name
-        out["reward_funcs"] = [spec]
-        if reward_kwargs:
-            out["reward_kwargs"] = {spec: reward_kwargs}
-    take("worker.reward.reward_type")
 
+def _convert_algorithm(out: dict[str, Any], refused: list[str], take: Any) -> None:
+    """Advantage estimator, KL, loss: EasyR1's KL as a loss term (use_kl_loss, k3 = low_var_kl) is TRL's beta."""
+    from vlm_grpo.advantages import REFUSED  # here: the converter's command line needs no torch otherwise
+
+    estimator = take("algorithm.adv_estimator")
+    if estimator in REFUSED:
+        raise ConfigError(f"algorithm.adv_estimator={estimator}: {REFUSED[estimator]}")
+    if estimator not in ESTIMATORS:
+        raise ConfigError(f"algorithm.adv_estimator={estimator}: unknown; use one of {', '.join(ESTIMATORS)}")
+    out["advantage_estimator"] = ESTIMATORS[estimator]
+    gamma = take("algorithm.gamma")
+    if estimator == "reinforce_plus_plus" and float(gamma) != 1.0:
+        refused.append(f"algorithm.gamma={gamma}: REINFORCE++ here takes the undiscounted outcome reward (gamma 1)")
+    disable_kl, use_kl_loss = take("algorithm.disable_kl"), take("algorithm.use_kl_loss")
+    kl_coef, penalty = float(take("algorithm.kl_coef")), take("algorithm.kl_penalty")
+    if disable_kl or kl_coef == 0.0:
+        out["beta"] = 0.0
+    elif use_kl_loss:
+        out["beta"] = kl_coef
+        if penalty != "low_var_kl":
+            refused.append(f"algorithm.kl_penalty={penalty}: the KL loss term here is k3 (low_var_kl)")
+    else:
+        out["beta"] = 0.0
+        refused.append(
+            f"algorithm.use_kl_loss=false with kl_coef={kl_coef}: a KL penalty inside the reward is not available; "
+            "set algorithm.use_kl_loss=true (KL as a loss term, kl_penalty=low_var_kl) or algorithm.disable_kl=true"
+        )
+    avg, loss_type = take("worker.actor.loss_avg_mode"), take("worker.actor.loss_type")
+    out["loss_type"] = {"token": "dapo", "seq": "grpo"}.get(avg, "dapo")
+    if avg not in ("token", "seq"):
+        refused.append(f"worker.actor.loss_avg_mode={avg}: use token or seq")
+    if loss_type == "gspo":
+        out["importance_sampling_level"] = "sequence"
+    elif loss_type != "default":
+        refused.append(f"worker.actor.loss_type={loss_type}: use default or gspo (TRL's cispo/sapo differ)")
+    tries = take("trainer.max_try_make_batch")
+    if tries is not None:
+        out["max_sampling_rounds"] = int(tries) if tries > 0 else 1_000_000  # -1: no limit
+
+
+def _convert_optimizer(out: dict[str, Any], refused: list[str], take: Any) -> None:
+    """Betas, the scheduler (EasyR1's default is constant) and warmup (transformers' warmup_steps takes a ratio)."""
+    betas = take("worker.actor.optim.betas")
+    if betas is not None:
+        out["adam_beta1"], out["adam_beta2"] = (float(b) for b in betas)
+    scheduler = take("worker.actor.optim.lr_scheduler_type")
+    if scheduler in SCHEDULERS:
+        out["lr_scheduler_type"] = SCHEDULERS[scheduler]
+    else:
+        refused.append(f"worker.actor.optim.lr_scheduler_type={scheduler}: use one of {', '.join(SCHEDULERS)}")
+    steps, ratio = take("worker.actor.optim.lr_warmup_steps"), take("worker.actor.optim.lr_warmup_ratio")
+    if steps is not None and steps > 0:
+        out["warmup_steps"] = int(steps)
+    elif ratio:
+        if not 0.0 <= float(ratio) < 1.0:
+            raise ConfigError(f"worker.actor.optim.lr_warmup_ratio={ratio}: a fraction of the steps in [0, 1)")
+        out["warmup_steps"] = float(ratio)  # transformers reads a value below 1 as a ratio of the total steps
+
+
+def _convert_lora(out: dict[str, Any], refused: list[str], take: Any) -> None:
+    rank, alpha = take("worker.actor.model.lora.rank"), take("worker.actor.model.lora.alpha")
+    targets, exclude = take("worker.actor.model.lora.target_modules"), take("worker.actor.model.lora.exclude_modules")
+    if not rank:
+        return
+    out.update(use_peft=True, lora_r=int(rank), lora_alpha=int(alpha or 64))
+    if targets and targets != "all-linear":
+        out["lora_target_modules"] = [t.strip() for t in str(targets).split(",")]
+    elif targets:
+        out["lora_target_modules"] = "all-linear"
+    if exclude not in (None, ".*visual.*"):
+        refused.append(f"worker.actor.model.lora.exclude_modules={exclude}: the vision tower is always excluded "
+                       "(--lora_include_vision puts it in); other exclusions are not available")  # fmt: skip
+
+
+def _convert_trainer(out: dict[str, Any], notes: list[str], take: Any) -> None:
+    """Loggers, output folder, checkpoint and evaluation cadence."""
     loggers = take("trainer.logger") or []
     loggers = [loggers] if isinstance(loggers, str) else list(loggers)
     kept = [LOGGERS[name] for name in loggers if name in LOGGERS]
@@ -187,64 +300,57 @@ def convert(config: dict) -> tuple[dict[str, Any], list[str]]:
             notes.append(f"trainer.logger '{name}': no equivalent (metrics stay in trainer_state.json / the console)")
     project = take("trainer.project_name")
     if project:
-        notes.append(f"trainer.project_name={project}: set WANDB_PROJECT={project} in the environment")
+        notes.append(f"trainer.project_name={project}: WANDB_PROJECT={project} (unless set in the environment)")
     if "output_dir" not in out:
         out["output_dir"] = f"checkpoints/{project or 'easy_r1'}/{out.get('run_name', 'run')}"
     save_freq = take("trainer.save_freq")
     if save_freq and save_freq > 0:
         out["save_strategy"], out["save_steps"] = "steps", int(save_freq)
-    val_freq = take("trainer.val_freq")
-    if val_freq and val_freq > 0 and "eval_file_paths" in out:
-        out["eval_strategy"], out["eval_steps"] = "steps", int(val_freq)
+    val_files, val_freq = take("data.val_files"), take("trainer.val_freq")
+    before = take("trainer.val_before_train")
+    if val_files and ((val_freq and val_freq > 0) or before):
+        out["eval_file_paths"] = _paths(val_files)
+        if val_freq and val_freq > 0:
+            out["eval_strategy"], out["eval_steps"] = "steps", int(val_freq)
+        else:  # before training only: evaluate once, at step 0, with a period longer than any run
+            out["eval_strategy"], out["eval_steps"] = "steps", 10**9
+        out["eval_on_start"] = bool(before)
+    elif val_files:
+        notes.append(f"data.val_files={val_files}: not loaded (trainer.val_freq <= 0 and no val_before_train)")
     if take("trainer.find_last_checkpoint") and "resume_from_checkpoint" not in out:
         notes.append(
             "trainer.find_last_checkpoint: pass --resume_from_checkpoint true to continue a run (see the resume rules)"
         )
 
-    ignored = [f"{key}={value!r}" for key, value in flat.items() if key not in used and value is not None]
-    notes += [f"ignored (no equivalent): {item}" for item in ignored]
-    return out, notes
 
-
-def convert_file(path: str | Path) -> tuple[dict[str, Any], list[str]]:
+def override_value(text: str) -> Any:
+    """A dotted override's value as OmegaConf reads it: YAML scalars and lists, ``1e-3`` as a number."""
     try:
-        config = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{path}: cannot read the config: {exc}") from exc
-    return convert(config)
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if isinstance(value, str):
+        try:
+            return float(value) if value.strip().lower() not in ("nan", "inf", "-inf", "infinity") else value
+        except ValueError:
+            return value
+    return value
+
+
+def apply_override(config: dict, dotted: str, value: Any) -> None:
+    node = config
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{dotted}={value!r}: '{part}' holds a value, not a section")
+        node = child
+    node[leaf] = value
 
 
 def render(flags: dict[str, Any], notes: Sequence[str], source: str) -> str:
     header = [f"# vlm-grpo config converted from the EasyR1 config {source}"] + [f"# {note}" for note in notes]
     return "\n".join(header) + "\n" + yaml.safe_dump(flags, sort_keys=False, allow_unicode=True)
-
-
-def easyr1_config_argv(argv: Sequence[str]) -> list[str]:
-    """``--config easyr1.yaml`` on the training command line: converted to a temporary vlm-grpo YAML (each
-    note logged); any other ``--config`` passes through unchanged."""
-    argv = list(argv)
-    for i, arg in enumerate(argv):
-        if arg == "--config" and i + 1 < len(argv):
-            index, path = i + 1, argv[i + 1]
-        elif arg.startswith("--config="):
-            index, path = i, arg.split("=", 1)[1]
-        else:
-            continue
-        try:
-            config = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-        except (OSError, yaml.YAMLError):
-            return argv  # TrlParser reports it
-        if not is_easyr1_config(config):
-            return argv
-        flags, notes = convert(config)
-        for note in notes:
-            logger.warning("EasyR1 config %s: %s", path, note)
-        handle = tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="easyr1_", delete=False, encoding="utf-8")
-        with handle:
-            handle.write(render(flags, notes, path))
-        argv[index] = handle.name if index != i else f"--config={handle.name}"
-        return argv
-    return argv
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -255,14 +361,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         return verl_main(argv[1:])
     parser = argparse.ArgumentParser(prog="vlm-grpo-convert-config", description=__doc__.split("\n\n")[0])
     parser.add_argument("config", help="EasyR1 YAML (data / algorithm / worker / trainer)")
+    parser.add_argument("overrides", nargs="*", help="EasyR1 overrides section.key=value, as its scripts pass them")
     parser.add_argument("-o", "--output", help="write the vlm-grpo YAML here (default: stdout)")
+    parser.add_argument(
+        "--accept_easyr1_differences",
+        action="store_true",
+        help="convert settings that would train differently here (each listed as a note) instead of refusing",
+    )
     args = parser.parse_args(argv)
     try:
-        flags, notes = convert_file(args.config)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        config = yaml.safe_load(Path(args.config).read_text(encoding="utf-8"))
+        for item in args.overrides:
+            key, _, text = item.partition("=")
+            if not text and "=" not in item:
+                raise ConfigError(f"override {item!r}: write section.key=value")
+            apply_override(config, key, override_value(text))
+        flags, notes = convert(config, accept_differences=args.accept_easyr1_differences)
+    except (OSError, yaml.YAMLError) as exc:
+        print(f"error: {args.config}: cannot read the config: {exc}", file=sys.stderr)
         return 2
-    text = render(flags, notes, args.config)
+    except (ConfigError, ValueError) as exc:
+        print(f"error: {args.config}: {exc}", file=sys.stderr)
+        return 2
+    text = render(flags, notes, " ".join([args.config, *args.overrides]))
     if args.output:
         Path(args.output).write_text(text, encoding="utf-8")
     else:

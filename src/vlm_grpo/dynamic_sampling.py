@@ -2,7 +2,8 @@
 
 A group whose G completions all earn the same reward (all right or all wrong) has zero advantage and
 teaches nothing, yet it fills a slot of the batch. With ``dynamic_sampling`` the trainer drops such groups
-(or, with ``filter_key``, groups whose mean of that reward lies outside ``(filter_low, filter_high)``), then
+(or, with ``filter_key``, groups whose mean of that reward, or of that key of the dicts a batch reward returns,
+lies outside ``(filter_low, filter_high)``), then
 generates groups for further prompts until every rank's generation batch is full again, at most
 ``max_sampling_rounds`` generation rounds per batch. When the rounds run out, the remaining slots are filled
 with dropped groups (zero advantage: they add no policy-gradient signal), and a warning says so.
@@ -10,8 +11,9 @@ with dropped groups (zero advantage: they add no policy-gradient signal), and a 
 It wraps TRL's ``_generate_and_score_completions``: each round is TRL's own generation, scoring and
 advantage computation; the mixin only keeps whole groups and concatenates rounds (re-padding prompts left and
 completions right). Group advantages are per group, so keeping a subset of groups leaves them unchanged
-(with ``scale_rewards="batch"`` the std is that of the round). ``num_items_in_batch`` is recomputed over the
-kept rows, so the loss is the one the kept groups alone give.
+(with ``scale_rewards="batch"`` or ``advantage_estimator="reinforce_plus_plus"`` the batch statistics are those
+of the round). ``num_items_in_batch`` is recomputed over the kept rows, so the loss is the one the kept groups
+alone give.
 
 Further prompts come from a second seeded pass over the training set, split across ranks as TRL's sampler
 splits the first; its position is saved with each checkpoint (``dynamic_sampling.json``) and restored on
@@ -37,12 +39,6 @@ logger = logging.getLogger(__name__)
 #: the private TRL / transformers names this module and ``rollout_log`` override or read (checked by a test)
 PRIVATE_NAMES = (
     PrivateName("trl:GRPOTrainer", "_generate_and_score_completions", ("inputs",), why="dynamic sampling rounds"),
-    PrivateName(
-        "trl:GRPOTrainer",
-        "_calculate_rewards",
-        ("inputs", "prompts", "completions", "completion_ids_list"),
-        why="the gathered rewards the group filter and the rollout log read",
-    ),
     PrivateName("trl:GRPOTrainer", "_metrics", source="trl:GRPOTrainer.__init__", why="dynamic_sampling/* metrics"),
     PrivateName("trl:GRPOTrainer", "_save_checkpoint", ("model", "trial"), why="the further-prompt position"),
     PrivateName("trl:GRPOTrainer", "_load_optimizer_and_scheduler", ("checkpoint",), why="restoring it"),
@@ -84,13 +80,17 @@ def keep_groups(
     filter_key: str | None = None,
     low: float = 0.01,
     high: float = 0.99,
+    column: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Which groups to keep (bool per group) from the gathered ``[rows, reward funcs]`` rewards.
 
     Default (DAPO): the weighted reward sum must vary within the group. With ``filter_key`` (a reward name,
-    or ``reward`` / ``overall`` for the weighted sum): the group's mean of it must lie in ``(low, high)``.
+    or ``reward`` / ``overall`` for the weighted sum, or a key of the dicts a reward returns, whose per-row values
+    are given as ``column``): the group's mean of it must lie in ``(low, high)``.
     """
-    if filter_key is None or filter_key in TOTAL_REWARD_KEYS:
+    if column is not None:
+        values = column.to(rewards_per_func.device, rewards_per_func.dtype)
+    elif filter_key is None or filter_key in TOTAL_REWARD_KEYS:
         values = (rewards_per_func * weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
         values[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan  # no reward applied: no signal
     else:
@@ -165,12 +165,11 @@ def merge_batches(parts: list[dict[str, Any]], pad_token_id: int) -> dict[str, A
 class DynamicSamplingMixin:
     """Adds ``dynamic_sampling`` to a ``GRPOTrainer`` subclass (see the module docstring)."""
 
-    _ds_rewards: torch.Tensor | None = None
     _ds_cursor: int = 0
 
     def _check_dynamic_sampling(self) -> None:
         args = self.args
-        if not getattr(args, "dynamic_sampling", False):
+        if not args.dynamic_sampling:
             return
         local_rows = args.per_device_train_batch_size * args.steps_per_generation
         if local_rows % self.num_generations:
@@ -180,22 +179,41 @@ class DynamicSamplingMixin:
             )
         if not hasattr(self.train_dataset, "__getitem__") or not hasattr(self.train_dataset, "__len__"):
             raise ValueError("dynamic_sampling needs a map-style training dataset (it draws further prompts by index)")
-        key = getattr(args, "filter_key", None)
-        if key is not None and key not in TOTAL_REWARD_KEYS and key not in self.reward_func_names:
+        key = args.filter_key
+        returns_dicts = any(getattr(f, "kind", "trl") != "trl" for f in self.reward_funcs)
+        if key is not None and key not in TOTAL_REWARD_KEYS and key not in self.reward_func_names and not returns_dicts:
             raise ValueError(
                 f"filter_key '{key}' is not a reward of this run: use one of {self.reward_func_names} or "
-                f"{' / '.join(TOTAL_REWARD_KEYS)} (the weighted sum)"
+                f"{' / '.join(TOTAL_REWARD_KEYS)} (the weighted sum), or a key of the dict a batch reward returns"
             )
         if key is not None and not args.filter_low < args.filter_high:
             raise ValueError(f"filter_low ({args.filter_low}) must be below filter_high ({args.filter_high})")
         if args.max_sampling_rounds < 1:
             raise ValueError(f"max_sampling_rounds must be at least 1, got {args.max_sampling_rounds}")
 
-    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        """TRL's rewards (gathered over processes), kept for the group filter."""
-        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        self._ds_rewards = rewards
-        return rewards
+    def _filter_column(self, rows: int) -> torch.Tensor | None:
+        """This rank's per-row values of ``filter_key`` when it names a key of the dicts a reward returned
+        (``accuracy`` of EasyR1's ``{overall, accuracy, format}``; ``label/key`` when two rewards return it);
+        None when it names a reward or the weighted sum."""
+        key = self.args.filter_key
+        if key is None or key in TOTAL_REWARD_KEYS or key in self.reward_func_names:
+            return None
+        label, _, inner = key.partition("/")
+        named = {label: inner} if inner and label in self.reward_func_names else None
+        found, seen = {}, set()
+        for name, func in zip(self.reward_func_names, self.reward_funcs, strict=True):
+            outputs = getattr(func, "last_outputs", [])
+            seen.update(f"{name}/{k}" for out in outputs for k in out)
+            wanted = named.get(name) if named is not None else key
+            if wanted and len(outputs) == rows and any(wanted in out for out in outputs):
+                found[name] = [out.get(wanted, float("nan")) for out in outputs]
+        if len(found) != 1:
+            what = "several rewards return it; write it as reward/key" if found else "no reward returned it"
+            raise ValueError(
+                f"filter_key '{key}': {what} (rewards: {', '.join(self.reward_func_names)}; keys their dicts "
+                f"returned: {', '.join(sorted(seen)) or 'none'}; or reward / overall for the weighted sum)"
+            )
+        return torch.tensor(next(iter(found.values())), dtype=torch.float32)
 
     def _further_prompts(self, local_rows: int) -> list[dict]:
         """The next prompts of the second pass over the training set, this rank's share, each repeated G times."""
@@ -211,7 +229,7 @@ class DynamicSamplingMixin:
         return [self.train_dataset[i] for i in mine for _ in range(self.num_generations)]
 
     def _generate_and_score_completions(self, inputs):
-        if not getattr(self.args, "dynamic_sampling", False) or not self.model.training:
+        if not self.args.dynamic_sampling or not self.model.training:
             return super()._generate_and_score_completions(inputs)
         G, local_rows = self.num_generations, len(inputs)
         quota = local_rows // G
@@ -224,15 +242,16 @@ class DynamicSamplingMixin:
         while True:
             rounds += 1
             output = split_pixel_values_by_grid(super()._generate_and_score_completions(batch))
-            rewards = self._ds_rewards[rank_slice]
+            rewards = self._gathered_rewards[rank_slice]  # kept by AdvantageEstimatorMixin
             keep = keep_groups(
                 rewards,
                 self.reward_weights,
                 G,
                 list(self.reward_func_names),
-                getattr(self.args, "filter_key", None),
+                self.args.filter_key,
                 self.args.filter_low,
                 self.args.filter_high,
+                self._filter_column(len(rewards)),
             ).tolist()
             for group, keep_it in enumerate(keep):
                 rows = list(range(group * G, (group + 1) * G))
@@ -270,7 +289,7 @@ class DynamicSamplingMixin:
     # ------------------------------------------------------------------ the further-prompt position in checkpoints
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
-        if getattr(self.args, "dynamic_sampling", False) and self.args.should_save:
+        if self.args.dynamic_sampling and self.args.should_save:
             name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
             folder = os.path.join(self._get_output_dir(trial=trial), name)
             with open(os.path.join(folder, STATE_FILE), "w") as handle:
@@ -279,6 +298,6 @@ class DynamicSamplingMixin:
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
         path = os.path.join(checkpoint, STATE_FILE) if checkpoint else None
-        if path and os.path.isfile(path) and getattr(self.args, "dynamic_sampling", False):
+        if path and os.path.isfile(path) and self.args.dynamic_sampling:
             with open(path) as handle:
                 self._ds_cursor = int(json.load(handle)["cursor"])

@@ -27,14 +27,14 @@ logger = logging.getLogger("vlm_grpo")
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig]:
     from vlm_grpo.configs import GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig, VLMParser
-    from vlm_grpo.convert_config import easyr1_config_argv
     from vlm_grpo.convert_verl import verl_overrides_argv
+    from vlm_grpo.easyr1_args import easyr1_argv
     from vlm_grpo.utils import quiet_warnings
 
     quiet_warnings()  # before parsing: TrainingArguments warns about its own flag names there
     parser = VLMParser((GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig))
     argv = verl_overrides_argv(sys.argv[1:] if argv is None else argv)  # verl main_ppo key=value words
-    argv = easyr1_config_argv(argv)  # an EasyR1 YAML as --config
+    argv = easyr1_argv(argv)  # EasyR1's config=x.yaml a.b=c / --config
     script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
     return script_args, training_args, model_args
 

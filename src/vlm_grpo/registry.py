@@ -39,16 +39,41 @@ def load_object(spec: str) -> object:
             sys.modules[module_name] = module
             try:
                 module_spec.loader.exec_module(module)
+            except ImportError as exc:
+                sys.modules.pop(module_name, None)
+                raise PluginImportError(cannot_import(target, exc)) from None
             except BaseException:
                 # Don't leave a half-initialised module behind for the next lookup to pick up.
                 sys.modules.pop(module_name, None)
                 raise
     else:
-        module = importlib.import_module(target)
+        try:
+            module = importlib.import_module(target)
+        except ImportError as exc:
+            raise PluginImportError(cannot_import(target, exc)) from None
     try:
         return getattr(module, attr)
     except AttributeError:
         raise PluginError(f"'{target}' has no attribute '{attr}' (from '{spec}')") from None
+
+
+#: modules EasyR1's example rewards import -> the extra that installs them
+EXTRA_OF = {"mathruler": "easyr1", "pylatexenc": "easyr1"}
+
+
+def cannot_import(target: str, exc: ImportError) -> str:
+    """One line: the plugin, the module it could not import, and how to install it."""
+    missing = exc.name or str(exc)
+    top = missing.split(".")[0]
+    extra = EXTRA_OF.get(top)
+    hint = f"pip install {top}" + (f" / pip install 'vlm-grpo[{extra}]'" if extra else "")
+    if exc.name is None or target == missing:
+        return f"{target}: cannot import it ({exc})"
+    return f"{target}: cannot import {missing} ({hint})"
+
+
+class PluginImportError(UserError, ImportError):
+    """A plugin whose module (or a module it imports) cannot be imported."""
 
 
 class PluginError(UserError, AttributeError):

@@ -4,8 +4,9 @@ TRL already trains VLMs; what it lacks is knowing *which* family it trains. The 
 model and processor with the family's image limits, keeps LoRA off the vision tower, freezes
 the tower on request, and lets rewards be given by registered name. On top of TRL's loop the
 trainer computes each GRPO group once (``share_prompt``, ``share_prefill``; see
-:mod:`vlm_grpo.fastpath.sharing`), reloads resumed checkpoints correctly, and survives batches that mix
-text-only and image prompts. Losses, logging, DeepSpeed and the rest are TRL's, unmodified.
+:mod:`vlm_grpo.fastpath.sharing`), reloads resumed checkpoints correctly, survives batches that mix
+text-only and image prompts, and offers RLOO / REINFORCE++ / ReMax advantages (:mod:`vlm_grpo.advantages`).
+Losses, logging, DeepSpeed and the rest are TRL's, unmodified.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 from trl import GRPOTrainer
 
+from vlm_grpo.advantages import AdvantageEstimatorMixin
 from vlm_grpo.configs import VLMGRPOConfig
 from vlm_grpo.dynamic_sampling import DynamicSamplingMixin
 from vlm_grpo.fastpath.block_attention import use_block_attention
@@ -58,7 +60,12 @@ _TRL_LOGP_PARAMS = frozenset(inspect.signature(GRPOTrainer._get_per_token_logps_
 
 
 class VLMGRPOTrainer(
-    DynamicSamplingMixin, RolloutLogMixin, CompleteCheckpointMixin, CheckpointReloadMixin, GRPOTrainer
+    DynamicSamplingMixin,
+    RolloutLogMixin,
+    AdvantageEstimatorMixin,
+    CompleteCheckpointMixin,
+    CheckpointReloadMixin,
+    GRPOTrainer,
 ):
     """GRPO for vision-language models.
 
@@ -162,6 +169,7 @@ class VLMGRPOTrainer(
                 self._env_tools = {name: [] for name in self._env_tools}
         self._warn_if_groups_split()
         self._check_dynamic_sampling()
+        self._check_advantage_estimator()
         sharded = self.is_fsdp_enabled or is_zero3(self.accelerator)
         # compile_layers as this run resolves it (None: on GPU without ZeRO-3 / FSDP); the args stay as given.
         self.compile_layers = resolve_compile_layers(self.args.compile_layers, self.accelerator.device.type, sharded)

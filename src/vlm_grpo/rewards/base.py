@@ -224,6 +224,13 @@ class SafeReward:
         self.kind = reward_kind(fn)
         self._metrics: dict[str, list[float]] = {}
         self._last_error: BaseException | None = None
+        self._raw_outputs: list[Any] = []
+        #: also log EasyR1's names, ``reward/<key>`` for every key of the returned dicts (``reward/overall``, ...);
+        #: set by ``build_reward_funcs`` when the run has this one reward, as EasyR1 runs do
+        self.easyr1_metric_names = False
+        #: per sample of the latest call, the numeric keys of the dict the reward returned ({} for a plain number
+        #: or a failed sample): what dynamic sampling's filter_key can name besides the rewards themselves
+        self.last_outputs: list[dict[str, float]] = []
 
     def _call(self, kwargs: dict[str, Any]) -> list[Any]:
         if self.kind == "trl":
@@ -239,6 +246,7 @@ class SafeReward:
             outputs = [self.fn(reward_input) for reward_input in inputs]
         if len(outputs) != len(inputs):
             raise ValueError(f"returned {len(outputs)} values for {len(inputs)} completions")
+        self._raw_outputs = outputs
         return [self._overall(out) for out in outputs]
 
     def _overall(self, out: Any) -> Any:
@@ -295,12 +303,14 @@ class SafeReward:
         n = len(completions)
         before = self.failures
         self._metrics = {}
+        self._raw_outputs = []
         try:
             values = self._call({"completions": completions, **kwargs})
             if len(values) != n:
                 raise ValueError(f"returned {len(values)} values for {n} completions")
+            raw = list(self._raw_outputs) or [None] * n
         except Exception:  # isolate the sample(s) that break it
-            values = []
+            values, raw = [], []
             self._metrics = {}  # metrics of the failed batch call are dropped; the per-sample calls report theirs
             for i in range(n):
                 single = {
@@ -308,13 +318,17 @@ class SafeReward:
                     for k, v in kwargs.items()
                 }
                 try:
+                    self._raw_outputs = []
                     out = self._call({"completions": completions[i : i + 1], **single})
                     if len(out) != 1:
                         raise ValueError(f"returned {len(out)} values for 1 completion")
                     values.append(out[0])
+                    raw.append(self._raw_outputs[0] if self._raw_outputs else None)
                 except Exception as exc:
                     self._record_failure(exc, i)
                     values.append(None)
+                    raw.append(None)
+        self.last_outputs = [_numeric_items(out) for out in raw]
         self._stop_if_broken(n, self.failures - before)
         clean: list[float | None] = []
         for i, value in enumerate(values):
@@ -336,5 +350,28 @@ class SafeReward:
             for key, vals in sorted(self._metrics.items()):
                 if vals:
                     log_metric(f"rewards/{self.__name__}/{key}", sum(vals) / len(vals))
+            if self.easyr1_metric_names:
+                for key, value in easyr1_reward_metrics(self.last_outputs).items():
+                    log_metric(key, value)
         self._metrics = {}
         return clean
+
+
+def _numeric_items(out: Any) -> dict[str, float]:
+    """The finite numeric entries of a reward's per-sample dict output ({} for anything else)."""
+    if not isinstance(out, Mapping):
+        return {}
+    return {
+        str(k): float(v)
+        for k, v in out.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    }
+
+
+def easyr1_reward_metrics(outputs: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """EasyR1's reward metrics: ``reward/<key>``, the mean of each key over the samples whose dict has it."""
+    sums: dict[str, list[float]] = {}
+    for out in outputs:
+        for key, value in out.items():
+            sums.setdefault(f"reward/{key}", []).append(value)
+    return {key: sum(values) / len(values) for key, values in sums.items()}

@@ -178,4 +178,6 @@ def build_reward_funcs(
         if i in bound:
             fn = functools.partial(fn, **bound[i])
         funcs.append(SafeReward(fn, label, max_failed_batches=max_failed_batches, context=context))
+    if len(funcs) == 1:  # EasyR1's setup: its metric names (reward/overall, ...) then mean the same
+        funcs[0].easyr1_metric_names = True
     return funcs

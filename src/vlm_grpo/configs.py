@@ -6,20 +6,23 @@ flags, ``VLMGRPOConfig`` the training flags. Flag names follow VLM-R1 where it h
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import sys
+from argparse import ArgumentDefaultsHelpFormatter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from trl import GRPOConfig, ModelConfig, ScriptArguments, TrlParser
 
 from vlm_grpo.cli_aliases import expand_flag_aliases, explain_unknown_flags
 from vlm_grpo.cli_errors import UserError
+from vlm_grpo.help_cache import HELP_WIDTH, store_help
 
 
 def batch_vision_attention_field() -> Any:
@@ -464,6 +467,18 @@ class VLMParser(TrlParser):
     ``--lo_rank``, older scripts' ``--torch_dtype``) are rewritten first, for every recipe.
     """
 
+    def __init__(self, dataclass_types: Any, **kwargs: Any) -> None:
+        # Whole flag names only: argparse would take a unique prefix (``--report`` for ``--report_to``) as the
+        # flag and an ambiguous one as an error printed under the whole usage; unknown here, it gets a hint.
+        kwargs.setdefault("allow_abbrev", False)
+        # One width whatever the terminal: the stored help (vlm_grpo.help_cache) is then the live one.
+        kwargs.setdefault("formatter_class", functools.partial(ArgumentDefaultsHelpFormatter, width=HELP_WIDTH))
+        super().__init__(dataclass_types, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        """argparse's own errors (a missing value, a bad choice) as one ``error:`` line, not under the usage."""
+        raise FlagError(f"{message} (--help lists every flag)")
+
     def parse_args_and_config(self, args: Sequence[str] | None = None, **kwargs: Any) -> tuple[Any, ...]:
         argv = self.with_bare_booleans(expand_flag_aliases(sys.argv[1:] if args is None else args))
         try:
@@ -473,8 +488,6 @@ class VLMParser(TrlParser):
             raise FlagError(explain_unknown_flags(str(exc), known)) from exc
 
     def print_help(self, file: Any = None) -> None:
-        from vlm_grpo.help_cache import store_help
-
         text = self.format_help()
         store_help(text)
         (file or sys.stdout).write(text)

@@ -16,7 +16,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from vlm_grpo.help_cache import print_cached_help
+from vlm_grpo.cli_errors import run_cli
+from vlm_grpo.help_cache import print_cached_help, wants_help
 
 if TYPE_CHECKING:
     from vlm_grpo.configs import GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig
@@ -78,8 +79,6 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
 
     if script_args.tools or script_args.tool_kwargs:  # unknown tool, bad option, no sandbox: say so before loading
         build_tool_environment(script_args.tools or [], script_args.tool_kwargs)
-    if script_args.tools or script_args.tool_kwargs:  # unknown tool, bad option, no sandbox: say so before loading
-        build_tool_environment(script_args.tools or [], script_args.tool_kwargs)
     module, processor = pick_module(model_args, training_args.trust_remote_code)
     overrides = module.reward_overrides if script_args.is_reward_customized_from_vlm_module else None
     reward_funcs = build_reward_funcs(
@@ -128,9 +127,11 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
 
 
 def cli(argv: Sequence[str] | None = None) -> None:
-    if print_cached_help(argv):
+    if wants_help(argv):  # the stored text when it matches what is installed, else the live parser's
+        if not print_cached_help(argv):
+            run_cli(parse_args, argv)
         return
-    from vlm_grpo.recipe import run_command  # after the cached help: recipes import the heavy modules
+    from vlm_grpo.recipe import run_command  # after the help: recipes import the heavy modules
 
     run_command(lambda args: main(*parse_args(args)), argv)
 

@@ -17,7 +17,8 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from vlm_grpo.help_cache import print_cached_help
+from vlm_grpo.cli_errors import run_cli
+from vlm_grpo.help_cache import print_cached_help, wants_help
 
 if TYPE_CHECKING:
     from vlm_grpo.configs import GRPOScriptArguments, VLMModelConfig
@@ -155,9 +156,11 @@ def save_final_model(trainer: VLMSFTTrainer, args: VLMSFTConfig, base: str) -> N
 
 
 def cli(argv: Sequence[str] | None = None) -> None:
-    if print_cached_help(argv):
+    if wants_help(argv):  # the stored text when it matches what is installed, else the live parser's
+        if not print_cached_help(argv):
+            run_cli(parse_args, argv)
         return
-    from vlm_grpo.recipe import run_command  # after the cached help: recipes import the heavy modules
+    from vlm_grpo.recipe import run_command  # after the help: recipes import the heavy modules
 
     run_command(lambda args: main(*parse_args(args)), argv)
 

@@ -39,6 +39,15 @@ def batch_vision_attention_field() -> Any:
     )
 
 
+# TrainingArguments' ``report_to``, with what a run does for wandb without an API key (GRPO and SFT configs). Its
+# type is written as TrainingArguments writes it: HfArgumentParser takes the second member as the flag's type.
+REPORT_TO_HELP = (
+    "Integrations to report the logs to (wandb, tensorboard, trackio, ...; several comma-separated), 'all' for every "
+    "installed one, 'none' for none. wandb without an API key (no WANDB_API_KEY, no `wandb login`, no WANDB_MODE): "
+    "one warning, and the run logs offline under ./wandb (upload it later with `wandb sync`)."
+)
+
+
 @dataclass
 class GRPOScriptArguments(ScriptArguments):
     data_file_paths: str | None = field(
@@ -181,7 +190,11 @@ class GRPOScriptArguments(ScriptArguments):
     )
     overwrite_output_dir: bool = field(
         default=False,
-        metadata={"help": "Start a fresh run even if output_dir already holds checkpoint-* folders."},
+        metadata={
+            "help": "Start a fresh run in an output_dir that is not empty: old checkpoint-* folders are removed, "
+            "other files written over. Without it such an output_dir is an error (unless resuming from a checkpoint "
+            "there)."
+        },
     )
     plot: bool = field(
         default=True,
@@ -242,6 +255,7 @@ class VLMGRPOConfig(GRPOConfig):
         default=None,
         metadata={"help": "Use bf16 mixed precision. Default: on when a CUDA device is present, off on CPU."},
     )
+    report_to: None | str | list[str] = field(default="none", metadata={"help": REPORT_TO_HELP})  # noqa: RUF036
     share_prompt: bool = field(
         default=True,
         metadata={
@@ -405,9 +419,14 @@ class VLMGRPOConfig(GRPOConfig):
 
     def __post_init__(self) -> None:
         apply_device_defaults(self)
-        if isinstance(self.report_to, str) and "," in self.report_to:  # the command line takes one string
-            self.report_to = [name.strip() for name in self.report_to.split(",") if name.strip()]
+        split_report_to(self)
         super().__post_init__()
+
+
+def split_report_to(args: Any) -> None:
+    """``--report_to wandb,tensorboard`` as a list: the command line takes one string (GRPO and SFT configs)."""
+    if isinstance(args.report_to, str) and "," in args.report_to:
+        args.report_to = [name.strip() for name in args.report_to.split(",") if name.strip()]
 
 
 def apply_device_defaults(args: Any) -> None:

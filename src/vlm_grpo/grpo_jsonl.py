@@ -56,8 +56,15 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
     from trl import get_peft_config
 
     from vlm_grpo.plot import finish_run
-    from vlm_grpo.recipe import finish_loggers, load_datasets, load_model, pick_module, preflight
-    from vlm_grpo.resume import resolve_resume
+    from vlm_grpo.recipe import (
+        check_sharded_settings,
+        finish_loggers,
+        load_datasets,
+        load_model,
+        pick_module,
+        preflight,
+        resolve_run,
+    )
     from vlm_grpo.rewards import build_reward_funcs
     from vlm_grpo.tools.rollouts import build_tool_environment
     from vlm_grpo.trainer import VLMGRPOTrainer
@@ -70,12 +77,8 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
     )
     quiet_warnings()
     preflight(script_args, training_args)
-    resume = resolve_resume(
-        training_args.output_dir,
-        training_args.resume_from_checkpoint,
-        script_args.overwrite_output_dir,
-        is_main_process=is_main,
-    )
+    check_sharded_settings(training_args)
+    resume = resolve_run(script_args, training_args)
 
     if script_args.tools or script_args.tool_kwargs:  # unknown tool, bad option, no sandbox: say so before loading
         build_tool_environment(script_args.tools or [], script_args.tool_kwargs)
@@ -131,6 +134,9 @@ def cli(argv: Sequence[str] | None = None) -> None:
         if not print_cached_help(argv):
             run_cli(parse_args, argv)
         return
+    from vlm_grpo.utils import die_with_launcher
+
+    die_with_launcher()  # under torchrun, before anything slow
     from vlm_grpo.recipe import run_command  # after the help: recipes import the heavy modules
 
     run_command(lambda args: main(*parse_args(args)), argv)

@@ -80,18 +80,11 @@ def build_trainer(
     # Imported here, not at the top: `--help` needs none of it (see vlm_grpo.help_cache).
     from trl import get_peft_config
 
-    from vlm_grpo.recipe import load_datasets, load_model, pick_module, preflight
-    from vlm_grpo.resume import resolve_resume
+    from vlm_grpo.recipe import load_datasets, load_model, pick_module, preflight, resolve_run
     from vlm_grpo.sft_trainer import SFTTransform, VLMSFTTrainer, assistant_masks_supported
 
-    is_main = training_args.process_index == 0
     preflight(script_args, training_args)
-    resume = resolve_resume(
-        training_args.output_dir,
-        training_args.resume_from_checkpoint,
-        script_args.overwrite_output_dir,
-        is_main_process=is_main,
-    )
+    resume = resolve_run(script_args, training_args)
 
     module, processor = pick_module(model_args, training_args.trust_remote_code)
     train_dataset, eval_dataset = load_datasets(script_args, module, processor, training_args.seed)
@@ -160,6 +153,9 @@ def cli(argv: Sequence[str] | None = None) -> None:
         if not print_cached_help(argv):
             run_cli(parse_args, argv)
         return
+    from vlm_grpo.utils import die_with_launcher
+
+    die_with_launcher()  # under torchrun, before anything slow
     from vlm_grpo.recipe import run_command  # after the help: recipes import the heavy modules
 
     run_command(lambda args: main(*parse_args(args)), argv)

@@ -127,7 +127,7 @@ class VLMGRPOTrainer(
             tools = [t for t in tools if not isinstance(t, str)]
         if tools or kwargs.get("environment_factory") is not None:
             prepare_for_tools(args, processing_class)
-        elif getattr(args, "max_tool_calling_iterations", None) is not None:
+        elif args.max_tool_calling_iterations is not None:
             logger.warning("max_tool_calling_iterations has no effect without tools (--tools)")
 
         super().__init__(

@@ -1,5 +1,5 @@
 """Small helpers every floor may use: unwrap a model, ask for ZeRO-3, warn once, quiet library warnings, tell a
-loopback host.
+loopback host, end a torchrun worker with its launcher.
 
 Cheap to import (torch and transformers load on first use), so the CLIs' ``--help`` stays fast."""
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import sys
 import warnings
 from typing import Any
 
@@ -51,6 +52,30 @@ def is_loopback_host(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_launcher() -> None:
+    """Under torchrun: have Linux SIGKILL this worker when its launcher dies. torchrun starts each worker in a
+    session of its own, so a launcher killed with its process group (a job scheduler, a SIGKILL) would otherwise
+    leave the workers training on as orphans. A no-op outside torchrun (a run started with ``nohup`` or ``&``
+    must outlive its shell) and on other systems."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    launcher = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != launcher:  # the launcher died before the signal was asked for
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # Deprecations transformers raises about its own names, which TRL's configs and trainer (and VLM-R1's

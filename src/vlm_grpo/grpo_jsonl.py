@@ -134,9 +134,10 @@ def cli(argv: Sequence[str] | None = None) -> None:
         if not print_cached_help(argv):
             run_cli(parse_args, argv)
         return
-    from vlm_grpo.utils import die_with_launcher
+    from vlm_grpo.utils import die_with_launcher, quiet_warnings
 
     die_with_launcher()  # under torchrun, before anything slow
+    quiet_warnings()  # before the imports: warnings raised while importing are said once, by rank 0
     from vlm_grpo.recipe import run_command  # after the help: recipes import the heavy modules
 
     run_command(lambda args: main(*parse_args(args)), argv)

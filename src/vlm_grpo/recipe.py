@@ -292,14 +292,20 @@ def wrap_solutions(rows: list[dict]) -> None:
 
 
 def load_model(module: VLMModule, model_args: VLMModelConfig, trust_remote_code: bool = False) -> Any:
-    """The model to train, loaded by its family's adapter with the user's dtype, attention and revision."""
-    return module.load_model(
+    """The model to train, loaded by its family's adapter with the user's dtype, attention and revision. Then
+    transformers' progress bars are turned off: each checkpoint save would draw its "Writing model shards" bar
+    through the training bar (the training bar is the Trainer's own, not one of these)."""
+    from transformers.utils import logging as hf_logging
+
+    model = module.load_model(
         model_args.model_name_or_path,
         dtype=model_args.dtype,
         attn_implementation=model_args.attn_implementation,
         trust_remote_code=trust_remote_code,
         revision=model_args.model_revision,
     )
+    hf_logging.disable_progress_bar()
+    return model
 
 
 def load_datasets(script_args: GRPOScriptArguments, module: VLMModule, processor: Any, seed: int) -> tuple[Any, Any]:

@@ -100,7 +100,8 @@ class _DropMessages(logging.Filter):
 
 def quiet_warnings() -> None:
     """Each warning at most once per run: once per process whatever its source line, and only on rank 0;
-    the known deprecations of our own config use hidden.
+    the known deprecations of our own config use hidden. Called before the heavy imports, so warnings raised
+    while importing (torch's deprecations in other libraries) count too.
 
     Python's own "once" and "default" actions remember what they showed in per-module registries that are
     cleared whenever any library touches the filters (``catch_warnings``): DeepSpeed's collectives then
@@ -108,6 +109,12 @@ def quiet_warnings() -> None:
     how warnings are shown; ours drops repeats and hands the rest on.
     """
     warnings.filterwarnings("ignore", message=_OWN_DEPRECATIONS, category=FutureWarning)
+    if int(os.environ.get("RANK", "0")) > 0:
+        # The libraries' own switches, read when they are imported (a recipe calls this first): torch's C++
+        # warnings (DDP's find_unused_parameters note) and the Hub's and transformers' progress bars
+        # ("Loading weights") from rank 0 alone.
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     # DeepSpeed logs "Setting accelerator to CPU" on every import when there is no GPU: nothing to act on.
     deepspeed = logging.getLogger("DeepSpeed")
     if not any(isinstance(f, _DropMessages) for f in deepspeed.filters):

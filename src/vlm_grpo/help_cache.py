@@ -25,9 +25,11 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib import metadata
 from pathlib import Path
+
+from vlm_grpo.cli_errors import run_cli
 
 HELP_WIDTH = 78  # the help's width in columns whatever the terminal (argparse's for an 80-column one)
 _PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate")
@@ -109,6 +111,16 @@ def print_cached_help(argv: Sequence[str] | None = None) -> bool:
     if text is None:
         return False
     sys.stdout.write(text)
+    return True
+
+
+def answer_help(argv: Sequence[str] | None, parse: Callable[[list[str]], object]) -> bool:
+    """A recipe's ``--help``: the stored text when it matches what is installed, else ``parse`` (the live parser)
+    prints it. True when help was asked for."""
+    if not wants_help(argv):
+        return False
+    if not print_cached_help(argv):
+        run_cli(parse, argv)
     return True
 
 

@@ -17,8 +17,8 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from vlm_grpo.cli_errors import run_cli
-from vlm_grpo.help_cache import print_cached_help, wants_help
+from vlm_grpo.help_cache import answer_help
+from vlm_grpo.utils import start_process
 
 if TYPE_CHECKING:
     from vlm_grpo.configs import GRPOScriptArguments, VLMModelConfig
@@ -149,14 +149,9 @@ def save_final_model(trainer: VLMSFTTrainer, args: VLMSFTConfig, base: str) -> N
 
 
 def cli(argv: Sequence[str] | None = None) -> None:
-    if wants_help(argv):  # the stored text when it matches what is installed, else the live parser's
-        if not print_cached_help(argv):
-            run_cli(parse_args, argv)
+    if answer_help(argv, parse_args):
         return
-    from vlm_grpo.utils import die_with_launcher, quiet_warnings
-
-    die_with_launcher()  # under torchrun, before anything slow
-    quiet_warnings()  # before the imports: warnings raised while importing are said once, by rank 0
+    start_process()
     from vlm_grpo.recipe import run_command  # after the help: recipes import the heavy modules
 
     run_command(lambda args: main(*parse_args(args)), argv)

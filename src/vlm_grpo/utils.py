@@ -57,6 +57,12 @@ def is_loopback_host(host: str) -> bool:
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
+def start_process() -> None:
+    """First thing a recipe's process does, before its slow imports: end with the launcher, quiet warnings."""
+    die_with_launcher()
+    quiet_warnings()  # warnings raised while importing are said once, by rank 0
+
+
 def die_with_launcher() -> None:
     """Under torchrun: have Linux SIGKILL this worker when its launcher dies. torchrun starts each worker in a
     session of its own, so a launcher killed with its process group (a job scheduler, a SIGKILL) would otherwise

@@ -14,7 +14,7 @@ changes the key). It is looked up in two places:
 A key that does not match (other package versions, edited sources) means the slow path, which builds the
 help from the live parser and stores it. ``VLM_GRPO_HELP_CACHE=0`` always takes the slow path. The text is
 formatted :data:`HELP_WIDTH` columns wide whatever the terminal, so a stored text is the live one.
-Standard library only.
+Standard library only (and the standard-library-only ``cli_errors``).
 """
 
 from __future__ import annotations

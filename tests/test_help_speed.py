@@ -49,7 +49,7 @@ def test_help_answers_without_torch_from_the_shipped_text(prog, tmp_path):
 
 @pytest.mark.parametrize("prog", sorted(help_cache.RECIPES))
 def test_the_shipped_text_is_the_live_parsers(prog, tmp_path):
-    live, imported_torch = _help(prog, tmp_path, VLM_GRPO_HELP_CACHE="0")
+    live, imported_torch = _help(prog, tmp_path, VLM_GRPO_HELP_CACHE="0", COLUMNS="200")  # any terminal width
     assert imported_torch  # the control: this one was built by the parser
     shipped = json.loads((help_cache.SHIPPED_DIR / f"{prog}.json").read_text())["text"]
     assert shipped == live, f"src/vlm_grpo/help/{prog}.json is {STALE}"

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,8 @@ from e2e_utils import base_args, make_dataset
 from vlm_grpo.cli_errors import UserError, is_user_error, run_cli
 from vlm_grpo.grpo_jsonl import cli, parse_args
 from vlm_grpo.resume import mark_complete
+
+SRC = Path(__file__).resolve().parents[1] / "src"
 
 
 @pytest.fixture(scope="module")
@@ -198,3 +203,113 @@ def test_dataset_name_is_never_silently_taken_for_data(dataset, tmp_path, capsys
     with caplog.at_level("INFO", logger="vlm_grpo"):
         assert "no/such/model" in _fails([*argv, "--dataset-name", "this_is_not_used"], capsys)  # got past it
     assert "--dataset_name this_is_not_used is not read" in caplog.text
+
+
+def test_an_ambiguous_or_partial_flag_is_one_line_naming_the_flags(dataset, tmp_path, capsys):
+    """argparse printed the whole usage (hundreds of lines) for an ambiguous prefix, and silently took a unique
+    one for the flag it starts; here both are unknown flags with the candidates, on one line."""
+    argv = _args(dataset, tmp_path)
+    line = _fails([*argv, "--num_generation", "4"], capsys)
+    assert line.startswith("error: unknown flag --num_generation:")
+    assert "--num_generations" in line and "--num_generations_eval" in line
+    line = _fails([*argv, "--report", "wandb"], capsys)  # a unique prefix of --report_to: not taken for it
+    assert "error: unknown flag --report:" in line
+    line = _fails([*argv, "--max_steps"], capsys)  # argparse's own errors: one line too
+    assert "--max_steps/--max-steps: expected one argument" in line
+
+
+def test_the_usage_is_not_printed_for_a_flag_error(dataset, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        cli([*_args(dataset, tmp_path), "--num_generation", "4"])
+    captured = capsys.readouterr()
+    assert "usage:" not in captured.err + captured.out
+    assert len([ln for ln in captured.err.splitlines() if ln.strip()]) == 1
+
+
+def test_a_fresh_run_into_a_folder_with_files_needs_overwrite_output_dir(dataset, tmp_path, capsys):
+    """Another run's model or logs would be written over without a word; with the flag the run goes on (here to
+    the missing model: the control that the check itself passed)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors").write_text("an earlier run's model")
+    line = _fails(_args(dataset, tmp_path), capsys)
+    assert f"--output_dir {out} is not empty (model.safetensors)" in line and "--overwrite_output_dir" in line
+    assert "no/such/model" in _fails([*_args(dataset, tmp_path), "--overwrite_output_dir"], capsys)
+    assert (out / "model.safetensors").exists()
+    (out / "model.safetensors").unlink()  # an empty folder is a fresh run's
+    assert "no/such/model" in _fails(_args(dataset, tmp_path), capsys)
+
+
+def test_a_fresh_sft_run_into_a_folder_with_files_needs_overwrite_output_dir(dataset, tmp_path, capsys):
+    from vlm_grpo.sft_jsonl import cli as sft_cli
+
+    data, _ = dataset
+    out = tmp_path / "sft"
+    out.mkdir()
+    (out / "notes.txt").write_text("x")
+    argv = ["--model_name_or_path", "no/such/model", "--data_file_paths", str(data), "--image_folders",
+            str(data.parent / "images"), "--output_dir", str(out), "--report_to", "none"]  # fmt: skip
+    with pytest.raises(SystemExit):
+        sft_cli(argv)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"--output_dir {out} is not empty (notes.txt)" in err
+
+
+@pytest.fixture
+def wandb_home(tmp_path):
+    """Where wandb finds no API key (no ~/.netrc, no settings): the environment to set beside no WANDB_API_KEY."""
+    if importlib.util.find_spec("wandb") is None:
+        pytest.fail("wandb is needed: pip install 'vlm-grpo[wandb]'")
+    home = tmp_path / "home"
+    home.mkdir()
+    return {"HOME": str(home), "WANDB_DIR": str(tmp_path), "WANDB_CONFIG_DIR": str(home / ".config" / "wandb")}
+
+
+def test_wandb_without_a_key_is_one_warning_before_the_model_load(dataset, tmp_path, monkeypatch, capsys, wandb_home):
+    """The warning comes with the cheap checks; WANDB_MODE=offline (the control) says so without a warning."""
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # restored after the test: the check sets it
+    for name in [k for k in os.environ if k.startswith("WANDB_") or k in ("NETRC", "XDG_CONFIG_HOME")]:
+        monkeypatch.delenv(name)
+    for name, value in wandb_home.items():
+        monkeypatch.setenv(name, value)
+    argv = _args(dataset, tmp_path)
+    argv[argv.index("--report_to") + 1] = "wandb"
+    with pytest.raises(SystemExit):
+        cli(argv)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "no/such/model" in err  # got past the checks to the model
+    (warning,) = [ln for ln in err.splitlines() if ln.startswith("warning:")]
+    assert "--report_to wandb: no W&B API key" in warning and "logging offline" in warning
+    assert os.environ["WANDB_MODE"] == "offline"
+    with pytest.raises(SystemExit):
+        cli(argv)
+    assert "warning:" not in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_wandb_without_a_key_is_one_warning_and_an_offline_run(dataset, tiny_models, tmp_path, wandb_home):
+    """VLM-R1's scripts pass --report_to wandb: the first run on a machine where wandb is not logged in trains,
+    logging offline, after one warning line (it stopped after the model load with wandb's traceback)."""
+    data, plugin = dataset
+    argv = base_args(tiny_models["qwen2_vl"], data, plugin, tmp_path / "out", steps=1)
+    argv[argv.index("--report_to") + 1] = "wandb"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and k not in ("NETRC", "XDG_CONFIG_HOME")}
+    env.update(wandb_home, PYTHONPATH=str(SRC), OMP_NUM_THREADS="1")
+    run = subprocess.run(
+        [sys.executable, "-m", "vlm_grpo.grpo_jsonl", *argv], env=env, capture_output=True, text=True, timeout=600,
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "Traceback" not in run.stderr
+    (warning,) = [ln for ln in run.stderr.splitlines() if ln.startswith("warning:")]
+    assert "--report_to wandb: no W&B API key" in warning and "offline" in warning and "wandb sync" in warning
+    assert list((tmp_path / "wandb").glob("offline-run-*")), "the run logged nothing offline"
+
+
+def test_a_malformed_wandb_key_is_an_error_before_the_model_load(dataset, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WANDB_API_KEY", "abc")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    argv = _args(dataset, tmp_path)
+    argv[argv.index("--report_to") + 1] = "wandb"
+    line = _fails(argv, capsys)
+    assert line.startswith("error: --report_to wandb:") and "WANDB_API_KEY" in line

@@ -6,14 +6,16 @@ flags, ``VLMGRPOConfig`` the training flags. Flag names follow VLM-R1 where it h
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import sys
+from argparse import ArgumentDefaultsHelpFormatter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from trl import GRPOConfig, ModelConfig, ScriptArguments, TrlParser
@@ -21,6 +23,7 @@ from trl import GRPOConfig, ModelConfig, ScriptArguments, TrlParser
 from vlm_grpo.advantages import check_estimator
 from vlm_grpo.cli_aliases import expand_flag_aliases, explain_unknown_flags
 from vlm_grpo.cli_errors import UserError
+from vlm_grpo.help_cache import HELP_WIDTH, store_help
 
 
 def batch_vision_attention_field() -> Any:
@@ -35,6 +38,15 @@ def batch_vision_attention_field() -> Any:
             "per-segment loop."
         },
     )
+
+
+# TrainingArguments' ``report_to``, with what a run does for wandb without an API key (GRPO and SFT configs). Its
+# type is written as TrainingArguments writes it: HfArgumentParser takes the second member as the flag's type.
+REPORT_TO_HELP = (
+    "Integrations to report the logs to (wandb, tensorboard, trackio, ...; several comma-separated), 'all' for every "
+    "installed one, 'none' for none. wandb without an API key (no WANDB_API_KEY, no `wandb login`, no WANDB_MODE): "
+    "one warning, and the run logs offline under ./wandb (upload it later with `wandb sync`)."
+)
 
 
 @dataclass
@@ -179,7 +191,11 @@ class GRPOScriptArguments(ScriptArguments):
     )
     overwrite_output_dir: bool = field(
         default=False,
-        metadata={"help": "Start a fresh run even if output_dir already holds checkpoint-* folders."},
+        metadata={
+            "help": "Start a fresh run in an output_dir that is not empty: old checkpoint-* folders are removed, "
+            "other files written over. Without it such an output_dir is an error (unless resuming from a checkpoint "
+            "there)."
+        },
     )
     plot: bool = field(
         default=True,
@@ -272,6 +288,7 @@ class VLMGRPOConfig(GRPOConfig):
         default=None,
         metadata={"help": "Use bf16 mixed precision. Default: on when a CUDA device is present, off on CPU."},
     )
+    report_to: None | str | list[str] = field(default="none", metadata={"help": REPORT_TO_HELP})  # noqa: RUF036
     share_prompt: bool = field(
         default=True,
         metadata={
@@ -448,9 +465,14 @@ class VLMGRPOConfig(GRPOConfig):
     def __post_init__(self) -> None:
         check_estimator(self.advantage_estimator)
         apply_device_defaults(self)
-        if isinstance(self.report_to, str) and "," in self.report_to:  # the command line takes one string
-            self.report_to = [name.strip() for name in self.report_to.split(",") if name.strip()]
+        split_report_to(self)
         super().__post_init__()
+
+
+def split_report_to(args: Any) -> None:
+    """``--report_to wandb,tensorboard`` as a list: the command line takes one string (GRPO and SFT configs)."""
+    if isinstance(args.report_to, str) and "," in args.report_to:
+        args.report_to = [name.strip() for name in args.report_to.split(",") if name.strip()]
 
 
 def apply_device_defaults(args: Any) -> None:
@@ -510,6 +532,18 @@ class VLMParser(TrlParser):
     ``--lo_rank``, older scripts' ``--torch_dtype``) are rewritten first, for every recipe.
     """
 
+    def __init__(self, dataclass_types: Any, **kwargs: Any) -> None:
+        # Whole flag names only: argparse would take a unique prefix (``--report`` for ``--report_to``) as the
+        # flag and an ambiguous one as an error printed under the whole usage; unknown here, it gets a hint.
+        kwargs.setdefault("allow_abbrev", False)
+        # One width whatever the terminal: the stored help (vlm_grpo.help_cache) is then the live one.
+        kwargs.setdefault("formatter_class", functools.partial(ArgumentDefaultsHelpFormatter, width=HELP_WIDTH))
+        super().__init__(dataclass_types, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        """argparse's own errors (a missing value, a bad choice) as one ``error:`` line, not under the usage."""
+        raise FlagError(f"{message} (--help lists every flag)")
+
     def parse_args_and_config(self, args: Sequence[str] | None = None, **kwargs: Any) -> tuple[Any, ...]:
         argv = self.with_bare_booleans(expand_flag_aliases(sys.argv[1:] if args is None else args))
         try:
@@ -519,8 +553,6 @@ class VLMParser(TrlParser):
             raise FlagError(explain_unknown_flags(str(exc), known)) from exc
 
     def print_help(self, file: Any = None) -> None:
-        from vlm_grpo.help_cache import store_help
-
         text = self.format_help()
         store_help(text)
         (file or sys.stdout).write(text)

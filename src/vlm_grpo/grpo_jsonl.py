@@ -16,7 +16,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from vlm_grpo.help_cache import print_cached_help
+from vlm_grpo.help_cache import answer_help
+from vlm_grpo.utils import start_process
 
 if TYPE_CHECKING:
     from vlm_grpo.configs import GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig
@@ -57,8 +58,15 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
     from trl import get_peft_config
 
     from vlm_grpo.plot import finish_run
-    from vlm_grpo.recipe import finish_loggers, load_datasets, load_model, pick_module, preflight
-    from vlm_grpo.resume import resolve_resume
+    from vlm_grpo.recipe import (
+        check_sharded_settings,
+        finish_loggers,
+        load_datasets,
+        load_model,
+        pick_module,
+        preflight,
+        resolve_run,
+    )
     from vlm_grpo.rewards import build_reward_funcs
     from vlm_grpo.tools.rollouts import check_tool_flags
     from vlm_grpo.trainer import VLMGRPOTrainer
@@ -71,12 +79,8 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
     )
     quiet_warnings()
     preflight(script_args, training_args)
-    resume = resolve_resume(
-        training_args.output_dir,
-        training_args.resume_from_checkpoint,
-        script_args.overwrite_output_dir,
-        is_main_process=is_main,
-    )
+    check_sharded_settings(training_args)
+    resume = resolve_run(script_args, training_args)
 
     check_tool_flags(script_args)  # unknown tool or protocol, bad option, no sandbox: say so before loading
     module, processor = pick_module(model_args, training_args.trust_remote_code)
@@ -131,9 +135,10 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
 
 
 def cli(argv: Sequence[str] | None = None) -> None:
-    if print_cached_help(argv):
+    if answer_help(argv, parse_args):
         return
-    from vlm_grpo.recipe import run_command  # after the cached help: recipes import the heavy modules
+    start_process()
+    from vlm_grpo.recipe import run_command  # after the help: recipes import the heavy modules
 
     run_command(lambda args: main(*parse_args(args)), argv)
 

@@ -3,16 +3,19 @@ the rows, load the model."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import logging
 import os
+import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from vlm_grpo.cli_errors import UserError, run_cli
-from vlm_grpo.configs import GRPOScriptArguments, VLMModelConfig
+from vlm_grpo.configs import GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig
 from vlm_grpo.data import prepare_rows, split_paths, to_datasets
 from vlm_grpo.data.sources import ColumnKeys, check_source, read_sources, split_sources
 from vlm_grpo.data.video import VideoOptions
@@ -41,6 +44,9 @@ _REPORT_MODULES = {
 }
 
 
+_WRITE_TEST = ".write_test_"  # the temporary file that proves output_dir writable
+
+
 def _installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
@@ -65,6 +71,8 @@ def preflight(script_args: GRPOScriptArguments, training_args: Any) -> None:
                 f"--report_to {name}: the '{modules[0]}' package is not installed; "
                 f"pip install {modules[0]}{extra}, or pass --report_to none"
             )
+    if "wandb" in report_to or ("all" in report_to and _installed("wandb")):
+        check_wandb_login(is_main=training_args.process_index == 0)
     for flag, value in (
         ("--data_file_paths", script_args.data_file_paths),
         ("--eval_file_paths", script_args.eval_file_paths),
@@ -74,21 +82,20 @@ def preflight(script_args: GRPOScriptArguments, training_args: Any) -> None:
     for folder in [f for f in (script_args.image_folders or "").split(":") if f]:
         if not Path(folder).is_dir():
             raise UserError(f"--image_folders: '{folder}' is not a folder")
-    check_sharded_settings(training_args)
 
 
-def check_sharded_settings(training_args: Any) -> None:
-    """Speed settings that DeepSpeed ZeRO-3 / FSDP refuse when set to true: said before the model load rather
-    than by the trainer after it."""
+def check_sharded_settings(training_args: VLMGRPOConfig) -> None:
+    """GRPO's speed settings that DeepSpeed ZeRO-3 / FSDP refuse when set to true: said before the model load
+    rather than by the trainer after it."""
     from transformers.integrations import is_deepspeed_zero3_enabled
 
     from vlm_grpo.fastpath.compiled_layers import resolve_compile_layers
     from vlm_grpo.fastpath.decode import resolve_keep_decode_graphs
 
-    sharded = is_deepspeed_zero3_enabled() or bool(getattr(training_args, "fsdp", None))
+    sharded = is_deepspeed_zero3_enabled() or bool(training_args.fsdp)
     try:
-        resolve_compile_layers(getattr(training_args, "compile_layers", None), "cuda", sharded)
-        resolve_keep_decode_graphs(getattr(training_args, "keep_decode_graphs", None), sharded)
+        resolve_compile_layers(training_args.compile_layers, "cuda", sharded)
+        resolve_keep_decode_graphs(training_args.keep_decode_graphs, sharded)
     except ValueError as exc:
         raise UserError(str(exc)) from None
 
@@ -123,6 +130,39 @@ def end_distributed(synchronize: bool = False) -> None:
         state.destroy_process_group()
 
 
+def resolve_run(script_args: GRPOScriptArguments, training_args: Any) -> str | None:
+    """The checkpoint to resume from, or None for a fresh run (:func:`~vlm_grpo.resume.resolve_resume`); a fresh
+    run refuses an output_dir that already holds other files unless ``--overwrite_output_dir``."""
+    from vlm_grpo.resume import resolve_resume
+
+    is_main = training_args.process_index == 0
+    resume = resolve_resume(
+        training_args.output_dir,
+        training_args.resume_from_checkpoint,
+        script_args.overwrite_output_dir,
+        is_main_process=is_main,
+    )
+    if resume is None and is_main:  # rank 0 only: the other ranks' write tests come and go meanwhile
+        check_fresh_output_dir(training_args.output_dir, script_args.overwrite_output_dir)
+    return resume
+
+
+def check_fresh_output_dir(output_dir: str, overwrite: bool) -> None:
+    """A fresh run writes its model, logs and checkpoints into ``output_dir``: over another run's files only when
+    the user says so."""
+    found = sorted(p.name for p in Path(output_dir).iterdir() if not p.name.startswith(_WRITE_TEST))
+    if not found:
+        return
+    listed = ", ".join(found[:3]) + (f", ... ({len(found)} entries)" if len(found) > 3 else "")
+    if overwrite:
+        logger.warning("--overwrite_output_dir: writing over the files in %s (%s)", output_dir, listed)
+        return
+    raise UserError(
+        f"--output_dir {output_dir} is not empty ({listed}) and holds no checkpoint to resume from; pass "
+        "--overwrite_output_dir to write over its files, or another --output_dir"
+    )
+
+
 def check_dataset_name(script_args: GRPOScriptArguments, output_dir: str, seed: int) -> None:
     """``--dataset_name`` naming a folder or file (the Lewis seed's PerVA games, a saved dataset, a data file) is
     the data (:func:`vlm_grpo.serve.lewis.dataset_name_source`). Any other name is not read (VLM-R1's grpo_jsonl.py
@@ -150,6 +190,35 @@ def check_dataset_name(script_args: GRPOScriptArguments, output_dir: str, seed: 
     logger.info("--dataset_name %s is not read: the data comes from --data_file_paths", name)
 
 
+def check_wandb_login(is_main: bool = True) -> None:
+    """``--report_to wandb`` without a W&B API key (no ``WANDB_API_KEY``, no ``wandb login``, no ``WANDB_MODE``):
+    wandb would stop the run after the model load (or wait at a prompt there); instead the run logs offline, with
+    one warning. A key wandb refuses (a malformed one) is an error now rather than then."""
+    if os.environ.get("WANDB_MODE", "").strip().lower() in ("offline", "disabled", "dryrun"):
+        return
+    import wandb
+
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            logged_in = wandb.login(prompt=False, verify=False)  # no network: only where a key is configured
+    except wandb.errors.Error as exc:
+        raise UserError(
+            f"--report_to wandb: {exc}; fix WANDB_API_KEY or `wandb login`, or pass --report_to none"
+        ) from None
+    if logged_in:
+        return
+    os.environ["WANDB_MODE"] = "offline"  # wandb's own switch, read when the trainer starts the run ...
+    wandb.teardown()  # ... by a new wandb session: the one the check started has read the settings already
+    if is_main:
+        print(
+            "warning: --report_to wandb: no W&B API key (WANDB_API_KEY or `wandb login`): logging offline under "
+            f"{os.environ.get('WANDB_DIR') or '.'}/wandb (upload it with `wandb sync`); WANDB_MODE=offline or "
+            "--report_to none says so without this warning",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def check_output_dir(output_dir: str | None) -> None:
     """``output_dir`` must be a folder this process can create and write to."""
     if not output_dir:
@@ -159,7 +228,7 @@ def check_output_dir(output_dir: str | None) -> None:
         raise UserError(f"--output_dir {output_dir} is a file, not a folder; pass a folder path")
     try:
         path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".write_test_"):
+        with tempfile.NamedTemporaryFile(dir=path, prefix=_WRITE_TEST):
             pass
     except OSError as exc:
         raise UserError(
@@ -234,14 +303,20 @@ def wrap_solutions(rows: list[dict]) -> None:
 
 
 def load_model(module: VLMModule, model_args: VLMModelConfig, trust_remote_code: bool = False) -> Any:
-    """The model to train, loaded by its family's adapter with the user's dtype, attention and revision."""
-    return module.load_model(
+    """The model to train, loaded by its family's adapter with the user's dtype, attention and revision. Then
+    transformers' progress bars are turned off: each checkpoint save would draw its "Writing model shards" bar
+    through the training bar (the training bar is the Trainer's own, not one of these)."""
+    from transformers.utils import logging as hf_logging
+
+    model = module.load_model(
         model_args.model_name_or_path,
         dtype=model_args.dtype,
         attn_implementation=model_args.attn_implementation,
         trust_remote_code=trust_remote_code,
         revision=model_args.model_revision,
     )
+    hf_logging.disable_progress_bar()
+    return model
 
 
 def load_datasets(script_args: GRPOScriptArguments, module: VLMModule, processor: Any, seed: int) -> tuple[Any, Any]:

@@ -93,7 +93,7 @@ class RolloutLogMixin:
             unwrapped = [getattr(f, "fn", f) for f in self.reward_funcs]  # SafeReward -> function (or partial)
             lewis = any(getattr(f, "func", f) is listener_reward for f in unwrapped)
             self._rollout_path = rollout_log_path(
-                getattr(self.args, "rollout_log", None), self.args.process_index, predictions_in_log_path=lewis
+                self.args.rollout_log, self.args.process_index, predictions_in_log_path=lewis
             )
             if self._rollout_path:
                 Path(self._rollout_path).parent.mkdir(parents=True, exist_ok=True)
@@ -101,14 +101,14 @@ class RolloutLogMixin:
         return self._rollout_path
 
     def _logs_this_step(self) -> bool:
-        every = max(1, getattr(self.args, "rollout_log_every", 1) or 1)
+        every = max(1, self.args.rollout_log_every)
         return self.model.training and self._rollout_file() is not None and self.state.global_step % every == 0
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         if not self._logs_this_step():
             return rewards
-        limit = getattr(self.args, "rollout_log_max_chars", None)
+        limit = self.args.rollout_log_max_chars
         start = self.accelerator.process_index * len(prompts)
         local = rewards[start : start + len(prompts)].tolist()
         weights = self.reward_weights.tolist()

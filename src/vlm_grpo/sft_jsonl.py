@@ -17,7 +17,8 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from vlm_grpo.help_cache import print_cached_help
+from vlm_grpo.help_cache import answer_help
+from vlm_grpo.utils import start_process
 
 if TYPE_CHECKING:
     from vlm_grpo.configs import GRPOScriptArguments, VLMModelConfig
@@ -79,19 +80,12 @@ def build_trainer(
     # Imported here, not at the top: `--help` needs none of it (see vlm_grpo.help_cache).
     from trl import get_peft_config
 
-    from vlm_grpo.recipe import load_datasets, load_model, pick_module, preflight
-    from vlm_grpo.resume import resolve_resume
+    from vlm_grpo.recipe import load_datasets, load_model, pick_module, preflight, resolve_run
     from vlm_grpo.sft_trainer import SFTTransform, VLMSFTTrainer, assistant_masks_supported
 
-    is_main = training_args.process_index == 0
     refuse_tool_flags(script_args)
     preflight(script_args, training_args)
-    resume = resolve_resume(
-        training_args.output_dir,
-        training_args.resume_from_checkpoint,
-        script_args.overwrite_output_dir,
-        is_main_process=is_main,
-    )
+    resume = resolve_run(script_args, training_args)
 
     module, processor = pick_module(model_args, training_args.trust_remote_code)
     train_dataset, eval_dataset = load_datasets(script_args, module, processor, training_args.seed)
@@ -172,9 +166,10 @@ def save_final_model(trainer: VLMSFTTrainer, args: VLMSFTConfig, base: str) -> N
 
 
 def cli(argv: Sequence[str] | None = None) -> None:
-    if print_cached_help(argv):
+    if answer_help(argv, parse_args):
         return
-    from vlm_grpo.recipe import run_command  # after the cached help: recipes import the heavy modules
+    start_process()
+    from vlm_grpo.recipe import run_command  # after the help: recipes import the heavy modules
 
     run_command(lambda args: main(*parse_args(args)), argv)
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from trl import SFTConfig, SFTTrainer
 
-from vlm_grpo.configs import apply_device_defaults, batch_vision_attention_field
+from vlm_grpo.configs import REPORT_TO_HELP, apply_device_defaults, batch_vision_attention_field, split_report_to
 from vlm_grpo.data.jsonl import LazyImageTransform
 from vlm_grpo.fastpath.vision_attention import use_batched_vision_attention
 from vlm_grpo.modules import VLMModule
@@ -33,6 +33,7 @@ class VLMSFTConfig(SFTConfig):
         default=None,
         metadata={"help": "Use bf16 mixed precision. Default: on when a CUDA device is present, off on CPU."},
     )
+    report_to: None | str | list[str] = field(default="none", metadata={"help": REPORT_TO_HELP})  # noqa: RUF036
     llm_lr: float | None = field(
         default=None,
         metadata={"help": "Learning rate of the language model (and everything outside the vision tower). "
@@ -72,6 +73,7 @@ class VLMSFTConfig(SFTConfig):
 
     def __post_init__(self) -> None:
         apply_device_defaults(self)
+        split_report_to(self)
         super().__post_init__()
 
 

@@ -149,7 +149,7 @@ class VLMGRPOTrainer(
             self._tool_turns = tool_turns(
                 tools, factory, processing_class, tool_protocol, max_context_tokens, max_tool_images
             )
-        elif getattr(args, "max_tool_calling_iterations", None) is not None:
+        elif args.max_tool_calling_iterations is not None:
             logger.warning("max_tool_calling_iterations has no effect without tools (--tools)")
         self.max_turn_tokens = max_turn_tokens
 

@@ -71,13 +71,12 @@ def prepare_vlm(
     if not isinstance(vlm_module, VLMModule):
         fallback = None if isinstance(model, str) else model.config.model_type
         vlm_module = get_vlm_module(name_or_path, vlm_module or fallback)
-    trust_remote_code = getattr(args, "trust_remote_code", False)
+    trust_remote_code = args.trust_remote_code
     if isinstance(model, str):
-        init_kwargs = dict(getattr(args, "model_init_kwargs", None) or {})
+        init_kwargs = dict(args.model_init_kwargs or {})
         init_kwargs.setdefault("trust_remote_code", trust_remote_code)
         model = vlm_module.load_model(model, **init_kwargs)
-        if args is not None:
-            args.model_init_kwargs = None  # consumed here; TRL would warn that they are ignored
+        args.model_init_kwargs = None  # consumed here; TRL would warn that they are ignored
     if processing_class is None:
         processing_class = vlm_module.load_processor(name_or_path, trust_remote_code=trust_remote_code)
     apply_adapter_options(

@@ -1,5 +1,5 @@
 """Small helpers every floor may use: unwrap a model, ask for ZeRO-3, warn once, quiet library warnings, tell a
-loopback host.
+loopback host, end a torchrun worker with its launcher.
 
 Cheap to import (torch and transformers load on first use), so the CLIs' ``--help`` stays fast."""
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import sys
 import warnings
 from typing import Any
 
@@ -53,6 +54,36 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def start_process() -> None:
+    """First thing a recipe's process does, before its slow imports: end with the launcher, quiet warnings."""
+    die_with_launcher()
+    quiet_warnings()  # warnings raised while importing are said once, by rank 0
+
+
+def die_with_launcher() -> None:
+    """Under torchrun: have Linux SIGKILL this worker when its launcher dies. torchrun starts each worker in a
+    session of its own, so a launcher killed with its process group (a job scheduler, a SIGKILL) would otherwise
+    leave the workers training on as orphans. A no-op outside torchrun (a run started with ``nohup`` or ``&``
+    must outlive its shell) and on other systems."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    launcher = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != launcher:  # the launcher died before the signal was asked for
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 # Deprecations transformers raises about its own names, which TRL's configs and trainer (and VLM-R1's
 # --gradient_checkpointing flag) still use: nothing a user can act on.
 _OWN_DEPRECATIONS = r"`\w*gradient_checkpointing\w*` is deprecated"
@@ -75,7 +106,8 @@ class _DropMessages(logging.Filter):
 
 def quiet_warnings() -> None:
     """Each warning at most once per run: once per process whatever its source line, and only on rank 0;
-    the known deprecations of our own config use hidden.
+    the known deprecations of our own config use hidden. Called before the heavy imports, so warnings raised
+    while importing (torch's deprecations in other libraries) count too.
 
     Python's own "once" and "default" actions remember what they showed in per-module registries that are
     cleared whenever any library touches the filters (``catch_warnings``): DeepSpeed's collectives then
@@ -83,6 +115,12 @@ def quiet_warnings() -> None:
     how warnings are shown; ours drops repeats and hands the rest on.
     """
     warnings.filterwarnings("ignore", message=_OWN_DEPRECATIONS, category=FutureWarning)
+    if int(os.environ.get("RANK", "0")) > 0:
+        # The libraries' own switches, read when they are imported (a recipe calls this first): torch's C++
+        # warnings (DDP's find_unused_parameters note) and the Hub's and transformers' progress bars
+        # ("Loading weights") from rank 0 alone.
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     # DeepSpeed logs "Setting accelerator to CPU" on every import when there is no GPU: nothing to act on.
     deepspeed = logging.getLogger("DeepSpeed")
     if not any(isinstance(f, _DropMessages) for f in deepspeed.filters):

@@ -56,7 +56,8 @@ def preflight(script_args: GRPOScriptArguments, training_args: Any) -> None:
     output_dir usable, --report_to integrations installed, data files and image folders present."""
     check_output_dir(training_args.output_dir)
     check_dataset_name(script_args, training_args.output_dir, training_args.seed)
-    for name in training_args.report_to or []:
+    report_to = training_args.report_to or []
+    for name in report_to:
         if name in ("none", "all"):
             continue
         modules = _REPORT_MODULES.get(name)

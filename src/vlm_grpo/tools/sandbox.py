@@ -30,6 +30,7 @@ import io
 import json
 import logging
 import os
+import queue
 import secrets
 import select
 import shutil
@@ -41,6 +42,7 @@ import tempfile
 import threading
 import time
 import weakref
+from concurrent.futures import Future
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -171,7 +173,7 @@ class Sandbox:
             self.isolation = "weak"
         self.scratch = launch.scratch
         try:
-            self.proc = subprocess.Popen(
+            self.proc = _spawn(
                 launch.argv,
                 pass_fds=launch.pass_fds,
                 cwd=self._own_dir or "/",
@@ -395,6 +397,33 @@ class Sandbox:
 
     def __del__(self) -> None:
         self.close()
+
+
+_SPAWN_QUEUE: queue.SimpleQueue = queue.SimpleQueue()
+_SPAWNER_LOCK = threading.Lock()
+_SPAWNER: threading.Thread | None = None
+
+
+def _spawner() -> None:
+    while True:
+        future, args, kwargs = _SPAWN_QUEUE.get()
+        try:
+            future.set_result(subprocess.Popen(args, **kwargs))
+        except BaseException as exc:
+            future.set_exception(exc)
+
+
+def _spawn(args: list[str], **kwargs: Any) -> subprocess.Popen:
+    """Start a sandbox from one thread that lives as long as the process: bwrap's --die-with-parent fires when
+    the *thread* that started it ends, so sandboxes started by a pool's or an executor's thread would die."""
+    global _SPAWNER
+    with _SPAWNER_LOCK:
+        if _SPAWNER is None or not _SPAWNER.is_alive():
+            _SPAWNER = threading.Thread(target=_spawner, name="vlm-grpo-sandbox-spawner", daemon=True)
+            _SPAWNER.start()
+    future: Future = Future()
+    _SPAWN_QUEUE.put((future, args, kwargs))
+    return future.result()
 
 
 def _write_all(fd: int, data: bytes) -> None:

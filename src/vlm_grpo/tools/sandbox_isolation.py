@@ -179,12 +179,12 @@ def _view(packages: list[str], worker: str) -> list[str]:
         return out
 
     if not prefix.startswith("/usr/"):
-        args += parents(prefix) + ["--ro-bind", prefix, prefix]
+        args += [*parents(prefix), "--ro-bind", prefix, prefix]
     if os.path.isdir(base_site):
         args += ["--tmpfs", base_site]  # the base Python's own site-packages: hidden, only PACKAGES come back
     for path in packages:
-        args += parents(path) + ["--ro-bind", path, path]
-    args += parents(WORKER_PATH) + ["--ro-bind", worker, WORKER_PATH]
+        args += [*parents(path), "--ro-bind", path, path]
+    args += [*parents(WORKER_PATH), "--ro-bind", worker, WORKER_PATH]
     return args
 
 
@@ -213,7 +213,18 @@ def build_launch(worker: str, request_fd: int, reply_fd: int, scratch_mb: int) -
     if os.geteuid() == 0:
         # Root builds the view in a mount + pid namespace of its own, then gives up root before the namespaces
         # the code lives in are made: bwrap run by root would map the code's uid to 0 outside.
-        outer = [bwrap, "--unshare-pid", "--die-with-parent", "--bind", "/proc", "/proc", "--dev", "/dev", "--dir", SCRATCH]
+        outer = [
+            bwrap,
+            "--unshare-pid",
+            "--die-with-parent",
+            "--bind",
+            "/proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--dir",
+            SCRATCH,
+        ]
         setpriv = [shutil.which("setpriv"), f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
         argv = outer + _view(packages, worker) + setpriv + inner + ["--ro-bind", "/", "/"] + tail
     else:

@@ -326,7 +326,9 @@ class Sandbox:
     def _exchange(self, message: dict[str, Any], timeout: float) -> dict[str, Any]:
         """Send one request frame and read its reply frame (nonce and sequence number checked)."""
         if self._buffer or select.select([self._reply_fd], [], [], 0)[0]:
-            raise _Broken("it wrote outside a reply")  # or it closed the channel: both end the interpreter
+            if not self._buffer and not os.read(self._reply_fd, 1 << 16):
+                raise _Broken(self._exit_reason())
+            raise _Broken("it wrote outside a reply")
         self._seq += 1
         nonce = secrets.token_bytes(16)
         body = json.dumps(message).encode()

@@ -79,7 +79,7 @@ def _problems() -> list[str]:
         import pyseccomp  # noqa: F401
     except ImportError:
         problems.append("the seccomp binding is missing (pip install pyseccomp)")
-    except OSError as exc:  # the binding is there, libseccomp is not
+    except (OSError, AttributeError) as exc:  # the binding is there, libseccomp is not
         problems.append(f"libseccomp is missing ({exc}; apt-get install libseccomp2)")
     return problems
 

@@ -7,6 +7,7 @@ go on handing out working interpreters. Run as root (CI, the real hosts) and, fr
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -14,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -29,6 +31,17 @@ LIMITS = SandboxLimits(
     timeout=4.0, cpu_seconds=30, memory_mb=1024, file_mb=8, scratch_mb=32, max_output_chars=2000, pool_size=2
 )
 SECRET_ENV = "VLM_GRPO_CORPUS_SECRET"
+# Programs whose every attempt fails inside and which then end normally, printing what they tried.
+EXPECTED_TO_FINISH = {
+    "gc_frames",
+    "fd_writes",
+    "image_paths_as_values",
+    "proc_environ",
+    "proc_root_escape",
+    "huge_image",
+    "socket_families",
+    "output_flood",
+}
 os.environ.setdefault(SECRET_ENV, secrets.token_hex(16))  # in the trainer's environment before any sandbox starts
 
 if missing():
@@ -197,3 +210,31 @@ def test_the_corpus_passes_as_a_normal_user():
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-500:]
+
+
+@pytest.mark.slow
+def test_the_command_line_reports_every_hostile_program_as_an_error(host, tmp_path_factory):
+    """``python -m vlm_grpo.tools.sandbox FILE.py`` on the whole corpus (4 at a time): an error or note in the JSON
+    last line, and nothing outside changed."""
+    options = json.dumps({f.name: getattr(LIMITS, f.name) for f in fields(LIMITS) if f.name != "pool_size"})
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    programs = tmp_path_factory.mktemp("programs")
+    pending = list(CORPUS)
+    running: dict[str, subprocess.Popen] = {}
+    records: dict[str, dict] = {}
+    while pending or running:
+        while pending and len(running) < 4:
+            name = pending.pop()
+            path = programs / f"{name}.py"
+            path.write_text(host.header() + (CORPUS_DIR / f"{name}.py").read_text())
+            cmd = [sys.executable, "-m", "vlm_grpo.tools.sandbox", str(path), "--options", options]
+            running[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        name = next(iter(running))
+        out, err = running.pop(name).communicate(timeout=120)
+        assert out.strip(), f"{name}: no output; stderr {err[-500:]}"
+        records[name] = json.loads(out.strip().splitlines()[-1])
+    for name, record in sorted(records.items()):
+        received = "\n".join(str(v) for v in (record["stdout"], record["error"], record.get("note")) if v)
+        host.assert_untouched(received)
+        assert any(alt in received for alt in expectation(name)), (name, received[-500:])
+        assert record["error"] or record.get("note") or name in EXPECTED_TO_FINISH, (name, record)

@@ -520,8 +520,8 @@ def get_pool(limits: SandboxLimits) -> SandboxPool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m vlm_grpo.tools.sandbox",
-        description="Run FILE.py in the python tool's sandbox under the default limits. The last line of output "
-        'is one JSON object: {"stdout": ..., "images": [paths], "error": null or a message}.',
+        description="Run FILE.py in the python tool's sandbox (default limits unless --options). The last line "
+        'of output is one JSON object: {"stdout": ..., "images": [paths], "error": null or a message}.',
     )
     parser.add_argument("file", help="Python file to run")
     parser.add_argument("--image", action="append", default=[], help="image preloaded as images[i] (repeatable)")
@@ -531,7 +531,22 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run even where bubblewrap's namespaces are unavailable (rlimits and seccomp only)",
     )
+    parser.add_argument(
+        "--options",
+        default="{}",
+        help='the python tool\'s options as JSON, as in --tool_kwargs \'{"python": {...}}\' (e.g. \'{"timeout": 5}\')',
+    )
     args = parser.parse_args(argv)
+    try:
+        options = json.loads(args.options)
+        if not isinstance(options, dict):
+            raise ValueError("it must be a JSON object")
+        if args.allow_weak_isolation:
+            options["allow_weak_isolation"] = True
+        limits = SandboxLimits.from_options(options)
+    except (ValueError, TypeError) as exc:
+        print(f"error: --options {args.options}: {exc}", file=sys.stderr)
+        return 2
     try:
         code = Path(args.file).read_text()
     except OSError as exc:
@@ -547,7 +562,6 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as exc:
             print(f"error: --image {path}: cannot open it as an image ({exc})", file=sys.stderr)
             return 2
-    limits = SandboxLimits(allow_weak_isolation=args.allow_weak_isolation)
     try:
         sandbox = Sandbox(limits, images)
     except SandboxUnavailable as exc:

@@ -534,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--options",
         default="{}",
-        help='the python tool\'s options as JSON, as in --tool_kwargs \'{"python": {...}}\' (e.g. \'{"timeout": 5}\')',
+        help="the python tool's options as JSON, as in --tool_kwargs '{\"python\": {...}}' (e.g. '{\"timeout\": 5}')",
     )
     args = parser.parse_args(argv)
     try:

@@ -214,8 +214,15 @@ class Sandbox:
         except _Broken as exc:
             stderr = self._stderr()
             self.close()
+            hint = ""
+            if "bwrap:" in stderr:
+                hint = (
+                    ". bubblewrap could not set up the sandbox: enable unprivileged user namespaces (sysctl "
+                    "kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0; in Docker, a seccomp profile "
+                    "that allows them), or pass allow_weak_isolation (see docs/operations/security.md)"
+                )
             raise SandboxUnavailable(
-                f"the python tool's sandbox did not start ({exc}){': ' + stderr if stderr else ''}"
+                f"the python tool's sandbox did not start ({exc}){': ' + stderr if stderr else ''}{hint}"
             ) from None
         if self.proc.stderr is not None:
             self.proc.stderr.close()  # the code's fds 1 and 2 go to /dev/null from here on

@@ -21,8 +21,9 @@ from PIL import Image
 
 from vlm_grpo.tools import sandbox as sandbox_module
 from vlm_grpo.tools.base import ToolError
-from vlm_grpo.tools.sandbox import Sandbox, SandboxLimits, SandboxPool, SandboxUnavailable, _Broken
+from vlm_grpo.tools.sandbox import Sandbox, SandboxLimits, SandboxPool, SandboxUnavailable
 from vlm_grpo.tools.sandbox_isolation import IsolationMissing, missing
+from vlm_grpo.tools.sandbox_protocol import ProtocolError
 
 LIMITS = SandboxLimits(timeout=4.0, cpu_seconds=20, memory_mb=1024, max_output_chars=500, max_images=3)
 RED = (200, 10, 10)
@@ -221,7 +222,7 @@ def test_replies_are_untrusted_data(box):
         {"stdout": 3, "images": []},
         {"died": "signal SIGSEGV: a crash"},
     ):
-        with pytest.raises(_Broken):
+        with pytest.raises(ProtocolError):
             box._result(bad)
     assert box.run("print('fine')").stdout == "fine\n"
 

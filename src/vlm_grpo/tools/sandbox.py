@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import base64
-import binascii
 import io
 import json
 import logging
@@ -35,7 +34,6 @@ import secrets
 import select
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 import tempfile
@@ -43,17 +41,16 @@ import threading
 import time
 import weakref
 from concurrent.futures import Future
-from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from vlm_grpo.cli_errors import UserError
 from vlm_grpo.tools.sandbox_isolation import IsolationMissing, build_launch, build_weak_launch
+from vlm_grpo.tools.sandbox_protocol import HEADER, ProtocolError, SandboxLimits, SandboxResult, parse_reply
 
 logger = logging.getLogger(__name__)
 
 WORKER = Path(__file__).with_name("_sandbox_worker.py")
-HEADER = struct.Struct("!4s16sQI")  # magic, nonce, sequence number, body length (the worker's layout)
 WEAK_WARNING = (
     "WEAK ISOLATION (allow_weak_isolation): no namespaces, the code can read every file this user can read; "
     "rlimits and seccomp only"
@@ -69,64 +66,6 @@ def _close_all() -> None:
 
 class SandboxUnavailable(UserError, RuntimeError):
     """The sandbox cannot start with the isolation asked for."""
-
-
-class _Broken(Exception):
-    """The sandbox broke the protocol or died: the interpreter is ended and the call is a tool error."""
-
-
-@dataclass(frozen=True)
-class SandboxLimits:
-    """Limits of one sandbox session (``--tool_kwargs '{"python": {...}}'`` sets any of them)."""
-
-    timeout: float = field(default=10.0, metadata={"help": "Wall-clock seconds per code cell; then the process dies."})
-    cpu_seconds: int = field(default=60, metadata={"help": "CPU seconds for the whole session (RLIMIT_CPU)."})
-    memory_mb: int = field(
-        default=2048, metadata={"help": "Address-space cap in MiB of the interpreter, imports included (RLIMIT_AS)."}
-    )
-    file_mb: int = field(default=64, metadata={"help": "Largest file the code may write, MiB (RLIMIT_FSIZE)."})
-    scratch_mb: int = field(default=256, metadata={"help": "Size of the scratch dir (tmpfs), MiB: all files together."})
-    open_files: int = field(default=64, metadata={"help": "Most open file descriptors (RLIMIT_NOFILE)."})
-    max_threads: int = field(
-        default=32,
-        metadata={"help": "Most threads of the sandbox's user, its 3 processes included (RLIMIT_NPROC)."},
-    )
-    max_output_chars: int = field(default=4000, metadata={"help": "Printed output kept per cell; the rest is cut."})
-    max_images: int = field(default=4, metadata={"help": "Images kept per cell (shown or returned)."})
-    max_image_pixels: int = field(default=1024 * 1024, metadata={"help": "Larger returned images are shrunk."})
-    max_reply_mb: int = field(default=64, metadata={"help": "Largest reply (text and PNG images) accepted, MiB."})
-    allow_weak_isolation: bool = field(
-        default=False,
-        metadata={
-            "help": "Run without bubblewrap's namespaces where they are unavailable (rlimits and seccomp only): "
-            "the code can then read what the trainer's user can read."
-        },
-    )
-    startup_timeout: float = field(default=60.0, metadata={"help": "Seconds an interpreter may take to start."})
-    pool_size: int = field(default=4, metadata={"help": "Interpreters kept started and waiting for a rollout."})
-
-    @classmethod
-    def from_options(cls, options: dict[str, Any] | None) -> SandboxLimits:
-        options = dict(options or {})
-        known = {f.name for f in fields(cls)}
-        unknown = set(options) - known
-        if unknown:
-            raise ValueError(f"Unknown python tool option(s) {sorted(unknown)}; known: {', '.join(sorted(known))}")
-        limits = cls(**options)
-        for f in fields(cls):
-            value = getattr(limits, f.name)
-            if f.type != "bool" and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
-                raise ValueError(f"python tool option {f.name} must be a positive number, got {value!r}")
-        return limits
-
-
-@dataclass
-class SandboxResult:
-    stdout: str
-    images: list[Any]  # PIL images, decoded from the reply after the size checks
-    error: str | None
-    note: str | None = None
-    timed_out: bool = False
 
 
 def _scrubbed_env(scratch: str) -> dict[str, str]:
@@ -210,8 +149,8 @@ class Sandbox:
         try:
             ready = self._exchange(config, self.limits.startup_timeout)
             if ready.get("ready") is not True:
-                raise _Broken(ready.get("died") or "it did not say it was ready")
-        except _Broken as exc:
+                raise ProtocolError(ready.get("died") or "it did not say it was ready")
+        except ProtocolError as exc:
             stderr = self._stderr()
             self.close()
             hint = ""
@@ -250,7 +189,7 @@ class Sandbox:
             return
         try:
             reply = self._exchange({"images": [_png(img) for img in images]}, self.limits.startup_timeout)
-        except _Broken as exc:
+        except ProtocolError as exc:
             self._kill()
             raise RuntimeError(f"the sandbox died while loading the images: {exc}") from None
         if reply.get("error"):
@@ -274,7 +213,7 @@ class Sandbox:
             if new_images:
                 self.images_sent += len(new_images)
             return self._result(reply)
-        except _Broken as exc:
+        except ProtocolError as exc:
             self._kill()
             if time.monotonic() - start >= self.limits.timeout:
                 message = (
@@ -286,88 +225,46 @@ class Sandbox:
             return SandboxResult("", [], f"the interpreter was killed ({exc}); earlier variables are gone")
 
     def _result(self, reply: dict[str, Any]) -> SandboxResult:
-        """The reply as untrusted data: every field's type and size checked, images decoded after their sizes."""
-        if "died" in reply:
-            raise _Broken(str(reply["died"])[:300])
-        stdout, error, note, images = reply.get("stdout"), reply.get("error"), reply.get("note"), reply.get("images")
-        if not isinstance(stdout, str) or not isinstance(images, list):
-            raise _Broken("its reply was malformed")
-        if not all(isinstance(v, str) or v is None for v in (error, note)):
-            raise _Broken("its reply was malformed")
-        limit = self.limits.max_output_chars + 200
-        stdout, error, note = (v if v is None else v[: limit * 2] for v in (stdout, error, note))
-        if len(images) > self.limits.max_images:
-            raise _Broken(f"it returned {len(images)} images, over the limit of {self.limits.max_images}")
-        decoded = []
-        for item in images:
-            try:
-                decoded.append(self._decode(item))
-            except ValueError as exc:
-                note = (note + "; " if note else "") + f"an image was refused: {exc}"
-        return SandboxResult(stdout, decoded, error, note)
-
-    def _decode(self, item: Any) -> Any:
-        from PIL import Image
-
-        if not isinstance(item, str):
-            raise ValueError("not PNG data")
-        try:
-            data = base64.b64decode(item, validate=True)
-        except (binascii.Error, ValueError):
-            raise ValueError("not base64 PNG data") from None
-        try:
-            img = Image.open(io.BytesIO(data), formats=["PNG"])
-        except Image.DecompressionBombError:
-            raise ValueError(f"its size is over max_image_pixels={self.limits.max_image_pixels}") from None
-        except Exception:
-            raise ValueError("not a PNG image") from None
-        width, height = img.size  # from the header: checked before any pixel is decoded
-        if width * height > self.limits.max_image_pixels:
-            raise ValueError(f"{width}x{height} is over max_image_pixels={self.limits.max_image_pixels}")
-        try:
-            img.load()
-            return img.convert("RGB")
-        except Exception as exc:
-            raise ValueError(f"it does not decode ({type(exc).__name__})") from None
+        return parse_reply(reply, self.limits)
 
     def _exchange(self, message: dict[str, Any], timeout: float) -> dict[str, Any]:
         """Send one request frame and read its reply frame (nonce and sequence number checked)."""
         if self._buffer or select.select([self._reply_fd], [], [], 0)[0]:
             if not self._buffer and not os.read(self._reply_fd, 1 << 16):
-                raise _Broken(self._exit_reason())
-            raise _Broken("it wrote outside a reply")
+                raise ProtocolError(self._exit_reason())
+            raise ProtocolError("it wrote outside a reply")
         self._seq += 1
         nonce = secrets.token_bytes(16)
         body = json.dumps(message).encode()
         try:
             _write_all(self._request_fd, HEADER.pack(b"VGRQ", nonce, self._seq, len(body)) + body)
         except OSError:
-            raise _Broken("it closed its channel") from None
+            raise ProtocolError("it closed its channel") from None
         deadline = time.monotonic() + timeout
         magic, got_nonce, seq, size = HEADER.unpack(self._read(HEADER.size, deadline))
         if magic != b"VGRP" or got_nonce != nonce or seq != self._seq:
-            raise _Broken("its reply frame was forged or out of order")
+            raise ProtocolError("its reply frame was forged or out of order")
         if size > self.limits.max_reply_mb * 2**20:
-            raise _Broken(f"its reply of {size} bytes is over max_reply_mb={self.limits.max_reply_mb}")
+            raise ProtocolError(f"its reply of {size} bytes is over max_reply_mb={self.limits.max_reply_mb}")
         data = self._read(size, deadline)
         if self._buffer:
-            raise _Broken("it wrote past the end of its reply")
+            raise ProtocolError("it wrote past the end of its reply")
         try:
             reply = json.loads(data)
         except ValueError:
-            raise _Broken("its reply was not JSON") from None
+            raise ProtocolError("its reply was not JSON") from None
         if not isinstance(reply, dict):
-            raise _Broken("its reply was malformed")
+            raise ProtocolError("its reply was malformed")
         return reply
 
     def _read(self, size: int, deadline: float) -> bytes:
         while len(self._buffer) < size:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([self._reply_fd], [], [], left)[0]:
-                raise _Broken("no reply in time")
+                raise ProtocolError("no reply in time")
             chunk = os.read(self._reply_fd, max(size - len(self._buffer), 1 << 16))
             if not chunk:
-                raise _Broken(self._exit_reason())
+                raise ProtocolError(self._exit_reason())
             self._buffer += chunk
         data, self._buffer = self._buffer[:size], self._buffer[size:]
         return data

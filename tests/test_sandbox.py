@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from vlm_grpo.cli_errors import is_user_error
+from vlm_grpo.tools import TOOLS
 from vlm_grpo.tools import sandbox as sandbox_module
 from vlm_grpo.tools.base import ToolError
 from vlm_grpo.tools.sandbox import Sandbox, SandboxLimits, SandboxPool, SandboxUnavailable
@@ -333,8 +335,9 @@ def _no_bwrap(*args, **kwargs):
 
 def test_missing_isolation_is_refused_unless_opted_in(monkeypatch, caplog):
     monkeypatch.setattr(sandbox_module, "build_launch", _no_bwrap)
-    with pytest.raises(SandboxUnavailable, match=r"bubblewrap is not installed .*allow_weak_isolation"):
-        Sandbox(LIMITS)
+    with pytest.raises(SandboxUnavailable, match=r"bubblewrap is not installed .*allow_weak_isolation") as info:
+        TOOLS.get("python").setup({})  # when a run starts, before any model is loaded
+    assert is_user_error(info.value)  # printed as "error: ..." with exit status 2, no traceback
     with caplog.at_level(logging.WARNING, logger="vlm_grpo.tools.sandbox"):
         pool = SandboxPool(SandboxLimits(allow_weak_isolation=True, pool_size=1))
     try:

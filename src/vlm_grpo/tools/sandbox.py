@@ -157,8 +157,9 @@ class Sandbox:
             if "bwrap:" in stderr:
                 hint = (
                     ". bubblewrap could not set up the sandbox: enable unprivileged user namespaces (sysctl "
-                    "kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0; in Docker, a seccomp profile "
-                    "that allows them), or pass allow_weak_isolation (see docs/operations/security.md)"
+                    "kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0; on Ubuntu 24.04+ "
+                    "kernel.apparmor_restrict_unprivileged_userns=0 or an AppArmor profile for bwrap; in Docker, a "
+                    "seccomp profile that allows them), or pass allow_weak_isolation (see docs/operations/security.md)"
                 )
             raise SandboxUnavailable(
                 f"the python tool's sandbox did not start ({exc}){': ' + stderr if stderr else ''}{hint}"

@@ -41,7 +41,7 @@ DENIED_ALWAYS = (
     "finit_module", "delete_module", "reboot", "swapon", "swapoff", "acct", "settimeofday", "clock_settime",
     "clock_adjtime", "adjtimex", "quotactl", "userfaultfd", "io_uring_setup", "io_uring_enter",
     "io_uring_register", "open_by_handle_at", "name_to_handle_at", "personality", "lookup_dcookie",
-    "fanotify_init", "syslog", "vhangup", "iopl", "ioperm",
+    "fanotify_init", "syslog", "vhangup", "iopl", "ioperm", "pidfd_getfd", "kcmp", "process_madvise",
 )  # fmt: skip
 # Refused once the interpreter has started (loaded by the interpreter itself, after its one fork).
 DENIED_AFTER_START = ("execve", "execveat", "fork", "vfork")
@@ -66,8 +66,6 @@ def _problems() -> list[str]:
     for path, want, fix in (
         ("/proc/sys/kernel/unprivileged_userns_clone", "1", "sysctl -w kernel.unprivileged_userns_clone=1"),
         ("/proc/sys/user/max_user_namespaces", None, "sysctl -w user.max_user_namespaces=15000"),
-        ("/proc/sys/kernel/apparmor_restrict_unprivileged_userns", "0",
-         "sysctl -w kernel.apparmor_restrict_unprivileged_userns=0"),
     ):  # fmt: skip
         try:
             value = Path(path).read_text().strip()

@@ -27,7 +27,9 @@ from vlm_grpo.tools.sandbox import Sandbox, SandboxLimits, SandboxPool, SandboxU
 from vlm_grpo.tools.sandbox_isolation import IsolationMissing, missing
 from vlm_grpo.tools.sandbox_protocol import ProtocolError
 
-LIMITS = SandboxLimits(timeout=4.0, cpu_seconds=20, memory_mb=1024, max_output_chars=500, max_images=3)
+LIMITS = SandboxLimits(
+    timeout=4.0, cpu_seconds=20, memory_mb=1024, max_output_chars=500, max_images=3, preload_matplotlib=False
+)
 RED = (200, 10, 10)
 
 if missing():
@@ -261,6 +263,14 @@ def test_pyvision_images_and_figures_in_order_and_available_to_later_cells():
         assert env.python(code="y + 1")[0]["text"] == "6\n"  # persistent state
     finally:
         env.reset()
+
+
+def test_matplotlib_imported_on_first_use_still_shows_to_the_model(box):
+    """preload_matplotlib=False: ``plt`` imports on first use, and so does the model's own import; both show."""
+    drawn = box.run("import matplotlib.pyplot as p2\np2.figure(figsize=(1, 1), dpi=20)\np2.plot([0, 1])\np2.show()")
+    assert drawn.error is None and [im.size for im in drawn.images] == [(20, 20)]
+    again = box.run("plt.figure(figsize=(2, 1), dpi=10)\nplt.gcf()")
+    assert again.error is None and [im.size for im in again.images] == [(20, 10)]
 
 
 def test_timeout_restarts_with_a_clear_message_and_the_images_come_back():

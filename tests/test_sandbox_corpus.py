@@ -28,7 +28,14 @@ from vlm_grpo.tools.sandbox_isolation import IsolationMissing, missing
 CORPUS_DIR = Path(__file__).parent / "sandbox_corpus"
 CORPUS = sorted(p.stem for p in CORPUS_DIR.glob("*.py"))
 LIMITS = SandboxLimits(
-    timeout=4.0, cpu_seconds=30, memory_mb=1024, file_mb=8, scratch_mb=32, max_output_chars=2000, pool_size=2
+    timeout=4.0,
+    cpu_seconds=30,
+    memory_mb=1024,
+    file_mb=8,
+    scratch_mb=32,
+    max_output_chars=2000,
+    pool_size=2,
+    preload_matplotlib=False,  # the programs do not draw: interpreters start ~3x faster
 )
 SECRET_ENV = "VLM_GRPO_CORPUS_SECRET"
 # Programs whose every attempt fails inside and which then end normally, printing what they tried.

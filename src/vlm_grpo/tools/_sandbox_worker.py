@@ -1,8 +1,8 @@
 """Sandbox worker: one persistent interpreter per rollout (started by vlm_grpo.tools.sandbox, never imported).
 
 Started as ``python -I -S _sandbox_worker.py REQUEST_FD REPLY_FD`` inside the isolation of
-``sandbox_isolation``. It reads its configuration from REQUEST_FD, imports numpy, PIL and matplotlib, then
-forks once, before the seccomp filter that forbids processes is loaded:
+``sandbox_isolation``. It reads its configuration from REQUEST_FD, imports numpy, PIL (and matplotlib unless
+told not to), then forks once, before the seccomp filter that forbids processes is loaded:
 
 - the *supervisor* keeps the trainer's two fds, makes itself undumpable (its memory cannot be read by its
   sibling) and relays: each request frame from the trainer goes to the runner, the runner's answer goes back in
@@ -80,14 +80,48 @@ os.chdir(CONFIG["scratch"])
 import numpy as np  # noqa: E402  (imported before the limits: numpy maps large areas at import)
 from PIL import Image  # noqa: E402
 
-try:
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.figure
-    import matplotlib.pyplot as plt
-except ImportError:  # matplotlib is optional
-    matplotlib = plt = None
+def pyplot():
+    """matplotlib.pyplot, imported on first use unless preloaded (MPLBACKEND=Agg: nothing opens a window)."""
+    import matplotlib.pyplot
+
+    return matplotlib.pyplot
+
+
+def figure_class():
+    """matplotlib's Figure class once matplotlib is imported (None before: no object can be a Figure yet)."""
+    module = sys.modules.get("matplotlib.figure")
+    return getattr(module, "Figure", None)
+
+
+class PatchPyplot:
+    """Meta-path finder: however pyplot gets imported (by us or the model's code), its ``show`` shows to the model."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "matplotlib.pyplot":
+            return None
+        import importlib.machinery
+
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        load = spec.loader.exec_module
+
+        def exec_module(module):
+            load(module)
+            module.show = lambda *args, **kwargs: show()  # show and display: defined in the runner below
+            sys.modules["matplotlib.figure"].Figure.show = lambda self, *a, **k: display(self)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, PatchPyplot())
+if CONFIG.get("preload_matplotlib"):
+    try:
+        pyplot()
+    except ImportError:  # matplotlib is optional
+        pass
 
 to_runner_r, to_runner_w = os.pipe()
 to_super_r, to_super_w = os.pipe()
@@ -215,7 +249,7 @@ def figure_image(fig):
         raise RuntimeError(f"figure aspect ratio too extreme: {width:.0f}x{height:.0f} px (must be under 200:1)")
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
-    plt.close(fig)
+    pyplot().close(fig)
     buf.seek(0)
     return Image.open(buf).convert("RGB")
 
@@ -224,7 +258,7 @@ def as_image(obj):
     """A PIL image for what the code shows, or None when it is not an image."""
     if isinstance(obj, Image.Image):
         return obj
-    if plt is not None and isinstance(obj, matplotlib.figure.Figure):
+    if figure_class() is not None and isinstance(obj, figure_class()):
         return figure_image(obj)
     if isinstance(obj, np.ndarray) and (obj.ndim == 2 or (obj.ndim == 3 and obj.shape[2] in (1, 3, 4))):
         array = obj[..., 0] if obj.ndim == 3 and obj.shape[2] == 1 else obj
@@ -246,17 +280,30 @@ def display(*objs):
 
 def show(*args, **kwargs):
     """``plt.show()``: every open figure is shown to the model, in order, then closed."""
+    plt = pyplot()
     for number in plt.get_fignums():
         shown.append(figure_image(plt.figure(number)))
 
 
 Image.Image.show = lambda self, *a, **k: display(self)
-if plt is not None:
-    plt.show = show
-    matplotlib.figure.Figure.show = lambda self, *a, **k: display(self)
+
+
+class LazyModule:
+    """``plt`` / ``matplotlib`` in the code's namespace: the module itself, imported on first attribute."""
+
+    def __init__(self, name, key):
+        self._name, self._key = name, key
+
+    def __getattr__(self, attr):
+        import importlib
+
+        module = importlib.import_module(self._name)
+        NAMESPACE[self._key] = module
+        return getattr(module, attr)
+
+
 NAMESPACE = {"__name__": "__main__", "np": np, "Image": Image, "display": display, "io": io, "base64": base64}
-if plt is not None:
-    NAMESPACE.update(plt=plt, matplotlib=matplotlib)
+NAMESPACE.update(plt=LazyModule("matplotlib.pyplot", "plt"), matplotlib=LazyModule("matplotlib", "matplotlib"))
 IMAGES = []
 NAMESPACE["images"] = IMAGES
 
@@ -276,7 +323,7 @@ def looks_like_image(value):
         return value.dtype == np.uint8 and value.ndim == 3 and value.shape[2] in (3, 4)
     if isinstance(value, (list, tuple)):
         return bool(value) and all(isinstance(v, Image.Image) for v in value)
-    return isinstance(value, Image.Image) or (plt is not None and isinstance(value, matplotlib.figure.Figure))
+    return isinstance(value, Image.Image) or (figure_class() is not None and isinstance(value, figure_class()))
 
 
 def run(code):
@@ -299,8 +346,8 @@ def run(code):
         lines = traceback.format_exception(type(exc), exc, exc.__traceback__)
         lines = [line for line in lines if "worker.py" not in line]
         error = "".join(lines[-6:]).strip()
-        if plt is not None:
-            plt.close("all")  # as PyVision: a failed cell leaves no half-drawn figure behind
+        if "matplotlib.pyplot" in sys.modules:
+            pyplot().close("all")  # as PyVision: a failed cell leaves no half-drawn figure behind
     finally:
         sys.stdout, sys.stderr = old
     encoded, note = [], ""

@@ -145,6 +145,7 @@ class Sandbox:
             "max_images": int(self.limits.max_images),
             "max_image_pixels": int(self.limits.max_image_pixels),
             "max_reply_bytes": int(self.limits.max_reply_mb * 2**20),
+            "preload_matplotlib": bool(self.limits.preload_matplotlib),
         }
         try:
             ready = self._exchange(config, self.limits.startup_timeout)

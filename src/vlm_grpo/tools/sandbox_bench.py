@@ -2,7 +2,8 @@
 
 ``python -m vlm_grpo.tools.sandbox_bench [--starts 10] [--calls 200]`` prints a Markdown table:
 
-- *start*: one isolated interpreter from nothing to ready (bwrap, Python, numpy, PIL, matplotlib imported);
+- *start*: one isolated interpreter from nothing to ready (bwrap, Python, numpy, PIL, matplotlib imported),
+  and the same without matplotlib (``preload_matplotlib: false``);
 - *acquire from a warm pool*: what a rollout's first call waits for when the pool has one ready;
 - *call*: a trivial cell (``x = 1``) round trip, the overhead every tool call pays;
 - *call returning an image*: a cell that shows a 224x224 image (PNG encode, frame, checks, decode).
@@ -32,6 +33,12 @@ def measure(starts: int, calls: int) -> dict[str, tuple[float, float]]:
         t = time.perf_counter()
         Sandbox(limits).close()
         start_times.append(time.perf_counter() - t)
+    lean = SandboxLimits(pool_size=1, preload_matplotlib=False)
+    lean_times = []
+    for _ in range(starts):
+        t = time.perf_counter()
+        Sandbox(lean).close()
+        lean_times.append(time.perf_counter() - t)
     pool = SandboxPool(limits)
     acquire_times = []
     try:
@@ -60,6 +67,7 @@ def measure(starts: int, calls: int) -> dict[str, tuple[float, float]]:
         sandbox.close()
     return {
         "start (cold)": _percentiles(start_times),
+        "start, preload_matplotlib false": _percentiles(lean_times),
         "acquire from a warm pool": _percentiles(acquire_times),
         "call (x = 1)": _percentiles(call_times),
         "call returning a 224x224 image": _percentiles(image_times),

@@ -198,10 +198,6 @@ class Sandbox:
             raise RuntimeError(str(reply["error"]))
         self.images_sent += len(images)
 
-    def load_images(self, images: list[Any]) -> None:
-        """A pooled interpreter gets its rollout's images (kept for callers of the earlier name)."""
-        self.add_images(images)
-
     def run(self, code: str, new_images: list[Any] | None = None) -> SandboxResult:
         """Run one code cell (after adding ``new_images``); on timeout or death the interpreter is gone."""
         if not self.alive:

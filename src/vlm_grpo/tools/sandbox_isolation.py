@@ -206,7 +206,8 @@ def build_launch(worker: str, request_fd: int, reply_fd: int, scratch_mb: int) -
     ]  # fmt: skip
     tail = [
         "--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev",
-        "--size", str(int(scratch_mb) * 2**20), "--tmpfs", SCRATCH, "--chdir", SCRATCH, python, "-I", "-S", "-B", WORKER_PATH, str(request_fd), str(reply_fd),
+        "--size", str(int(scratch_mb) * 2**20), "--tmpfs", SCRATCH, "--chdir", SCRATCH,
+        python, "-I", "-S", "-B", WORKER_PATH, str(request_fd), str(reply_fd),
     ]  # fmt: skip
     if os.geteuid() == 0:
         # Root builds the view in a mount + pid namespace of its own, then gives up root before the namespaces

@@ -100,6 +100,33 @@ def test_the_code_runs_as_nobody_in_its_own_namespaces(box):
     assert len(python) == 2 and all(uid == want for uid, _ in python), python
 
 
+def test_sandboxes_die_with_the_trainer():
+    """SIGKILL the process that started a sandbox (no clean-up runs): every process of the sandbox goes too."""
+    code = (
+        "import time\nfrom vlm_grpo.tools.sandbox import Sandbox, SandboxLimits\n"
+        "s = Sandbox(SandboxLimits(preload_matplotlib=False))\nprint(s.proc.pid, flush=True)\ntime.sleep(120)"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    trainer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+    sandbox = _tree(int(trainer.stdout.readline()))
+    assert len(sandbox) >= 4  # bwrap's processes, the supervisor and the runner
+    trainer.kill()
+    trainer.wait()
+
+    def running(pid: int) -> bool:  # alive, not a zombie, and still one of the sandbox's (pids get reused)
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            alive = "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            return False
+        return alive and (b"bwrap" in cmdline or b"worker.py" in cmdline)
+
+    deadline = time.monotonic() + 10
+    while any(map(running, sandbox)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in sandbox if running(p)]
+
+
 def test_parent_environment_is_not_visible(box, monkeypatch):
     monkeypatch.setenv("VLM_GRPO_SECRET_TOKEN", "hunter2")
     fresh = Sandbox(LIMITS)

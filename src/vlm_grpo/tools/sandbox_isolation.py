@@ -15,6 +15,7 @@ unprivileged bwrap that makes every namespace: the code never runs as uid 0 anyw
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import io
 import os
@@ -82,6 +83,7 @@ def _problems() -> list[str]:
     return problems
 
 
+@functools.cache
 def seccomp_filters() -> tuple[bytes, bytes]:
     """The two BPF programs (always, after start-up), built by libseccomp for this machine's architecture."""
     import pyseccomp as sc
@@ -118,7 +120,8 @@ def _export(filt) -> bytes:
         return stream.read()
 
 
-def _package_dirs() -> list[str]:
+@functools.cache
+def _package_dirs() -> tuple[str, ...]:
     """The importable packages' folders (and the ``*.libs`` folders of their bundled shared libraries)."""
     dirs = []
     for name in PACKAGES:
@@ -131,7 +134,7 @@ def _package_dirs() -> list[str]:
             dirs.append(os.path.realpath(spec.origin))
     for site in {os.path.dirname(d) for d in dirs}:
         dirs += [os.path.join(site, e) for e in sorted(os.listdir(site)) if e.endswith(".libs")]
-    return sorted(set(dirs))
+    return tuple(sorted(set(dirs)))
 
 
 @dataclass
@@ -153,7 +156,7 @@ class Launch:
                 pass
 
 
-def _view(packages: list[str], worker: str) -> list[str]:
+def _view(packages: tuple[str, ...], worker: str) -> list[str]:
     """bwrap arguments for the read-only view: system libraries, the Python installation, the packages."""
     args = ["--ro-bind", "/usr", "/usr"]
     for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):

@@ -1,173 +1,220 @@
-"""Sandbox worker: one persistent interpreter per rollout (run by vlm_grpo.tools.sandbox, never imported).
+"""Sandbox worker: one persistent interpreter per rollout (started by vlm_grpo.tools.sandbox, never imported).
 
-Started as ``python -I _sandbox_worker.py CONFIG_JSON`` in its private temp dir with a scrubbed
-environment. It cuts itself off the network (new user + network namespace), sets rlimits, preloads
-numpy, PIL and the row's images, arms an audit hook, then answers one JSON request per stdin line with
-one JSON line on its private copy of stdout. Only the standard library, numpy and PIL are used here.
+Started as ``python -I -S _sandbox_worker.py REQUEST_FD REPLY_FD`` inside the isolation of
+``sandbox_isolation``. It reads its configuration from REQUEST_FD, imports numpy, PIL (and matplotlib unless
+told not to), then forks once, before the seccomp filter that forbids processes is loaded:
+
+- the *supervisor* keeps the trainer's two fds, makes itself undumpable (its memory cannot be read by its
+  sibling) and relays: each request frame from the trainer goes to the runner, the runner's answer goes back in
+  a frame carrying the request's random nonce and sequence number; a runner that dies is reported as such;
+- the *runner* closes every fd but its two pipes to the supervisor, sets the rlimits, then runs the model's
+  code cells in one persistent namespace. Model code can reach neither the trainer's fds nor the nonces.
+
+Only the standard library, numpy, PIL and matplotlib are used here.
 """
 
 import ast
+import base64
+import ctypes
 import io
 import json
 import os
 import resource
 import signal
+import struct
 import sys
 import traceback
 
-CONFIG = json.loads(sys.argv[1])
-TMP = os.path.realpath(CONFIG["tmp_dir"])
-RESPONSES = os.fdopen(os.dup(1), "w", buffering=1)  # our channel; fd 1 and 2 go to /dev/null below
-_devnull = os.open(os.devnull, os.O_WRONLY)
-os.dup2(_devnull, 1)
-os.dup2(_devnull, 2)
-BLOCKED_MODULES = ("vlm_grpo", "torch", "transformers", "trl", "accelerate", "deepspeed", "peft", "datasets")
+HEADER = struct.Struct("!4s16sQI")  # magic, nonce, sequence number, body length
+SMALL = struct.Struct("!I")
+REQUEST_FD, REPLY_FD = int(sys.argv[1]), int(sys.argv[2])
 
 
-def send(obj):
-    RESPONSES.write(json.dumps(obj) + "\n")
-    RESPONSES.flush()
+def read_exact(fd, n):
+    chunks, left = [], n
+    while left:
+        chunk = os.read(fd, min(left, 1 << 20))
+        if not chunk:
+            raise EOFError
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
 
 
-def isolate_network():
-    """New user + network namespace: only a down loopback, no route anywhere."""
-    import ctypes
+def write_all(fd, data):
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
+
+def read_request():
+    magic, nonce, seq, size = HEADER.unpack(read_exact(REQUEST_FD, HEADER.size))
+    if magic != b"VGRQ":
+        raise EOFError
+    return nonce, seq, read_exact(REQUEST_FD, size)
+
+
+def load_filters(filters):
+    """Load seccomp BPF programs (built by libseccomp in the trainer) on this process."""
+    if not filters:
+        return
     libc = ctypes.CDLL(None, use_errno=True)
-    clone_newuser, clone_newnet = 0x10000000, 0x40000000
-    flags = clone_newnet if os.geteuid() == 0 else clone_newuser | clone_newnet
-    if libc.unshare(flags) != 0 and libc.unshare(clone_newuser | clone_newnet) != 0:
-        return os.strerror(ctypes.get_errno())
-    return None
+
+    class Prog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+    for program in filters:
+        code = base64.b64decode(program)
+        buf = ctypes.create_string_buffer(code, len(code))
+        prog = Prog(len(code) // 8, ctypes.cast(buf, ctypes.c_void_p))
+        if libc.prctl(22, 2, ctypes.byref(prog), 0, 0) != 0:  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")
 
 
-isolation = {"network_namespace": False, "rlimits": [], "audit_hook": False}
-if CONFIG["network_namespace"]:
-    problem = isolate_network()
-    if problem is None:
-        isolation["network_namespace"] = True
-    elif CONFIG["require_network_namespace"]:
-        send({"fatal": f"unshare(CLONE_NEWUSER | CLONE_NEWNET) failed: {problem}"})
-        sys.exit(3)
-
-# Imports the model's code may use, done before the limits (numpy maps large areas at import).
-import numpy as np  # noqa: E402
+nonce, seq, body = read_request()
+CONFIG = json.loads(body)
+sys.path.extend(CONFIG["site_dirs"])
+os.chdir(CONFIG["scratch"])
+import numpy as np  # noqa: E402  (imported before the limits: numpy maps large areas at import)
 from PIL import Image  # noqa: E402
 
-LIMITS = {
-    "RLIMIT_CPU": (CONFIG["cpu_seconds"], CONFIG["cpu_seconds"]),
-    "RLIMIT_AS": (CONFIG["memory_bytes"], CONFIG["memory_bytes"]),
-    "RLIMIT_FSIZE": (CONFIG["file_bytes"], CONFIG["file_bytes"]),
-    "RLIMIT_NOFILE": (CONFIG["open_files"], CONFIG["open_files"]),
-    "RLIMIT_NPROC": (0, 0),  # no new processes (root ignores it: the audit hook blocks fork and exec)
-    "RLIMIT_CORE": (0, 0),
-}
-for name, value in LIMITS.items():
+
+def pyplot():
+    """matplotlib.pyplot, imported on first use unless preloaded (MPLBACKEND=Agg: nothing opens a window)."""
+    import matplotlib.pyplot
+
+    return matplotlib.pyplot
+
+
+def figure_class():
+    """matplotlib's Figure class once matplotlib is imported (None before: no object can be a Figure yet)."""
+    module = sys.modules.get("matplotlib.figure")
+    return getattr(module, "Figure", None)
+
+
+class PatchPyplot:
+    """Meta-path finder: however pyplot gets imported (by us or the model's code), its ``show`` shows to the model."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "matplotlib.pyplot":
+            return None
+        import importlib.machinery
+
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        load = spec.loader.exec_module
+
+        def exec_module(module):
+            load(module)
+            module.show = lambda *args, **kwargs: show()  # show and display: defined in the runner below
+            sys.modules["matplotlib.figure"].Figure.show = lambda self, *a, **k: display(self)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, PatchPyplot())
+if CONFIG.get("preload_matplotlib"):
     try:
-        resource.setrlimit(getattr(resource, name), value)
-        isolation["rlimits"].append(name)
-    except (ValueError, OSError):
+        pyplot()
+    except ImportError:  # matplotlib is optional
         pass
 
-IMAGES = []
+to_runner_r, to_runner_w = os.pipe()
+to_super_r, to_super_w = os.pipe()
+RUNNER = os.fork()
 
 
-def load_images(paths):
-    """The rollout's images, written into the working dir by the parent; read, then removed."""
-    IMAGES[:] = [Image.open(p).convert("RGB") for p in paths]
-    for p in paths:
-        os.remove(p)
-    NAMESPACE["images"] = IMAGES
-    NAMESPACE["image"] = IMAGES[0] if IMAGES else None
-    for i, img in enumerate(IMAGES):
-        NAMESPACE[f"image_{i}"] = img
+def describe(status):
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        why = {
+            signal.SIGXCPU: f"its CPU limit of {CONFIG['cpu_seconds']} s for this conversation",
+            signal.SIGKILL: "killed, most likely its CPU or memory limit",
+            signal.SIGSEGV: "a crash",
+            signal.SIGSYS: "a forbidden system call",
+        }.get(sig, "a signal")
+        return f"signal {signal.Signals(sig).name}: {why}"
+    return f"exit status {os.WEXITSTATUS(status)}"
 
 
-def arm(tmp, allowed_read):
-    """Install the audit hook and import blocker. Their state lives in this closure only: the hook cannot be
-    removed, and the introspection that could reach it (gc, frames) is refused by the hook itself."""
-    realpath, fsdecode, write_flags = os.path.realpath, os.fsdecode, os.O_WRONLY | os.O_RDWR | os.O_CREAT
-    write_flags |= os.O_APPEND | os.O_TRUNC
-    read_files = frozenset({os.devnull, "/dev/urandom", "/etc/localtime"})
-    blocked = BLOCKED_MODULES
-    denied = {
-        "os.system": "running shell commands",
-        "os.exec": "starting programs",
-        "os.posix_spawn": "starting programs",
-        "os.fork": "creating processes",
-        "os.forkpty": "creating processes",
-        "subprocess.Popen": "starting programs",
-        "pty.spawn": "starting programs",
-        "os.kill": "signalling processes",
-        "os.killpg": "signalling processes",
-        "resource.setrlimit": "changing resource limits",
-        "resource.prlimit": "changing resource limits",
-        "sys.addaudithook": "adding audit hooks",
-        "socket.__new__": "network access",
-        "socket.connect": "network access",
-        "socket.bind": "network access",
-        "socket.getaddrinfo": "network access",
-        "socket.gethostbyname": "network access",
-        "socket.sendto": "network access",
-        "urllib.Request": "network access",
-        "webbrowser.open": "opening a browser",
-        "os.chdir": "changing directory",
-        "gc.get_objects": "introspecting the interpreter",
-        "gc.get_referrers": "introspecting the interpreter",
-        "gc.get_referents": "introspecting the interpreter",
-        "sys._current_frames": "introspecting the interpreter",
-    }
-    path_events = frozenset({
-        "os.remove", "os.rename", "os.mkdir", "os.rmdir", "os.chmod", "os.chown", "os.symlink", "os.link",
-        "os.truncate", "os.utime", "os.listdir", "os.scandir", "shutil.rmtree", "shutil.copyfile", "shutil.move",
-    })  # fmt: skip
+def supervise(request):
+    """Relay frames between the trainer and the runner; only this process holds the trainer's fds."""
+    os.close(to_runner_r)
+    os.close(to_super_w)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: the runner cannot read our memory
+    load_filters(CONFIG["filters"])
+    cap = int(CONFIG["max_reply_bytes"])
+    while True:
+        over, answer = False, None
+        try:
+            (size,) = SMALL.unpack(read_exact(to_super_r, SMALL.size))
+            over = size > cap
+            answer = None if over else read_exact(to_super_r, size)
+        except EOFError:
+            pass
+        dead = answer is None
+        if dead:  # the runner died or broke the protocol: say why, then end the sandbox
+            os.kill(RUNNER, signal.SIGKILL)  # a zombie keeps its first cause of death
+            _, status = os.waitpid(RUNNER, 0)
+            why = f"its reply was over {cap} bytes" if over else describe(status)
+            answer = json.dumps({"died": why}).encode()
+        write_all(REPLY_FD, HEADER.pack(b"VGRP", request[0], request[1], len(answer)) + answer)
+        if dead:
+            os._exit(0)
+        try:
+            got_nonce, got_seq, message = read_request()
+        except EOFError:
+            os.kill(RUNNER, signal.SIGKILL)
+            os._exit(0)
+        request = (got_nonce, got_seq)
+        write_all(to_runner_w, SMALL.pack(len(message)) + message)
 
-    def inside(path, roots):
-        real = realpath(path)
-        return any(real == r or real.startswith(r.rstrip("/") + "/") for r in roots)
 
-    def check_open(path, mode, flags):
-        if isinstance(path, int):
-            return
-        path = fsdecode(path)
-        writes = (mode and any(c in mode for c in "wax+")) or (isinstance(flags, int) and flags & write_flags)
-        if inside(path, (tmp,)):
-            return
-        if writes:
-            raise PermissionError(f"sandbox: writing '{path}' is not allowed; only the working directory is writable")
-        if realpath(path) in read_files or inside(path, allowed_read):
-            return
-        raise PermissionError(f"sandbox: reading '{path}' is not allowed (working directory and Python libraries only)")
+if RUNNER:
+    supervise((nonce, seq))
 
-    def audit(event, args):
-        if event == "open":
-            check_open(*args[:3])
-        elif event.startswith("ctypes."):
-            raise PermissionError("sandbox: ctypes is not allowed")
-        elif event == "import" and args[0].split(".")[0] in blocked:
-            raise ImportError(f"sandbox: module '{args[0]}' is not available here (numpy and PIL are)")
-        elif event in denied:
-            raise PermissionError(f"sandbox: {denied[event]} is not allowed ({event})")
-        elif event in path_events:
-            for path in args:
-                if not isinstance(path, (str, bytes, os.PathLike)) or inside(fsdecode(path), (tmp,)):
-                    continue
-                if event in ("os.listdir", "os.scandir") and inside(fsdecode(path), allowed_read):
-                    continue
-                raise PermissionError(f"sandbox: {event} on '{fsdecode(path)}' is not allowed outside the working dir")
+# ---- the runner: everything below runs with the model's code ----
+os.close(to_runner_w)
+os.close(to_super_r)
+for entry in os.listdir("/proc/self/fd"):
+    fd = int(entry)
+    if fd > 2 and fd not in (to_runner_r, to_super_w):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+_devnull = os.open(os.devnull, os.O_RDWR)
+for fd in (0, 1, 2):
+    os.dup2(_devnull, fd)
+os.close(_devnull)
+del nonce, seq, body
 
-    class BlockImports:
-        """Meta-path finder refusing the trainer's packages, whatever sys.path holds."""
+LIMITS = {
+    "RLIMIT_CPU": CONFIG["cpu_seconds"],
+    "RLIMIT_AS": CONFIG["memory_bytes"],
+    "RLIMIT_FSIZE": CONFIG["file_bytes"],
+    "RLIMIT_NOFILE": CONFIG["open_files"],
+    "RLIMIT_CORE": 0,
+}
+if CONFIG.get("max_threads"):
+    LIMITS["RLIMIT_NPROC"] = CONFIG["max_threads"]
+for name, value in LIMITS.items():
+    # The CPU limit's hard value one second later: SIGXCPU (reported as the CPU limit) comes before SIGKILL.
+    resource.setrlimit(getattr(resource, name), (value, value + 1 if name == "RLIMIT_CPU" else value))
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a too-large file fails the write instead of killing us
+load_filters(CONFIG["filters"])
 
-        blocked = tuple(BLOCKED_MODULES)  # its own copy: the audit hook's closure is not reachable from here
 
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in self.blocked:
-                raise ImportError(f"sandbox: module '{name}' is not available here (numpy and PIL are)")
-            return None
-
-    sys.meta_path.insert(0, BlockImports())
-    sys.addaudithook(audit)
+def answer(obj):
+    data = json.dumps(obj).encode()
+    write_all(to_super_w, SMALL.pack(len(data)) + data)
 
 
 class Capped(io.TextIOBase):
@@ -195,93 +242,149 @@ class Capped(io.TextIOBase):
 shown = []
 
 
+def figure_image(fig):
+    """A matplotlib figure rendered as PyVision renders it (PNG at the figure's dpi), then closed."""
+    width, height = fig.get_figwidth() * fig.dpi, fig.get_figheight() * fig.dpi
+    if max(width, height) / max(1e-9, min(width, height)) >= 200:
+        raise RuntimeError(f"figure aspect ratio too extreme: {width:.0f}x{height:.0f} px (must be under 200:1)")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    pyplot().close(fig)
+    buf.seek(0)
+    return Image.open(buf).convert("RGB")
+
+
+def as_image(obj):
+    """A PIL image for what the code shows, or None when it is not an image."""
+    if isinstance(obj, Image.Image):
+        return obj
+    if figure_class() is not None and isinstance(obj, figure_class()):
+        return figure_image(obj)
+    if isinstance(obj, np.ndarray) and (obj.ndim == 2 or (obj.ndim == 3 and obj.shape[2] in (1, 3, 4))):
+        array = obj[..., 0] if obj.ndim == 3 and obj.shape[2] == 1 else obj
+        if array.dtype != np.uint8:
+            array = np.clip(array * (255 if array.dtype.kind == "f" and array.max() <= 1 else 1), 0, 255)
+        return Image.fromarray(array.astype(np.uint8))
+    return None
+
+
 def display(*objs):
-    """Show an image (PIL image or numpy array) to the model; other objects are printed."""
+    """Show images to the model (PIL images, numpy arrays, matplotlib figures); other objects are printed."""
     for obj in objs:
-        if isinstance(obj, np.ndarray) and obj.ndim in (2, 3):
-            obj = Image.fromarray(obj.astype(np.uint8) if obj.dtype != np.uint8 else obj)
-        if isinstance(obj, Image.Image):
-            shown.append(obj)
-        else:
+        image = as_image(obj)
+        if image is None:
             print(repr(obj))
+        else:
+            shown.append(image)
 
 
-Image.Image.show = lambda self, *a, **k: display(self)  # img.show() shows to the model
-NAMESPACE = {
-    "__name__": "__main__",
-    "np": np,
-    "Image": Image,
-    "display": display,
-}
-load_images(CONFIG["images"])
+def show(*args, **kwargs):
+    """``plt.show()``: every open figure is shown to the model, in order, then closed."""
+    plt = pyplot()
+    for number in plt.get_fignums():
+        shown.append(figure_image(plt.figure(number)))
 
 
-def is_image_list(value):
-    return isinstance(value, (list, tuple)) and value and all(isinstance(v, Image.Image) for v in value)
+Image.Image.show = lambda self, *a, **k: display(self)
 
 
-def run(code, call):
+class LazyModule:
+    """``plt`` / ``matplotlib`` in the code's namespace: the module itself, imported on first attribute."""
+
+    def __init__(self, name, key):
+        self._name, self._key = name, key
+
+    def __getattr__(self, attr):
+        import importlib
+
+        module = importlib.import_module(self._name)
+        NAMESPACE[self._key] = module
+        return getattr(module, attr)
+
+
+NAMESPACE = {"__name__": "__main__", "np": np, "Image": Image, "display": display, "io": io, "base64": base64}
+NAMESPACE.update(plt=LazyModule("matplotlib.pyplot", "plt"), matplotlib=LazyModule("matplotlib", "matplotlib"))
+IMAGES = []
+NAMESPACE["images"] = IMAGES
+
+
+def add_images(encoded):
+    """The conversation's images, in order: image_clue_0, image_clue_1, ... (and images[i], image_i, image)."""
+    for data in encoded:
+        index = len(IMAGES)
+        img = Image.open(io.BytesIO(base64.b64decode(data))).convert("RGB")
+        IMAGES.append(img)
+        NAMESPACE[f"image_clue_{index}"] = NAMESPACE[f"image_{index}"] = img
+    NAMESPACE["image"] = IMAGES[0] if IMAGES else None
+
+
+def looks_like_image(value):
+    if isinstance(value, np.ndarray):
+        return value.dtype == np.uint8 and value.ndim == 3 and value.shape[2] in (3, 4)
+    if isinstance(value, (list, tuple)):
+        return bool(value) and all(isinstance(v, Image.Image) for v in value)
+    return isinstance(value, Image.Image) or (figure_class() is not None and isinstance(value, figure_class()))
+
+
+def run(code):
     del shown[:]
     out = Capped(CONFIG["max_output_chars"])
     error = None
     old = sys.stdout, sys.stderr
     sys.stdout = sys.stderr = out
     try:
-        tree = ast.parse(code, "<code>")
+        tree = ast.parse(code, "<cell>")
         last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-        exec(compile(tree, "<code>", "exec"), NAMESPACE)
+        exec(compile(tree, "<cell>", "exec"), NAMESPACE)
         if last is not None:
-            value = eval(compile(ast.Expression(last.value), "<code>", "eval"), NAMESPACE)
-            if isinstance(value, Image.Image) or is_image_list(value):
+            value = eval(compile(ast.Expression(last.value), "<cell>", "eval"), NAMESPACE)
+            if looks_like_image(value):
                 display(*(value if isinstance(value, (list, tuple)) else [value]))
             elif value is not None:
                 print(repr(value))
     except BaseException as exc:  # SystemExit, KeyboardInterrupt and MemoryError included: the session goes on
         lines = traceback.format_exception(type(exc), exc, exc.__traceback__)
-        lines = [line for line in lines if "_sandbox_worker.py" not in line]
+        lines = [line for line in lines if "worker.py" not in line]
         error = "".join(lines[-6:]).strip()
+        if "matplotlib.pyplot" in sys.modules:
+            pyplot().close("all")  # as PyVision: a failed cell leaves no half-drawn figure behind
     finally:
         sys.stdout, sys.stderr = old
-    paths, note = [], ""
+    encoded, note = [], ""
     keep = shown[: CONFIG["max_images"]]
     if len(shown) > len(keep):
         note = f"{len(shown) - len(keep)} more images were dropped (at most {CONFIG['max_images']} per call)"
-    for j, img in enumerate(keep):
-        img = img.convert("RGB")
-        limit = CONFIG["max_image_pixels"]
-        if img.width * img.height > limit:
-            scale = (limit / (img.width * img.height)) ** 0.5
-            img = img.resize((max(1, int(img.width * scale)), max(1, int(img.height * scale))))
-        path = os.path.join(TMP, f".out_{call}_{j}.png")
+    for img in keep:
         try:
-            img.save(path)
-            paths.append(path)
+            img = img.convert("RGB")
+            limit = CONFIG["max_image_pixels"]
+            if img.width * img.height > limit:
+                scale = (limit / (img.width * img.height)) ** 0.5
+                img = img.resize((max(1, int(img.width * scale)), max(1, int(img.height * scale))))
+            buf = io.BytesIO()
+            img.save(buf, format="PNG")
+            encoded.append(base64.b64encode(buf.getvalue()).decode())
         except BaseException as exc:
             note = (note + "; " if note else "") + f"an image could not be returned: {type(exc).__name__}"
     del shown[:]
-    return {"stdout": out.text(), "images": paths, "error": error, "note": note or None}
+    return {"stdout": out.text(), "images": encoded, "error": error, "note": note or None}
 
 
-signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a too-large file fails the write instead of killing us
-arm(TMP, tuple({os.path.realpath(p) for p in [sys.prefix, sys.base_prefix, *sys.path] if p and os.path.exists(p)}))
-del arm
-isolation["audit_hook"] = True
-send({"ready": True, "isolation": isolation})
-call = 0
-REQUESTS = sys.stdin
-sys.stdin = io.StringIO("")  # input() in the model's code gets EOF, not our next request
-for line in REQUESTS:
-    call += 1
+sys.stdin = io.StringIO("")  # input() in the model's code gets EOF
+answer({"ready": True, "threads_limit": CONFIG.get("max_threads")})
+while True:
     try:
-        request = json.loads(line)
-    except ValueError:
-        send({"stdout": "", "images": [], "error": "sandbox: malformed request", "note": None})
-        continue
-    if "images" in request:  # a pooled worker receives its rollout's images once, before any code
+        (size,) = SMALL.unpack(read_exact(to_runner_r, SMALL.size))
+        request = json.loads(read_exact(to_runner_r, size))
+    except (EOFError, ValueError):
+        os._exit(0)
+    if "images" in request:
         try:
-            load_images(request["images"])
-            send({"loaded": len(IMAGES)})
+            add_images(request["images"])
         except Exception as exc:
-            send({"fatal": f"could not load the images: {type(exc).__name__}: {exc}"})
-        continue
-    send(run(request.get("code", ""), call))
+            answer({"stdout": "", "images": [], "error": f"an image could not be loaded: {exc}", "note": None})
+            continue
+    if "code" in request:
+        answer(run(request["code"]))
+    else:
+        answer({"loaded": len(IMAGES)})

@@ -1,4 +1,12 @@
-"""The ``python`` tool (PyVision): the model's code runs in a sandboxed interpreter kept for its rollout."""
+"""The ``python`` tool (PyVision): the model's code runs in a sandboxed interpreter kept for its rollout.
+
+Call interface (stable, what protocol parsers produce): ``python(code=<str>)``. Images in: every image of the
+conversation so far (the prompt's, then each one a tool returned, in order) is available to the code as
+``image_clue_0, image_clue_1, ...`` (PyVision's names), ``images[i]`` / ``image_i`` and ``image`` (the first).
+Images out: what the code shows (``plt.show()``, ``display(x)``, ``img.show()``, or a last expression that is
+a PIL image, a matplotlib Figure or an RGB uint8 array) comes back as image content blocks, in the order shown,
+and gets the next conversation index, so a later cell reads it as ``image_clue_N``.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +19,10 @@ from vlm_grpo.tools.sandbox import SandboxLimits, get_pool
 def python(env: ToolEnvironment, code: str) -> list:
     """Run Python code in a notebook-like session that keeps its variables for this conversation.
 
-    The conversation's images are preloaded: `images` (a list of PIL images), `image` (the first one),
-    `image_0`, `image_1`, ...; numpy is `np` and PIL's Image class is `Image`. Printed output comes back;
-    to look at an image, call `display(img)` or end the code with an expression that is an image.
+    The conversation's images are preloaded as `image_clue_0`, `image_clue_1`, ... (also `images`, a list,
+    and `image`, the first one); numpy is `np`, PIL's Image class is `Image`, matplotlib.pyplot is `plt`.
+    Printed output comes back; to look at an image, call `plt.show()` or `display(img)`, or end the code with
+    an expression that is an image or a figure.
 
     Args:
         code: The Python code to run.
@@ -23,8 +32,16 @@ def python(env: ToolEnvironment, code: str) -> list:
     limits = SandboxLimits.from_options(env._tool_options("python"))
     session = env.state.get("python")
     if session is None or not session.alive:
-        session = env.state["python"] = get_pool(limits).acquire(env.images)
-    result = session.run(code)
+        if session is not None:
+            session.close()
+        try:
+            session = env.state["python"] = get_pool(limits).acquire([])
+        except RuntimeError as exc:
+            raise ToolError(f"the Python sandbox could not start: {exc}") from None
+    try:
+        result = session.run(code, new_images=env.images[session.images_sent :])
+    except RuntimeError as exc:  # an image of the conversation that cannot be encoded
+        raise ToolError(str(exc)) from None
     if result.timed_out:
         env.timeouts += 1
     if result.error is not None:
@@ -37,7 +54,7 @@ def python(env: ToolEnvironment, code: str) -> list:
     if result.images:
         indices = [env._add_image(image) for image in result.images]
         text = f"{text}\n" if text else ""
-        text += f"[{len(indices)} image(s) shown: image {', '.join(map(str, indices))}]"
+        text += f"[{len(indices)} image(s) shown: {', '.join(f'image_clue_{i}' for i in indices)}]"
     content.append({"type": "text", "text": text or "(no output)"})
     content += [{"type": "image", "image": image} for image in result.images]
     return content

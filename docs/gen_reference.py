@@ -13,8 +13,8 @@ import ast
 import dataclasses
 import importlib
 import inspect
+import re
 import sys
-import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -62,8 +62,10 @@ def _resolve(spec: str) -> Any:
 
 
 def _scripts() -> dict[str, str]:
-    with open(REPO / "pyproject.toml", "rb") as f:
-        return tomllib.load(f)["project"]["scripts"]
+    """``[project.scripts]`` of pyproject.toml: command -> ``module:function``."""
+    text = (REPO / "pyproject.toml").read_text(encoding="utf-8")
+    table = re.search(r"^\[project\.scripts\]\n(.*?)(?=^\[|\Z)", text, re.M | re.S)
+    return dict(re.findall(r'^([\w.-]+)\s*=\s*"([^"]+)"', table.group(1) if table else "", re.M))
 
 
 # ----------------------------------------------------------------------------------------------- command lines
@@ -83,7 +85,7 @@ def _default(field: dataclasses.Field) -> str:
 def _defining_class(cls: type, name: str) -> type:
     """The most derived class of ``cls``'s MRO that declares (or re-declares) field ``name``."""
     for klass in cls.__mro__:
-        if name in klass.__dict__.get("__annotations__", {}):
+        if name in inspect.get_annotations(klass):
             return klass
     return cls
 

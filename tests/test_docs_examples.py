@@ -81,5 +81,5 @@ def test_a_failing_block_fails(tmp_path: Path):
     assert [where for where, _ in blocks] == ["page.md:3"]  # the unmarked block is not collected
     assert run_block(blocks[0][1], tmp_path, tmp_path).returncode != 0
     page.write_text(f"{MARKER}\n```python\nprint(1)\n```\n")
-    with pytest.raises(AssertionError, match="page.md:1: .* is not followed by a ```bash block"):
+    with pytest.raises(AssertionError, match=r"page\.md:1: .* is not followed by a ```bash block"):
         docs_blocks(page.parent)

@@ -3,7 +3,7 @@
 At decode a batch is ~16 rows, so the MLP is three matrix-vector products bound by reading ~3/4 of a layer's
 weights. As cuBLAS GEMMs (gate|up fused, down split over K plus its reduction) with a SiLU-and-multiply kernel
 between, they read those weights at ~65% of an H100's bandwidth: 61-65 us a layer against 40.4 us to read them
-once (Qwen2.5-VL-3B, 16 rows, 36 layers in one CUDA graph; ``benchmarks/decode_mlp_micro.py``). Two kernels
+once (Qwen2.5-VL-3B, 16 rows, 36 layers in one CUDA graph; ``benchmarks/micro/decode_mlp_micro.py``). Two kernels
 shaped for a few rows take 51.5 us:
 
 * ``_gate_up_kernel``: two programs per SM, each over one contiguous strip of intermediate columns, reads its gate

@@ -16,7 +16,7 @@ generator in the same order, so the tokens are the ones the eager loop (and ``ge
 Inside a compiled step the selection goes through ``torch.compile`` too (:func:`compiled_select`): eagerly, its
 float copy, softmax and ``torch.multinomial`` (whose checks and draw read the 16 x 152k probabilities six times)
 took 158 us a token on an H100 (3B's vocabulary, 16 rows); compiled, with the draw spelled out as
-:func:`sample_one`, 50 us (``benchmarks/select_micro.py``).
+:func:`sample_one`, 50 us (``benchmarks/micro/select_micro.py``).
 """
 
 from __future__ import annotations

@@ -116,7 +116,7 @@ def dataclass_section(command: str, specs: list[str]) -> str:
     out = [f"## `{command}`\n", f"Flags from {classes}.\n"]
     out += [f"### vlm-grpo's flags ({len(own)})\n", head, *own, ""]
     for origin, rows in inherited.items():
-        out += [f"??? note \"Inherited from `{origin}` ({len(rows)} flags)\"", ""]
+        out += [f'??? note "Inherited from `{origin}` ({len(rows)} flags)"', ""]
         out += ["    " + line for line in (head.split("\n") + rows)]
         out.append("")
     return "\n".join(out)

@@ -11,7 +11,7 @@ completion part per row, the two merged by their log-sum-exp;
 ``package``: :func:`vlm_grpo.fastpath.decode_attention.one_token_attention` (what the decode step runs: fp32 scores)
 on a window's view of a longer cache, as ``fast_decode`` hands it over;
 ``kernel``: :func:`vlm_grpo.fastpath.decode_kernel.decode_attention_kernel` (flash-decoding in Triton, what the decode
-step runs on a GPU since the nineteenth session) on the same window view.
+step runs on a GPU) on the same window view.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ Several values compare them in one process, on one model: each prompt length is 
 turn, and ``by_window`` has each value's medians (the top-level ones are the first value's). A value's first
 call compiles its own variant of the step (windows mark the mask's length dynamic); calls that compiled are
 left out of the medians. ``--cast_head true false`` does the same for the LM head's bf16 copy under
-``--fp32_autocast`` (false: the head cast at every step, as before the twelfth session); with ``--greedy true`` the
+``--fp32_autocast`` (false: the head cast at every step); with ``--greedy true`` the
 summary's ``agreement_with_first_variant`` says how many tokens and rows the variants share. ``--profile FILE``
 profiles the last call (its top kernels, and their time by kind per token); ``--trace FILE`` also writes its
 Chrome trace (each kernel of each token in order: where a token's time goes, launch gaps included).
@@ -112,7 +112,7 @@ SWITCHES = {
     "shared_prompt": (True, "the G rows of a prompt read its K/V slots from one row in the attention kernel (the "
                       "package's)", "each row its own copy"),
     "down_slices": (True, "the decode MLP's down kernel over slices of K, fp32 partial sums added by the next kernel "
-                    "(the package's)", "16 columns per program over the whole K (the twenty-first session's)"),
+                    "(the package's)", "16 columns per program over the whole K"),
 }  # fmt: skip
 assert tuple(SWITCHES) == Variant._fields[1:], "a Variant field without its switch, or the order differs"
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Distributed checks at real size (issue 6): grpo_jsonl.py under torchrun with the DeepSpeed configs,
+# Distributed checks at real size: grpo_jsonl.py under torchrun with the DeepSpeed configs,
 # full and LoRA, frozen vision, gradient checkpointing, bf16, on a random model of a real preset.
 # Each run trains STEPS steps on a mix of image and text-only rows (the ZeRO-3 hang case), saves,
 # resumes for 2 more steps, and the result reloads with from_pretrained. One line per run.

@@ -3,7 +3,7 @@
 Times a Qwen2.5-VL image processor (patch 14, merge 2, no resize limits) on 16 rows (2 distinct images, 8
 copies each, as a GRPO batch of 2 prompts x G=8 holds them) and on the 2 distinct rows, at 448 and 896 px;
 then the host-to-device copy of the 16 rows' ``pixel_values`` (pageable and pinned) against the 2 rows'.
-Measured for ``process_prompts_once`` (benchmarks/RESULTS.md, thirteenth session). Needs no model or
+What ``process_prompts_once`` saves. Needs no model or
 download; run on the device: ``python3 benchmarks/micro/processor_micro.py``.
 """
 

@@ -1,5 +1,5 @@
 """The decode step's token selection (``decode_select.Selection.select``), captured in a CUDA graph as the decode
-step captures it: eager (torch.softmax and torch.multinomial, as before the twentieth session) and through inductor
+step captures it: eager (torch.softmax and torch.multinomial) and through inductor
 (``compiled_select``, the draw spelled out as ``sample_one``, as a compiled step runs it now). us per token, and
 whether the compiled selection's tokens are the eager one's under one seed. 16 rows x Qwen2.5's vocabulary, fresh
 logits each token (not in L2); ``--processors tuned`` adds temperature, top-k and top-p."""

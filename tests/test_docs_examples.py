@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,8 @@ REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
 MARKER = "<!-- docs-test -->"
 BLOCK = re.compile(r"^<!-- docs-test -->[ \t]*\n```bash[ \t]*\n(.*?)^```[ \t]*$", re.S | re.M)
-TIMEOUT_S = 120  # a block should finish in well under 40 s on one core; this only stops a hang
+TIMEOUT_S = 600  # a block should finish in well under 40 s on one idle core; this only stops a hang
+PARALLEL = 2  # blocks run two at a time (each is one process on one thread): the file runs on one xdist worker
 
 
 def docs_blocks(root: Path = DOCS) -> list[tuple[str, str]]:
@@ -27,7 +29,7 @@ def docs_blocks(root: Path = DOCS) -> list[tuple[str, str]]:
     for page in sorted(root.rglob("*.md")):
         text = page.read_text(encoding="utf-8")
         starts = {m.start() for m in BLOCK.finditer(text)}
-        for m in re.finditer(re.escape(MARKER), text):
+        for m in re.finditer(r"^<!-- docs-test -->[ \t]*$", text, re.M):  # a line of its own, not inline text
             line = text.count("\n", 0, m.start()) + 1
             where = f"{page.relative_to(root).as_posix()}:{line}"
             if m.start() not in starts:
@@ -66,9 +68,19 @@ def test_the_docs_have_runnable_examples():
     assert {"guides/vlm-r1.md", "guides/vivqa-x-internvl.md", "getting-started/your-own-data.md"} <= pages
 
 
-@pytest.mark.parametrize("where,script", BLOCKS, ids=[where for where, _ in BLOCKS])
-def test_docs_example_runs(where: str, script: str, tmp_path: Path, tiny_dir: Path):
-    result = run_block(script, tmp_path, tiny_dir)
+@pytest.fixture(scope="module")
+def block_runs(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Every block started at once on a pool of PARALLEL, each in its own fresh folder; tests wait for their own."""
+    with ThreadPoolExecutor(PARALLEL) as pool:
+        yield {
+            where: pool.submit(run_block, script, tmp_path_factory.mktemp("docs_example"), tiny_dir)
+            for where, script in BLOCKS
+        }
+
+
+@pytest.mark.parametrize("where", [where for where, _ in BLOCKS])
+def test_docs_example_runs(where: str, block_runs: dict[str, Future]):
+    result = block_runs[where].result()
     assert result.returncode == 0, f"{where} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
 
 
@@ -80,6 +92,6 @@ def test_a_failing_block_fails(tmp_path: Path):
     blocks = docs_blocks(page.parent)
     assert [where for where, _ in blocks] == ["page.md:3"]  # the unmarked block is not collected
     assert run_block(blocks[0][1], tmp_path, tmp_path).returncode != 0
-    page.write_text(f"{MARKER}\n```python\nprint(1)\n```\n")
-    with pytest.raises(AssertionError, match=r"page\.md:1: .* is not followed by a ```bash block"):
+    page.write_text(f"mention `{MARKER}` inline\n\n{MARKER}\n```python\nprint(1)\n```\n")
+    with pytest.raises(AssertionError, match=r"page\.md:3: .* is not followed by a ```bash block"):
         docs_blocks(page.parent)

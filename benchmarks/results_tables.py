@@ -47,17 +47,28 @@ def _fmt(value: Any, digits: int = 2) -> str:
 
 
 def _store_true_flags(script: Path) -> set[str]:
-    if not script.exists():
-        return set()
-    return set(re.findall(r'"--(\w+)",\s*action="store_true"', script.read_text(encoding="utf-8")))
+    """Flags the script (or bench_common.py, which defines the shared ones) takes without a value."""
+    text = "".join(p.read_text(encoding="utf-8") for p in (script, HERE / "bench_common.py") if p.exists())
+    return set(re.findall(r'"--(\w+)",\s*action="store_true"', text))
+
+
+def _store_false_flags(script: Path) -> dict[str, str]:
+    """``dest -> --flag`` of the script's ``action="store_false"`` switches (``--no_profile`` sets profile False)."""
+    text = script.read_text(encoding="utf-8") if script.exists() else ""
+    return {dest: flag for flag, dest in re.findall(r'"(--\w+)",\s*dest="(\w+)",\s*action="store_false"', text)}
 
 
 def command(script: str, args: dict[str, Any], out_name: str) -> str:
     """The command line the recorded ``args`` stand for (booleans as the script takes them)."""
-    store_true = _store_true_flags(HERE / script.removeprefix("benchmarks/"))
+    path = HERE / script.removeprefix("benchmarks/")
+    store_true, store_false = _store_true_flags(path), _store_false_flags(path)
     parts = [f"python {script}"]
     for key, value in args.items():
         if key in ("out", "extra") or value is None or value == []:
+            continue
+        if key in store_false:
+            if not value:
+                parts.append(store_false[key])
             continue
         if key in store_true:
             if value:

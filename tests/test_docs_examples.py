@@ -65,7 +65,12 @@ def run_block(script: str, cwd: Path, tiny: Path) -> subprocess.CompletedProcess
 
 def test_the_docs_have_runnable_examples():
     pages = {where.split(":")[0] for where, _ in BLOCKS}
-    assert {"guides/vlm-r1.md", "guides/vivqa-x-internvl.md", "getting-started/your-own-data.md"} <= pages
+    assert {
+        "guides/vlm-r1.md",
+        "guides/vivqa-x-internvl.md",
+        "getting-started/your-own-data.md",
+        "concepts/rewards.md",
+    } <= pages
 
 
 @pytest.fixture(scope="module")

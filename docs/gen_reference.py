@@ -51,6 +51,11 @@ def _cell(text: Any) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
 
 
+def _doc(obj: Any) -> str:
+    """An object's docstring as Markdown: Sphinx roles (``:func:`x```) become plain code spans."""
+    return re.sub(r":(?:func|mod|class|meth|data|attr|obj):`~?([^`]+)`", r"`\1`", inspect.getdoc(obj) or "")
+
+
 def _code(text: Any) -> str:
     text = _cell(text)
     return f"`` {text} ``" if "`" in text else f"`{text}`"
@@ -214,7 +219,7 @@ def _signature(obj: Callable) -> str:
 
 
 def _entry(name: str, obj: Any, extra: list[str]) -> str:
-    doc = inspect.getdoc(obj) or "(no docstring)"
+    doc = _doc(obj) or "(no docstring)"
     where = f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__name__)}"
     out = [f"## `{name}`\n", f"`{where}{_signature(obj)}`\n", *extra, doc, ""]
     return "\n".join(out)
@@ -240,7 +245,7 @@ def rewards_page() -> str:
             out.append(f"| [`{name}`](#{name}) | ? | could not be loaded here: {_cell(exc)} |")
             sections.append(f"## `{name}`\n\nCould not be loaded where the docs were built: `{_cell(exc)}`.\n")
             continue
-        first = (inspect.getdoc(fn) or "").split("\n\n")[0]
+        first = _doc(fn).split("\n\n")[0]
         kind = reward_kind(fn)
         out.append(f"| [`{name}`](#{name.lower()}) | {kind} | {_cell(first)} |")
         sections.append(_entry(name, fn, [f"Kind: **{kind}**.\n"]))
@@ -281,7 +286,7 @@ def families_page() -> str:
         prefixes = ", ".join(f"`{p}`" for p in getattr(cls, "vision_prefixes", ())) or "-"
         targets = ", ".join(getattr(cls, "lora_targets", ())) or "-"
         out.append(f"| `{name}` | `{cls.__module__}.{cls.__name__}` | {prefixes} | {_cell(targets)} |")
-        sections.append(f"## `{name}`\n\n{inspect.getdoc(cls) or ''}\n")
+        sections.append(f"## `{name}`\n\n{_doc(cls)}\n")
     return "\n".join([*out, "", *sections])
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -379,6 +380,15 @@ def bench_switches(kind: str):
         block_attention.VARLEN, vision_attention.VARLEN = text_varlen, vision_varlen
         decode_attention.KERNEL, decode_select.COMPILE, decode_mlp.KERNEL = kernel, compiled_select, mlp
         decode_mlp.BN2, decode_mlp.BK2, decode_mlp.DOWN_SLICES = down
+
+
+def run_stamp() -> dict[str, Any]:
+    """The date (UTC) and the versions of the measured packages, which RESULTS.md states beside every table."""
+    names = ("torch", "transformers", "trl", "peft", "deepspeed")
+    return {
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "versions": {m: sys.modules[m].__version__ for m in names if m in sys.modules},
+    }
 
 
 def busy_time(intervals: list[tuple[float, float]]) -> float:

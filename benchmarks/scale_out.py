@@ -526,7 +526,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             f"(weak-scaling efficiency {r['weak_efficiency']:.0%})",
             flush=True,
         )
+    sys.path.insert(0, str(HERE))
+    from bench_common import run_stamp
+
     summary = {
+        **run_stamp(),
         "plan": args.plan,
         "header": header,
         "args": vars(args),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,7 @@ def test_bench_grpo_tiny_cpu_prints_both_rows(tmp_path):
     assert [r[3] for r in rows] == ["vanilla", "ours"]  # the scenario "56px x1 C8" is three words
     payload = json.loads(out.read_text())
     assert [r["trainer"] for r in payload["results"]] == ["vanilla", "ours"]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d", payload["date"]) and payload["versions"]["trl"]  # RESULTS.md states them
     for r in payload["results"]:
         assert r["samples_per_s"] > 0 and r["phases_s"]["generation"] > 0 and r["completion_tokens"] > 0
 

@@ -38,7 +38,7 @@ from typing import NamedTuple
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_common.py is in benchmarks/
 
 import torch
-from bench_common import WHOLE_K_DOWN, decode_weight_bytes, device_defaults, flag_bool, hbm_bandwidth
+from bench_common import WHOLE_K_DOWN, decode_weight_bytes, device_defaults, flag_bool, hbm_bandwidth, run_stamp
 
 CAPTURES: list[float] = []  # seconds of each CUDA-graph warm-up + capture (once per window of a fast_decode call)
 
@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> dict:
         }
     summary = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "versions": {"torch": torch.__version__},
+        **run_stamp(),
         "args": vars(args),
         "calls": calls,
         "first_call_s": calls[0]["seconds"],

@@ -6,12 +6,12 @@ SiLU-and-multiply, cuBLAS on down), for 16 rows.
     python benchmarks/micro/decode_mlp_micro.py --sweep --out mlp_sweep.json
 
 Why: a decode token's GEMMs run at 1.5x their weight read kernel by kernel (measured with the decode profile of
-``decode_lengths.py --profile``). The kernels: phase 1, two programs per SM over contiguous strips of intermediate columns, their gate and
-up rows read straight from the live weights (no fused copy), the SiLU-and-multiply written to a scratch buffer;
-phase 2, each program ``BN2`` output columns of down over one of ``slices`` slices of the intermediate dimension,
-written as fp32 partial sums (in a decode step, inductor adds them, in order, inside the next kernel: the timings
-here are the two launches; the check adds them). ``--sweep`` times down's block shapes, slices and pipeline
-depths.
+``decode_lengths.py --profile``). The kernels: phase 1, two programs per SM over contiguous strips of intermediate
+columns, their gate and up rows read straight from the live weights (no fused copy), the SiLU-and-multiply written
+to a scratch buffer; phase 2, each program ``BN2`` output columns of down over one of ``slices`` slices of the
+intermediate dimension, written as fp32 partial sums (in a decode step, inductor adds them, in order, inside the
+next kernel: the timings here are the two launches; the check adds them). ``--sweep`` times down's block shapes,
+slices and pipeline depths.
 
 Roundings follow the eager module: gate and up rounded to the weight dtype, SiLU rounded, the product rounded.
 The outputs are checked against an fp64 product (relative error) and the chain's output before any timing; 36

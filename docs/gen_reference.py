@@ -42,7 +42,7 @@ DATACLASS_CLIS: dict[str, list[str]] = {
 # subclass of UserError found in the source.
 USER_EXCEPTIONS = {
     "UserError", "ValueError", "OSError", "FileNotFoundError", "FileExistsError", "NotADirectoryError",
-    "IsADirectoryError", "PermissionError",
+    "IsADirectoryError", "PermissionError", "SystemExit",
 }  # fmt: skip
 
 
@@ -343,8 +343,10 @@ def error_messages(src: Path = SRC) -> list[tuple[str, int, str, str]]:
                 continue
             text = _message(call.args[0])
             if text and len(text) > 3:
-                if name == "SystemExit" and not text.startswith("error:"):
-                    continue
+                if name == "SystemExit":  # an exit status or a usage line is no error message
+                    if not text.startswith("error: "):
+                        continue
+                    text = text.removeprefix("error: ")
                 found.append((rel, node.lineno, "argparse" if is_parser_error else name, text))
     return sorted(found)
 

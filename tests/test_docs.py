@@ -126,6 +126,10 @@ def test_error_messages_are_collected_from_the_source(tmp_path):
                     parser.error("--things 5 is reserved")
                 if n == 6:
                     raise TypeError("a bug, not a user error")
+                if n == 7:
+                    raise SystemExit(f"error: --things {n} and --stuff are the same option")
+                if n == 8:
+                    raise SystemExit("usage: things N")
                 raise ThingError(message)
             """
         )
@@ -135,6 +139,7 @@ def test_error_messages_are_collected_from_the_source(tmp_path):
         ("DeeperError", "--things {n}: must be at least 0 (file {path})"),
         ("ValueError", "too many things; pass --things 9 or fewer"),
         ("argparse", "--things 5 is reserved"),
+        ("SystemExit", "--things {n} and --stuff are the same option"),
     ]
     assert len(_generator().error_messages()) > 100  # the package's own, on the generated page
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -329,8 +330,8 @@ BENCH_ONLY = {
     "compile_vision", "select_in_graph", "varlen_blocks", "varlen_vision", "decode_kernel", "compile_select",
     "decode_mlp", "down_slices",
 }  # fmt: skip
-# decode_mlp's (BN2, BK2, DOWN_SLICES) before the twenty-fourth session: 16 columns over the whole K, 512-column
-# blocks (``down_slices=false`` here and in decode_lengths.py).
+# decode_mlp's (BN2, BK2, DOWN_SLICES) with down over the whole K: 16 columns per program, 512-column blocks
+# (``down_slices=false`` here and in decode_lengths.py).
 WHOLE_K_DOWN = (16, 512, 1)
 
 
@@ -339,16 +340,14 @@ def bench_switches(kind: str):
     """The variant's benchmark-only switches, for the duration of its run. ``compile_vision=false``: the packed
     passes compile the decoder layers only, not the vision blocks (``compile_layers`` does both), to measure what
     the vision blocks' compilation is worth. ``select_in_graph=false``: fast_decode chooses each token after the
-    decode graph's replay, as before the sixteenth session, not inside the graph. ``varlen_blocks=false``: the packed
-    passes' attention runs as per-row calls (a compiler-disabled island), as before the seventeenth session, not as
-    one varlen flash call. ``varlen_vision=false``: the vision tower's attention runs as per-length sdpa calls (an
-    island), as before the eighteenth session, not as one varlen flash call per layer. ``decode_kernel=false``: the
-    decode step's attention runs as two matmuls and a softmax, as before the nineteenth session, not as the Triton
+    decode graph's replay, not inside the graph. ``varlen_blocks=false``: the packed passes' attention runs as
+    per-row calls (a compiler-disabled island), not as one varlen flash call. ``varlen_vision=false``: the vision
+    tower's attention runs as per-length sdpa calls (an island), not as one varlen flash call per layer.
+    ``decode_kernel=false``: the decode step's attention runs as two matmuls and a softmax, not as the Triton
     flash-decoding kernel. ``compile_select=false``: a compiled decode step's in-graph token selection runs eagerly,
-    as before the twentieth session, not through torch.compile. ``decode_mlp=false``: the decode step's MLP runs as
-    the fused gate|up GEMM, SiLU and down, as before the twenty-first session, not as two Triton kernels.
-    ``down_slices=false``: the MLP kernels' down takes 16 columns per program over the whole K, as before the
-    twenty-fourth session, not slices of K with fp32 partial sums."""
+    not through torch.compile. ``decode_mlp=false``: the decode step's MLP runs as the fused gate|up GEMM, SiLU and
+    down, not as two Triton kernels. ``down_slices=false``: the MLP kernels' down takes 16 columns per program over
+    the whole K, not slices of K with fp32 partial sums."""
     from vlm_grpo.fastpath import (
         block_attention,
         compiled_layers,
@@ -381,6 +380,15 @@ def bench_switches(kind: str):
         block_attention.VARLEN, vision_attention.VARLEN = text_varlen, vision_varlen
         decode_attention.KERNEL, decode_select.COMPILE, decode_mlp.KERNEL = kernel, compiled_select, mlp
         decode_mlp.BN2, decode_mlp.BK2, decode_mlp.DOWN_SLICES = down
+
+
+def run_stamp() -> dict[str, Any]:
+    """The date (UTC) and the versions of the measured packages, which RESULTS.md states beside every table."""
+    names = ("torch", "transformers", "trl", "peft", "deepspeed")
+    return {
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "versions": {m: sys.modules[m].__version__ for m in names if m in sys.modules},
+    }
 
 
 def busy_time(intervals: list[tuple[float, float]]) -> float:

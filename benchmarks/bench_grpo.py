@@ -30,7 +30,6 @@ import json
 import pstats
 import re
 import statistics
-import sys
 import tempfile
 from collections import defaultdict
 from dataclasses import asdict
@@ -54,6 +53,7 @@ from bench_common import (
     hbm_bandwidth,
     is_vanilla,
     parse,
+    run_stamp,
     time_vision,
     timed_fast_decode,
     timed_trainer_class,
@@ -253,12 +253,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"\ndevice: {device_name}; preset: {args.preset}; G={args.num_generations}; beta={args.beta}")
     print(format_table(results))
-    payload = {
-        "device": device_name,
-        "args": vars(args),
-        "versions": {m: sys.modules[m].__version__ for m in ("torch", "transformers", "trl") if m in sys.modules},
-        "results": [asdict(r) for r in results],
-    }
+    payload = {**run_stamp(), "device": device_name, "args": vars(args), "results": [asdict(r) for r in results]}
     Path(args.out).write_text(json.dumps(payload, indent=2))
     return results
 

@@ -36,6 +36,7 @@ from bench_common import (
     length_reward,
     ours_dataset,
     parse,
+    run_stamp,
     time_vision,
     timed_trainer_class,
     vanilla_dataset,
@@ -143,7 +144,13 @@ def main(argv: list[str] | None = None) -> list[Result]:
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"\ndevice: {device}; preset: {args.preset}; G={args.num_generations}; {TOOL_ROUNDS} tool rounds per rollout")
     print(format_table(results))
-    payload = {"device": device, "args": vars(args), "results": [asdict(r) for r in results], "tools": extras}
+    payload = {
+        **run_stamp(),
+        "device": device,
+        "args": vars(args),
+        "results": [asdict(r) for r in results],
+        "tools": extras,
+    }
     Path(args.out).write_text(json.dumps(payload, indent=2))
     return results
 

@@ -1,5 +1,6 @@
-# Source at the start of a device-machine command: installs the carried wheels (.whl/, see
-# benchmarks/RESULTS.md) into /tmp/site and puts them and src/ on PYTHONPATH; prints versions.
+# Source at the start of a device-machine command: installs the carried wheels (.whl/: trl, deepspeed, datasets and
+# the other packages a bare GPU image lacks, fetched with pip download) into /tmp/site, puts them and src/ on
+# PYTHONPATH and prints the versions.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || return 1
 export PYTHONPATH=/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}

@@ -38,7 +38,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from bench_common import Scenario, build_policy, device_defaults, flag_bool, grpo_config, grpo_trainer, write_images
+from bench_common import (
+    Scenario,
+    build_policy,
+    device_defaults,
+    flag_bool,
+    grpo_config,
+    grpo_trainer,
+    run_stamp,
+    write_images,
+)
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 
@@ -439,9 +448,7 @@ def main(argv: list[str] | None = None) -> list[ModeResult]:
             "peak": "torch.cuda.max_memory_allocated" if device.type == "cuda" else "process peak RSS (VmHWM)",
             "args": vars(args),
             "env": {k: os.environ[k] for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF") if k in os.environ},
-            "versions": {
-                m: sys.modules[m].__version__ for m in ("torch", "transformers", "trl", "peft") if m in sys.modules
-            },
+            **run_stamp(),
             "wall_s": time.perf_counter() - start,
             "results": [asdict(r) for r in results],
         }

@@ -1,4 +1,4 @@
-"""Weak scaling of ``VLMGRPOTrainer`` over 1, 2 and 4 GPUs with DeepSpeed ZeRO-2 / ZeRO-3 (issue 20, item 4).
+"""Weak scaling of ``VLMGRPOTrainer`` over 1, 2 and 4 GPUs with DeepSpeed ZeRO-2 / ZeRO-3.
 
     source benchmarks/device_env.sh && python3 benchmarks/scale_out.py --plan zero2      # 3B, ZeRO-2, 1/4/2 GPUs
     source benchmarks/device_env.sh && python3 benchmarks/scale_out.py --plan zero3      # 7B, ZeRO-3
@@ -526,7 +526,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             f"(weak-scaling efficiency {r['weak_efficiency']:.0%})",
             flush=True,
         )
+    sys.path.insert(0, str(HERE))
+    from bench_common import run_stamp
+
     summary = {
+        **run_stamp(),
         "plan": args.plan,
         "header": header,
         "args": vars(args),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,7 @@ def test_bench_grpo_tiny_cpu_prints_both_rows(tmp_path):
     assert [r[3] for r in rows] == ["vanilla", "ours"]  # the scenario "56px x1 C8" is three words
     payload = json.loads(out.read_text())
     assert [r["trainer"] for r in payload["results"]] == ["vanilla", "ours"]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d", payload["date"]) and payload["versions"]["trl"]  # RESULTS.md states them
     for r in payload["results"]:
         assert r["samples_per_s"] > 0 and r["phases_s"]["generation"] > 0 and r["completion_tokens"] > 0
 
@@ -37,7 +39,7 @@ def test_train_window_times_each_variant_on_one_batch(tmp_path):
     """Both variants take turns on one generated batch: every repeat timed, a median each; a config field given
     as a variant's switch is refused (it would be silently ignored: the variants share one trainer)."""
     out = tmp_path / "window.json"
-    script = str(REPO / "benchmarks" / "train_window.py")
+    script = str(REPO / "benchmarks" / "micro" / "train_window.py")
     cmd = [
         sys.executable, script, "--preset", "tiny", "--device", "cpu", "--repeats", "2", "--warmup", "1",
         "--num_generations", "4", "--trainer", "ours:compile_layers=false", "--out", str(out),
@@ -56,7 +58,7 @@ def test_varlen_check_compares_the_varlen_calls_with_the_islands_and_trl(tmp_pat
     """On CPU through the stand-in kernel: the varlen variant runs no island call (text or vision), and all agree."""
     out = tmp_path / "check.json"
     cmd = [
-        sys.executable, str(REPO / "benchmarks" / "varlen_check.py"), "--preset", "tiny", "--device", "cpu",
+        sys.executable, str(REPO / "benchmarks" / "micro" / "varlen_check.py"), "--preset", "tiny", "--device", "cpu",
         "--completion_length", "8", "--num_generations", "4", "--cpu_stand_in", "--out", str(out),
     ]  # fmt: skip
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
@@ -77,11 +79,11 @@ def test_varlen_check_compares_the_varlen_calls_with_the_islands_and_trl(tmp_pat
 
 
 def test_spy_summary_keeps_the_window_and_drops_compilation(tmp_path):
-    sys.path.insert(0, str(REPO / "benchmarks"))
+    sys.path.insert(0, str(REPO / "benchmarks" / "micro"))
     try:
         from spy_summary import summarise
     finally:
-        sys.path.remove(str(REPO / "benchmarks"))
+        sys.path.remove(str(REPO / "benchmarks" / "micro"))
     raw = tmp_path / "raw.txt"
     raw.write_text(
         "thread (1): MainThread;main (w.py:1);window (w.py:9);mm (torch/a.py:3);cudaLaunchKernel (libcuda.so) 7\n"
@@ -126,7 +128,7 @@ def test_max_fit_tiny_cpu_doubles_then_bisects(tmp_path):
 def test_sdpa_shapes_cpu_times_both_backend_settings(tmp_path):
     out = tmp_path / "shapes.json"
     cmd = [
-        sys.executable, str(REPO / "benchmarks" / "sdpa_shapes.py"), "--device", "cpu", "--lengths", "2",
+        sys.executable, str(REPO / "benchmarks" / "micro" / "sdpa_shapes.py"), "--device", "cpu", "--lengths", "2",
         "--first_length", "20", "--completion_length", "4", "--out", str(out),
     ]  # fmt: skip
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
@@ -139,7 +141,7 @@ def test_sdpa_shapes_cpu_times_both_backend_settings(tmp_path):
 def test_decode_lengths_tiny_cpu_times_each_call_and_profiles_the_last(tmp_path):
     out, profile, trace = tmp_path / "lengths.json", tmp_path / "profile.txt", tmp_path / "trace.json"
     cmd = [
-        sys.executable, str(REPO / "benchmarks" / "decode_lengths.py"), "--preset", "tiny", "--device", "cpu",
+        sys.executable, str(REPO / "benchmarks" / "micro" / "decode_lengths.py"), "--preset", "tiny", "--device", "cpu",
         "--new_tokens", "4", "--prompt_lengths", "20", "24", "--profile", str(profile), "--out", str(out),
         "--trace", str(trace),
         "--keep", "true", "false", "--greedy", "true",
@@ -164,11 +166,13 @@ def test_decode_lengths_tiny_cpu_times_each_call_and_profiles_the_last(tmp_path)
 
 def test_decode_lengths_sorts_kernels_into_kinds():
     """The kinds the decode profile reports, for kernel names from an H100 profile of the decode step."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
+    paths = [str(REPO / "benchmarks" / "micro"), str(REPO / "benchmarks")]  # decode_lengths imports bench_common
+    sys.path[:0] = paths
     try:
         from decode_lengths import _kind
     finally:
-        sys.path.remove(str(REPO / "benchmarks"))
+        for path in paths:
+            sys.path.remove(path)
     assert _kind("nvjet_sm90_tst_192x16_64x8_4x1_v_bz_TNT") == "gemm"
     assert _kind("void cublasLt::splitKreduce_kernel<32, 16, int, float>") == "gemm"
     assert _kind("fmha_cutlassF_bf16_aligned_64x128_rf_sm80(PyTorchMemEffAttention::AttentionKernel)") == "attention"

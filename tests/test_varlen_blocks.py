@@ -3,7 +3,7 @@
 On GPUs it is flash's varlen kernel, which CPUs lack; here :func:`varlen_reference` (the same attention through a
 dense mask) stands in for it, so the layout, its gather, the end-aligned causal mask, the gradients and the tracing
 inside compiled layers are all checked against the per-row calls and against TRL. Flash itself is compared with the
-per-row calls on the device (``benchmarks/varlen_check.py``).
+per-row calls on the device (``benchmarks/micro/varlen_check.py``).
 """
 
 from __future__ import annotations

@@ -139,7 +139,7 @@ def test_the_comparison_catches_attention_across_segments(family, tiny_models):
 @pytest.fixture
 def stand_in(monkeypatch):
     """CPUs have no varlen kernel: the dense-mask reference stands in for flash's (compared on the device by
-    ``benchmarks/varlen_check.py``); ``islands`` records the per-length calls that still run."""
+    ``benchmarks/micro/varlen_check.py``); ``islands`` records the per-length calls that still run."""
     import vlm_grpo.fastpath.vision_attention as va
 
     monkeypatch.setattr(varlen, "CPU_STAND_IN", varlen.varlen_reference)

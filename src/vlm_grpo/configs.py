@@ -371,7 +371,7 @@ class VLMGRPOConfig(GRPOConfig):
             "for the process (torch.backends.cuda.enable_cudnn_sdp(False)), as TrainingArguments' tf32 sets "
             "matmul precision. cuDNN builds an execution plan for every sequence length it has not seen: 148 ms "
             "on an H100 against 1.9 ms for a repeat call, and GRPO prompts change length every step; flash and "
-            "memory-efficient kernels are as fast on a repeat (benchmarks/RESULTS.md). A process-wide switch, so "
+            "memory-efficient kernels are as fast on a repeat. A process-wide switch, so "
             "that the recomputation of gradient checkpointing picks the kernels the forward picked."
         },
     )

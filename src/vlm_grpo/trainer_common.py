@@ -116,7 +116,7 @@ class CheckpointReloadMixin:
     ``save_pretrained`` writes VLM checkpoints in their original key layout (``visual.*``,
     ``model.layers.*``) while ``Trainer`` reloads them key-for-key into the renamed modules
     (``model.visual.*``, ``model.language_model.*``): every weight is silently skipped and the
-    resumed run starts from the base model (transformers#43701). DeepSpeed, FSDP and PEFT
+    resumed run starts from the base model (a transformers 5 bug). DeepSpeed, FSDP and PEFT
     checkpoints keep their own, already consistent, paths.
     """
 

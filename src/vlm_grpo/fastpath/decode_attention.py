@@ -15,10 +15,10 @@ that can be attended, none of the masked-out tail.
 Not sdpa's kernel: with a mask, sdpa runs its memory-efficient kernel, which splits the work over (rows x K/V heads)
 only: 32 blocks for 16 rows on an H100's 132 SMs, each reading its row's whole cache alone. On a GPU with Triton the
 step runs :mod:`vlm_grpo.fastpath.decode_kernel` (flash-decoding: the slots split too, the scores kept on chip, two
-launches); elsewhere two batched matmuls and a softmax, which split the slots as well. Measured on an H100 (3B shapes,
-16 rows, per decode token over 36 layers, ``benchmarks/decode_attention_micro.py``): at 1280 slots sdpa 2.01 ms, the
-matmuls 0.57, the kernel 0.41. Both keep the scores in fp32 as sdpa's kernels do, and the weights go to the value
-dtype for the second product, as they do there.
+launches); elsewhere two batched matmuls and a softmax, which split the slots as well. Measured on an H100 (3B
+shapes, 16 rows, per decode token over 36 layers, ``benchmarks/micro/decode_attention_micro.py``): at 1280 slots sdpa
+2.01 ms, the matmuls 0.57, the kernel 0.41. Both keep the scores in fp32 as sdpa's kernels do, and the weights go
+to the value dtype for the second product, as they do there.
 """
 
 from __future__ import annotations

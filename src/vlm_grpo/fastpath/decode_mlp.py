@@ -3,7 +3,7 @@
 At decode a batch is ~16 rows, so the MLP is three matrix-vector products bound by reading ~3/4 of a layer's
 weights. As cuBLAS GEMMs (gate|up fused, down split over K plus its reduction) with a SiLU-and-multiply kernel
 between, they read those weights at ~65% of an H100's bandwidth: 61-65 us a layer against 40.4 us to read them
-once (Qwen2.5-VL-3B, 16 rows, 36 layers in one CUDA graph; ``benchmarks/decode_mlp_micro.py``). Two kernels
+once (Qwen2.5-VL-3B, 16 rows, 36 layers in one CUDA graph; ``benchmarks/micro/decode_mlp_micro.py``). Two kernels
 shaped for a few rows take 51.5 us:
 
 * ``_gate_up_kernel``: two programs per SM, each over one contiguous strip of intermediate columns, reads its gate
@@ -14,10 +14,10 @@ shaped for a few rows take 51.5 us:
   read the whole activation from L2, as many bytes as its weight strip: that version ran at 1.55x its weight read
   (21 us), this one at 1.36x (18.3 us). No reduction kernel: :func:`fused_mlp` adds the slices in order and rounds
   once, and under torch.compile inductor does that inside the kernel that reads the MLP's output next (the residual
-  add and the next norm). In the decode loop this took 5% off a token (RESULTS.md, twenty-fourth session).
+  add and the next norm). In the decode loop the slices take 5% off a token against down over the whole dimension.
 
 Every output is fp32 dot products in a fixed order, added in a fixed order: deterministic. (One launch with a grid
-barrier between the phases was measured too: no faster than two, so not kept; RESULTS.md, twenty-first session.)
+barrier between the phases was measured too: no faster than two, so not kept.)
 
 The kernels stand in for a decoder layer's MLP module during a generation call (``decode_fusion`` swaps it in,
 as it swaps in the fused projections): only for the plain ``gate_proj``/``up_proj``/``down_proj`` + SiLU MLP of

@@ -1,7 +1,7 @@
 """Token selection of :func:`vlm_grpo.fastpath.decode.fast_decode`: ``generate``'s logits processors, its softmax /
 multinomial / argmax and its EOS bookkeeping, as device ops over static buffers.
 
-Each decoded token used to run ~20 eager ops after the decode step's graph replay (the processors, sampling, the
+Run eagerly, each decoded token takes ~20 ops after the decode step's graph replay (the processors, sampling, the
 EOS update, the writes for the next step): ~45 kernel launches a token, each its own gap on the GPU. With the
 indices that move every token (the output column, the mask slot of the token fed next) held in device tensors,
 nothing here depends on a host value, so the step's CUDA graph can capture the selection too: one replay a token.
@@ -16,7 +16,7 @@ generator in the same order, so the tokens are the ones the eager loop (and ``ge
 Inside a compiled step the selection goes through ``torch.compile`` too (:func:`compiled_select`): eagerly, its
 float copy, softmax and ``torch.multinomial`` (whose checks and draw read the 16 x 152k probabilities six times)
 took 158 us a token on an H100 (3B's vocabulary, 16 rows); compiled, with the draw spelled out as
-:func:`sample_one`, 50 us (``benchmarks/select_micro.py``).
+:func:`sample_one`, 50 us (``benchmarks/micro/select_micro.py``).
 """
 
 from __future__ import annotations

@@ -372,6 +372,7 @@ def _no_bwrap(*args, **kwargs):
 
 def test_missing_isolation_is_refused_unless_opted_in(monkeypatch, caplog):
     monkeypatch.setattr(sandbox_module, "build_launch", _no_bwrap)
+    monkeypatch.setattr(sandbox_module, "_POOLS", {})  # a pool an earlier test started in this process is not asked
     with pytest.raises(SandboxUnavailable, match=r"bubblewrap is not installed .*allow_weak_isolation") as info:
         TOOLS.get("python").setup({})  # when a run starts, before any model is loaded
     assert is_user_error(info.value)  # printed as "error: ..." with exit status 2, no traceback

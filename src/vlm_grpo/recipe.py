@@ -209,7 +209,7 @@ def check_wandb_login(is_main: bool = True) -> None:
     if logged_in:
         return
     os.environ["WANDB_MODE"] = "offline"  # wandb's own switch, read when the trainer starts the run ...
-    wandb.teardown()  # ... by a new wandb session: the one the check started has read the settings already
+    wandb.teardown()  # ... by a new wandb run setup: the one the check started has read the settings already
     if is_main:
         print(
             "warning: --report_to wandb: no W&B API key (WANDB_API_KEY or `wandb login`): logging offline under "

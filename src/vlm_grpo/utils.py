@@ -64,10 +64,10 @@ def start_process() -> None:
 
 
 def die_with_launcher() -> None:
-    """Under torchrun: have Linux SIGKILL this worker when its launcher dies. torchrun starts each worker in a
-    session of its own, so a launcher killed with its process group (a job scheduler, a SIGKILL) would otherwise
-    leave the workers training on as orphans. A no-op outside torchrun (a run started with ``nohup`` or ``&``
-    must outlive its shell) and on other systems."""
+    """Under torchrun: have Linux SIGKILL this worker when its launcher dies. torchrun starts each worker with
+    setsid(), outside the launcher's process group, so a launcher killed with its process group (a job scheduler,
+    a SIGKILL) would otherwise leave the workers training on as orphans. A no-op outside torchrun (a run started
+    with ``nohup`` or ``&`` must outlive its shell) and on other systems."""
     if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
         return
     import ctypes

@@ -35,7 +35,7 @@ _PYTHON_FENCE = re.compile(r"```python\s*(.*?)\s*```", re.DOTALL)
 _BARE_CODE = re.compile(r"<code>\s*(.*?)\s*</code>", re.DOTALL)
 # The python tool's own note of the images a cell showed (the protocol numbers them itself).
 _INTERPRETER = "<tool_response>\n<interpreter>{}</interpreter>\n\n</tool_response>"
-_SHOWN_NOTE = re.compile(r"\n?\[\d+ image\(s\) shown: image [\d, ]+\]$")
+_SHOWN_NOTE = re.compile(r"\n?\[\d+ image\(s\) shown: (?:image_clue_\d+(?:, )?)+\]$")
 
 #: DeepEyes' instruction after a zoomed view (its ``USER_PROMPT_V2``).
 DEEPEYES_USER_PROMPT = (

@@ -17,7 +17,7 @@ from vlm_grpo.tools.sandbox import SandboxLimits, get_pool
 
 
 def python(env: ToolEnvironment, code: str) -> list:
-    """Run Python code in a notebook-like session that keeps its variables for this conversation.
+    """Run Python code in a notebook-like interpreter that keeps its variables for this conversation.
 
     The conversation's images are preloaded as `image_clue_0`, `image_clue_1`, ... (also `images`, a list,
     and `image`, the first one); numpy is `np`, PIL's Image class is `Image`, matplotlib.pyplot is `plt`.
@@ -30,16 +30,16 @@ def python(env: ToolEnvironment, code: str) -> list:
     if not isinstance(code, str) or not code.strip():
         raise ToolError("code must be a non-empty string of Python code")
     limits = SandboxLimits.from_options(env._tool_options("python"))
-    session = env.state.get("python")
-    if session is None or not session.alive:
-        if session is not None:
-            session.close()
+    interp = env.state.get("python")
+    if interp is None or not interp.alive:
+        if interp is not None:
+            interp.close()
         try:
-            session = env.state["python"] = get_pool(limits).acquire([])
+            interp = env.state["python"] = get_pool(limits).acquire([])
         except RuntimeError as exc:
             raise ToolError(f"the Python sandbox could not start: {exc}") from None
     try:
-        result = session.run(code, new_images=env.images[session.images_sent :])
+        result = interp.run(code, new_images=env.images[interp.images_sent :])
     except RuntimeError as exc:  # an image of the conversation that cannot be encoded
         raise ToolError(str(exc)) from None
     if result.timed_out:

@@ -1,4 +1,5 @@
-"""Format rewards and the tag helpers other rewards share.
+"""Format rewards (the tag helpers other rewards share, ``extract_tag`` / ``extract_answer``, live in
+:mod:`vlm_grpo.rewards.turns` and are importable from here too).
 
 Tag-layout rewards (``format``: ``<think><answer>``, ``format_explain``: ``<think><answer><explain>`` (ViVQA-X),
 ``format_speaker_strict``: ``<thinking><coarse><detailed>`` (Lewis-game speaker; the seed's lenient
@@ -14,40 +15,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from vlm_grpo.rewards.base import RewardFunc, completion_text
-from vlm_grpo.rewards.turns import final_turn
+from vlm_grpo.rewards.turns import extract_answer, extract_tag, final_turn
 from vlm_grpo.tasks import RYNNBRAIN_TASK_TAGS
 
 _TAG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
-
-
-def extract_tag(text: str, tag: str = "answer") -> str | None:
-    """Content of the LAST complete ``<tag>…</tag>`` in ``text`` (tag names match case-insensitively), else ``None``.
-
-    "Last" means: the last closing tag, paired with the last opening tag before it, so with nested or repeated
-    tags the innermost/last block wins. Linear time, whatever the text (no regex backtracking on huge input).
-    """
-    if not isinstance(text, str) or not text:
-        return None
-    name = re.escape(tag)
-    close = None
-    for close in re.finditer(rf"</{name}\s*>", text, re.IGNORECASE):  # noqa: B007 - keep the last one
-        pass
-    if close is None:
-        return None
-    opening = None
-    for opening in re.finditer(rf"<{name}\s*>", text[: close.start()], re.IGNORECASE):  # noqa: B007
-        pass
-    if opening is None:
-        return None
-    return text[opening.end() : close.start()]
-
-
-def extract_answer(text: str) -> str:
-    """The answer a completion (or a solution) gives: the content of its last ``<answer>…</answer>``, stripped;
-    the whole text, stripped, when it has no complete answer tag."""
-    text = text if isinstance(text, str) else completion_text(text)
-    content = extract_tag(text, "answer")
-    return (text if content is None else content).strip()
 
 
 def _check_tags(tags: Sequence[str]) -> tuple[str, ...]:

@@ -14,6 +14,7 @@ final turn, so the same reward scores both alike.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from vlm_grpo.rewards.base import completion_text
@@ -44,6 +45,34 @@ def final_turn(completion: Any) -> str:
 def final_answer(completion: Any) -> str:
     """The content of the last ``<answer>...</answer>`` of the model's last turn, stripped (that whole turn,
     stripped, when it has no complete answer tag); never text a tool printed."""
-    from vlm_grpo.rewards.format import extract_answer
-
     return extract_answer(final_turn(completion))
+
+
+def extract_tag(text: str, tag: str = "answer") -> str | None:
+    """Content of the LAST complete ``<tag>…</tag>`` in ``text`` (tag names match case-insensitively), else ``None``.
+
+    "Last" means: the last closing tag, paired with the last opening tag before it, so with nested or repeated
+    tags the innermost/last block wins. Linear time, whatever the text (no regex backtracking on huge input).
+    """
+    if not isinstance(text, str) or not text:
+        return None
+    name = re.escape(tag)
+    close = None
+    for close in re.finditer(rf"</{name}\s*>", text, re.IGNORECASE):  # noqa: B007 - keep the last one
+        pass
+    if close is None:
+        return None
+    opening = None
+    for opening in re.finditer(rf"<{name}\s*>", text[: close.start()], re.IGNORECASE):  # noqa: B007
+        pass
+    if opening is None:
+        return None
+    return text[opening.end() : close.start()]
+
+
+def extract_answer(text: str) -> str:
+    """The answer a completion (or a solution) gives: the content of its last ``<answer>…</answer>``, stripped;
+    the whole text, stripped, when it has no complete answer tag."""
+    text = text if isinstance(text, str) else completion_text(text)
+    content = extract_tag(text, "answer")
+    return (text if content is None else content).strip()

@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from vlm_grpo.config_words import override_value, write_converted
 from vlm_grpo.easyr1_keys import REFUSED_UNLESS, ignore_reason
 
 logger = logging.getLogger(__name__)
@@ -323,20 +324,6 @@ def _convert_trainer(out: dict[str, Any], notes: list[str], take: Any) -> None:
         )
 
 
-def override_value(text: str) -> Any:
-    """A dotted override's value as OmegaConf reads it: YAML scalars and lists, ``1e-3`` as a number."""
-    try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-    if isinstance(value, str):
-        try:
-            return float(value) if value.strip().lower() not in ("nan", "inf", "-inf", "infinity") else value
-        except ValueError:
-            return value
-    return value
-
-
 def apply_override(config: dict, dotted: str, value: Any) -> None:
     node = config
     *parents, leaf = dotted.split(".")
@@ -383,14 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"error: {args.config}: {exc}", file=sys.stderr)
         return 2
-    text = render(flags, notes, " ".join([args.config, *args.overrides]))
-    if args.output:
-        Path(args.output).write_text(text, encoding="utf-8")
-    else:
-        sys.stdout.write(text)
-    for note in notes:
-        print(f"note: {note}", file=sys.stderr)
-    return 0
+    return write_converted(render(flags, notes, " ".join([args.config, *args.overrides])), args.output, notes)
 
 
 def cli() -> None:

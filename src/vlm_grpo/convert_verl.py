@@ -29,12 +29,12 @@ import re
 import sys
 import tempfile
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import yaml
 
 from vlm_grpo.cli_errors import UserError
+from vlm_grpo.config_words import override_value, write_converted
 
 logger = logging.getLogger(__name__)
 
@@ -206,19 +206,8 @@ def parse_overrides(tokens: Sequence[str]) -> dict[str, Any]:
 
 
 def _value(raw: str) -> Any:
-    """A value as Hydra reads it: YAML, plus numbers YAML 1.1 keeps as text (``2e-6``, ``1e5``)."""
-    if raw == "":
-        return None
-    try:
-        value = yaml.safe_load(raw)
-    except yaml.YAMLError:
-        return raw
-    if isinstance(value, str):
-        try:
-            return float(value) if value.strip().lower() not in ("nan", "inf", "-inf", "infinity") else value
-        except ValueError:
-            return value
-    return value
+    """A value as Hydra reads it (``key=`` is null)."""
+    return None if raw == "" else override_value(raw)
 
 
 def _ignored_reason(key: str) -> str | None:
@@ -515,11 +504,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     except VerlConfigError as exc:
         print(f"error: verl main_ppo line: {exc}", file=sys.stderr)
         return 2
-    text = render(flags, notes)
-    if args.output:
-        Path(args.output).write_text(text, encoding="utf-8")
-    else:
-        sys.stdout.write(text)
-    for note in notes:
-        print(f"note: {note}", file=sys.stderr)
-    return 0
+    return write_converted(render(flags, notes), args.output, notes)

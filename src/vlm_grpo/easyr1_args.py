@@ -21,13 +21,13 @@ from typing import Any
 import yaml
 
 from vlm_grpo.cli_errors import UserError
+from vlm_grpo.config_words import override_value
 from vlm_grpo.convert_config import (
     EASYR1_SECTIONS,
     ConfigError,
     apply_override,
     convert,
     is_easyr1_config,
-    override_value,
     render,
 )
 

@@ -56,8 +56,8 @@ _TRL_LOGP_PARAMS = frozenset(inspect.signature(GRPOTrainer._get_per_token_logps_
 
 
 class VLMGRPOTrainer(
-    DynamicSamplingMixin, RolloutLogMixin, CompleteCheckpointMixin, CheckpointReloadMixin, GRPOTrainer
-):
+    CompleteCheckpointMixin, DynamicSamplingMixin, RolloutLogMixin, CheckpointReloadMixin, GRPOTrainer
+):  # CompleteCheckpointMixin first: its marker goes in after every other mixin's checkpoint files
     """GRPO for vision-language models.
 
     Args beyond ``trl.GRPOTrainer``:

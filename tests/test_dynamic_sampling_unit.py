@@ -1,0 +1,181 @@
+"""Dynamic sampling's round loop on a stand-in for TRL's generation (no model): which rows reach the loss,
+how many tokens the loss is normalised by (tool-output tokens excluded), NaN rewards, refills and metrics."""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vlm_grpo.dynamic_sampling import DynamicSamplingMixin, keep_groups
+
+G = 2
+NAN = float("nan")
+
+
+class StandInTRL:
+    """``_generate_and_score_completions`` as TRL lays it out: one row per input; the i-th row's rewards
+    (``row["rewards"][i % G]``: a prompt's G completions score differently) gathered into ``_ds_rewards`` (as
+    ``_calculate_rewards`` does); ``completion_mask`` ones over ``row["length"]`` tokens, ``tool_mask`` zeros over
+    ``row["tool"]`` of them."""
+
+    def __init__(self, dataset, max_rounds=4, seed=0):
+        self.args = SimpleNamespace(
+            dynamic_sampling=True, max_sampling_rounds=max_rounds, filter_key=None, filter_low=0.01,
+            filter_high=0.99, seed=seed, per_device_train_batch_size=4, steps_per_generation=1, should_save=True,
+        )  # fmt: skip
+        self.model = SimpleNamespace(training=True)
+        self.num_generations = G
+        self.accelerator = SimpleNamespace(
+            process_index=0, num_processes=1, device=torch.device("cpu"), gather=lambda t: t.reshape(-1)
+        )
+        self.reward_weights = torch.tensor([1.0, 0.5])
+        self.reward_func_names = ["acc", "fmt"]
+        self._tokenizer = SimpleNamespace(pad_token_id=0)
+        self._metrics = {"train": defaultdict(list)}
+        self.train_dataset = dataset
+        self.rounds: list[list[str]] = []
+
+    def _generate_and_score_completions(self, inputs):
+        self.rounds.append([row["name"] for row in inputs])
+        width = max(row["length"] for row in inputs)
+        mask = torch.tensor([[1] * r["length"] + [0] * (width - r["length"]) for r in inputs])
+        tool = torch.ones_like(mask)
+        for i, row in enumerate(inputs):
+            tool[i, 1 : 1 + row["tool"]] = 0  # tool output inside the completion: not the model's tokens
+        self._ds_rewards = torch.tensor([row["rewards"][i % G] for i, row in enumerate(inputs)], dtype=torch.float32)
+        ids = torch.tensor([[row["id"]] * width for row in inputs])
+        return {
+            "prompt_ids": torch.tensor([[row["id"], row["id"]] for row in inputs]),
+            "prompt_mask": torch.ones(len(inputs), 2, dtype=torch.long),
+            "completion_ids": ids * mask,
+            "completion_mask": mask,
+            "tool_mask": tool,
+            "advantages": torch.arange(len(inputs), dtype=torch.float32),
+            "num_items_in_batch": mask.sum(),
+        }
+
+
+class Trainer(DynamicSamplingMixin, StandInTRL):
+    pass
+
+
+def rows(name, rewards, length=4, tool=1, id=1):
+    """One prompt's G rows (``rewards``: one [acc, fmt] per row)."""
+    return [{"name": name, "rewards": rewards, "length": length, "tool": tool, "id": id}] * G
+
+
+VARIED = [[1.0, 0.0], [0.0, 0.0]]
+FURTHER = [{"name": f"more{i}", "rewards": VARIED, "length": 3, "tool": 2, "id": 10 + i} for i in range(4)]
+
+
+def test_nan_rewards_count_as_no_signal():
+    """A row no reward applied to (all NaN) is left out of the spread: with one scored row the group is flat;
+    a NaN in one reward only is skipped in the weighted sum."""
+    rewards = torch.tensor([[NAN, NAN], [1, 0], [NAN, 1], [1, 1], [1, NAN], [0, 0], [0, 0], [0, 0]])
+    names = ["acc", "fmt"]
+    # weighted sums (weights 1, 0.5): (nan, 1) (0.5, 1.5) (1, 0) (0, 0)
+    assert keep_groups(rewards, torch.tensor([1.0, 0.5]), 2, names).tolist() == [False, True, True, False]
+    # EasyR1's filter: a NaN is left out of the group mean; acc means 1, 1, 0.5, 0
+    assert keep_groups(rewards, torch.tensor([1.0, 0.5]), 2, names, "acc").tolist() == [False, False, True, False]
+    # on the weighted sum (weights 1, 1): means 1 (the unscored row left out, not counted as 0), 1.5, 0.5, 0
+    assert keep_groups(rewards, torch.tensor([1.0, 1.0]), 2, names, "overall", 0.4, 0.6).tolist() == [
+        False, False, True, False,
+    ]  # fmt: skip
+
+
+def test_flat_and_nan_groups_are_dropped_and_refilled_and_the_loss_counts_model_tokens_only():
+    trainer = Trainer(FURTHER)
+    batch = rows("flat", [[1.0, 1.0], [1.0, 1.0]], id=2) + rows("nan", [[NAN, NAN], [1.0, 0.0]], id=3)
+    out = trainer._generate_and_score_completions(batch)
+    assert len(trainer.rounds) == 2 and trainer.rounds[0] == ["flat", "flat", "nan", "nan"]
+    kept_ids = out["prompt_ids"][:, 0].tolist()
+    assert 2 not in kept_ids and 3 not in kept_ids and len(kept_ids) == 4
+    assert all(i >= 10 for i in kept_ids)
+    # loss normalisation: completion tokens that are the model's own (tool output excluded), kept rows only
+    assert int(out["num_items_in_batch"]) == int((out["completion_mask"] * out["tool_mask"]).sum()) == 4 * (3 - 2)
+    metrics = dict(trainer._metrics["train"])
+    assert metrics == {
+        "dynamic_sampling/kept_groups": [2.0],
+        "dynamic_sampling/dropped_groups": [2.0],
+        "dynamic_sampling/rounds": [2.0],
+        "dynamic_sampling/filled_groups": [0.0],
+    }
+
+
+def test_a_kept_group_keeps_its_rows_tokens_and_advantages_in_order():
+    trainer = Trainer(FURTHER)
+    batch = rows("a", VARIED, length=5, tool=2, id=4) + rows("b", VARIED, length=2, tool=0, id=5)
+    out = trainer._generate_and_score_completions(batch)
+    assert trainer.rounds == [["a", "a", "b", "b"]]  # nothing dropped: no further round
+    assert out["prompt_ids"][:, 0].tolist() == [4, 4, 5, 5]
+    assert out["advantages"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert out["completion_mask"].sum(1).tolist() == [5, 5, 2, 2]
+    assert int(out["num_items_in_batch"]) == 2 * (5 - 2) + 2 * 2
+    assert trainer._metrics["train"]["dynamic_sampling/kept_groups"] == [2.0]
+
+
+def test_when_rounds_run_out_the_newest_dropped_groups_fill_in_and_it_is_logged(caplog):
+    flat = [{"name": "flat", "rewards": [[1.0, 0.0]] * G, "length": 2, "tool": 0, "id": 9}] * 4
+    trainer = Trainer(flat, max_rounds=2)
+    batch = rows("x", [[1.0, 1.0], [1.0, 1.0]], id=7) + rows("y", VARIED, id=8)
+    with caplog.at_level(logging.WARNING, logger="vlm_grpo.dynamic_sampling"):
+        out = trainer._generate_and_score_completions(batch)
+    assert len(trainer.rounds) == 2
+    assert out["prompt_ids"][:, 0].tolist() == [8, 8, 9, 9]  # the kept group, then the last dropped one
+    assert "1 group(s) still missing after max_sampling_rounds=2" in caplog.text
+    metrics = trainer._metrics["train"]
+    assert metrics["dynamic_sampling/filled_groups"] == [1.0] and metrics["dynamic_sampling/kept_groups"] == [1.0]
+    assert metrics["dynamic_sampling/dropped_groups"] == [3.0]
+
+
+def test_outside_training_or_when_off_it_is_trls_pass_unchanged():
+    trainer = Trainer(FURTHER)
+    batch = rows("flat", [[1.0, 1.0], [1.0, 1.0]], id=2) * 2
+    trainer.model.training = False
+    assert trainer._generate_and_score_completions(batch)["prompt_ids"].shape[0] == 4
+    trainer.model.training, trainer.args.dynamic_sampling = True, False
+    assert trainer._generate_and_score_completions(batch)["prompt_ids"][:, 0].tolist() == [2, 2, 2, 2]
+    assert len(trainer.rounds) == 2 and not trainer._metrics["train"]
+
+
+def test_further_prompts_follow_a_seeded_stream_split_over_ranks():
+    trainer = Trainer(list(range(10)))
+    first = trainer._further_prompts(4)
+    assert len(first) == 4 and first[0] == first[1] and first[2] == first[3]  # G copies side by side
+    assert trainer._ds_cursor == 2
+    second = trainer._further_prompts(4)
+    again = Trainer(list(range(10)))
+    assert again._further_prompts(8) == first + second  # one stream, however it is drawn
+    permutation = torch.randperm(10, generator=torch.Generator().manual_seed(1)).tolist()
+    assert [x for x in first + second][::G] == permutation[:4]  # seed + 1 + epoch of the second pass
+    two = [Trainer(list(range(10))) for _ in range(2)]
+    for rank, t in enumerate(two):
+        t.accelerator = SimpleNamespace(process_index=rank, num_processes=2, device=torch.device("cpu"))
+    assert two[0]._further_prompts(4)[::G] + two[1]._further_prompts(4)[::G] == permutation[:4]
+    wrapped = Trainer(list(range(3)))
+    wrapped._ds_cursor = 2  # the stream crosses into its next pass, reshuffled with the next seed
+    nxt = torch.randperm(3, generator=torch.Generator().manual_seed(2)).tolist()
+    assert wrapped._further_prompts(4)[::G] == [torch.randperm(3, generator=torch.Generator().manual_seed(1))
+                                               .tolist()[2], nxt[0]]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"per_device_train_batch_size": 3}, "must be a multiple of num_generations"),
+        ({"filter_key": "nope"}, "filter_key 'nope' is not a reward of this run"),
+        ({"filter_key": "acc", "filter_low": 0.5, "filter_high": 0.5}, "filter_low (0.5) must be below"),
+        ({"max_sampling_rounds": 0}, "max_sampling_rounds must be at least 1"),
+    ],
+)
+def test_bad_settings_are_refused_before_training(change, message):
+    trainer = Trainer(FURTHER)
+    vars(trainer.args).update(change)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        trainer._check_dynamic_sampling()
+    trainer.args.dynamic_sampling = False
+    trainer._check_dynamic_sampling()  # off: nothing to check

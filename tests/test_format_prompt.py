@@ -115,3 +115,29 @@ def test_rendered_prompt_is_what_trains_and_what_max_prompt_length_counts(rows_f
     texts = [[c["text"] for c in p[-1]["content"] if c["type"] == "text"] for p in sample["prompt"]]
     # the family's own task template (<think>/<answer> instructions) is not added on top of the rendered text
     assert texts[2] == [rows[2]["question"]]
+
+
+def test_template_sees_the_system_prompt_and_the_task_type(tmp_path):
+    """``system`` (the row's system turn) and ``task_type`` (the row's, else --task_type) are rendered."""
+    rows = [
+        {
+            "conversations": [
+                {"from": "system", "value": "You count things."},
+                {"from": "human", "value": "How many?"},
+                {"from": "gpt", "value": "3"},
+            ],
+            "task_type": "counting",
+        },
+        {"conversations": [{"from": "human", "value": "Why?"}, {"from": "gpt", "value": "because"}]},
+    ]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ system or 'no system' }} | {{ task_type }} | {{ content }}\n")
+    good, bad = read_sources(str(path), format_prompt=str(template), task_type="explain")
+    assert bad == []
+    assert [r["question"] for r in good] == [
+        "You count things. | counting | How many?",
+        "no system | explain | Why?",
+    ]
+    assert good[0]["system"] == "You count things." and [r["task_type"] for r in good] == ["counting", "explain"]

@@ -79,6 +79,11 @@ def test_two_plugins_with_one_function_name_get_two_labels_and_their_own_kwargs(
         specs, reward_kwargs={"math_reward.compute_score": {"scale": 2.0}, specs[1]: {"scale": 3.0}}
     )
     assert [f(["x"]) for f in funcs] == [[2.0], [-3.0]]
+    assert [f.__name__ for f in funcs] == ["math_reward.compute_score", "r1v_reward.compute_score"]  # metric names
+    # the same function name in two modules (``package.module:fn``): labelled by the module's last part
+    mods = reward_labels(["my_pkg.math_reward:compute_score", "my_pkg.r1v:compute_score", "format"])
+    assert mods == [("math_reward.compute_score", "my_pkg.math_reward:compute_score"),
+                    ("r1v.compute_score", "my_pkg.r1v:compute_score"), ("format", "format")]  # fmt: skip
     # A unique function name is its own label; an explicit alias wins.
     assert reward_labels([specs[0], "accuracy"]) == [("compute_score", specs[0]), ("accuracy", "accuracy")]
     assert reward_labels([f"acc2={specs[0]}"]) == [("acc2", specs[0])]

@@ -1,0 +1,82 @@
+"""Bad-input messages point at the right line: blank lines, multi-line JSON records and table rows counted
+as a user's editor counts them (1-based)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vlm_grpo.data import read_rows
+from vlm_grpo.data.records import iter_records, read_any_rows
+from vlm_grpo.data.sources import read_sources
+
+
+def _row(question="What is 2 + 2?", answer="4"):
+    return {"conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]}
+
+
+NO_ANSWER = {"conversations": [{"from": "human", "value": "?"}]}
+
+
+@pytest.fixture
+def jsonl(tmp_path):
+    lines = [
+        "",  # 1
+        json.dumps(_row()),  # 2
+        "   ",  # 3
+        "",  # 4
+        '{"conversations": [',  # 5: bad JSON
+        "\t",  # 6
+        json.dumps(NO_ANSWER),  # 7: no answer turn
+        json.dumps(_row("Why?", "because")),  # 8
+        "",  # 9
+        b'{"conversations": "caf\xe9"}',  # 10: not UTF-8
+    ]
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b"\n".join(x if isinstance(x, bytes) else x.encode() for x in lines) + b"\n")
+    return path
+
+
+@pytest.mark.parametrize("reader", [read_rows, read_sources, read_any_rows])
+def test_jsonl_lines_count_blank_lines(jsonl, reader):
+    good, bad = reader([str(jsonl)]) if reader is not read_sources else reader(str(jsonl))
+    assert [r["source"] for r in good] == [f"{jsonl}:2", f"{jsonl}:8"]
+    assert [(b.source, b.field) for b in bad] == [
+        (f"{jsonl}:5", "<json>"),
+        (f"{jsonl}:7", "conversations"),
+        (f"{jsonl}:10", "<encoding>"),
+    ]
+    assert "bad JSON" in bad[0].reason and "column" in bad[0].reason
+    assert str(bad[1]).startswith(f"{jsonl}:7: field 'conversations': ")
+
+
+def test_a_json_list_names_the_line_each_record_starts_on(tmp_path):
+    path = tmp_path / "rows.json"
+    text = "\n\n[\n" + json.dumps(_row(), indent=2) + ",\n\n" + json.dumps(NO_ANSWER, indent=2) + ",\n"
+    text += json.dumps(_row("Why?", "because")) + "\n]\n"
+    path.write_text(text)
+    starts = [i for i, line in enumerate(text.split("\n"), start=1) if line.startswith("{")]
+    assert [r.source for r in iter_records(path)] == [f"{path}:{n}" for n in starts]
+    good, bad = read_any_rows([str(path)])
+    assert [b.source for b in bad] == [f"{path}:{starts[1]}"]
+    assert [r["source"] for r in good] == [f"{path}:{starts[0]}", f"{path}:{starts[2]}"]
+
+
+def test_a_json_syntax_error_names_its_line(tmp_path):
+    path = tmp_path / "rows.json"
+    path.write_text('\n[\n  {"conversations": []},\n  {"conversations": [}\n]\n')
+    (record,) = iter_records(path)
+    assert record.source == f"{path}:4" and "bad JSON" in record.error
+
+
+def test_table_rows_are_numbered_from_one(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [_row(), {"conversations": [{"from": "human", "value": "?"}, {"from": "human", "value": "?"}]}, _row()]
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    for good, bad in (read_sources(str(path)), read_any_rows([str(path)])):
+        assert [b.source for b in bad] == [f"{path}:2"]
+        assert [r["source"] for r in good] == [f"{path}:1", f"{path}:3"]

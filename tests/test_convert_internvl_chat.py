@@ -187,14 +187,16 @@ HAND_MAP_OTHER = {
 
 
 @pytest.fixture(scope="module")
-def hand_made(tiny_models):
+def hand_made():
     """(original state dict, the transformers state dict it must become, transformers' own key set): random
     tensors of the right shapes, two layers each side, qkv bias and q/k norms on; built by the hand map."""
-    from transformers import AutoConfig, InternVLForConditionalGeneration
+    from transformers import InternVLConfig, InternVLForConditionalGeneration
 
-    config = AutoConfig.from_pretrained(tiny_models["internvl"])
-    config.vision_config.attention_bias = True
-    config.vision_config.use_qk_norm = True
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+              "image_size": [28, 28], "patch_size": [14, 14], "attention_bias": True, "use_qk_norm": True}  # fmt: skip
+    text = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128}  # fmt: skip
+    config = InternVLConfig(vision_config=vision, text_config=text, image_token_id=127)
     shapes = {k: v.shape for k, v in InternVLForConditionalGeneration(config).state_dict().items()}
     generator = torch.Generator().manual_seed(0)
     original, expected = {}, {}

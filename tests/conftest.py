@@ -37,8 +37,17 @@ class TinyModels(Mapping[str, Path]):
 
 
 @pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
-    """Tiny checkpoints of every family (``tiny_models["qwen2_5_vl"]`` is a folder), built lazily once."""
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> TinyModels | dict[str, Path]:
+    """Tiny checkpoints of every family (``tiny_models["qwen2_5_vl"]`` is a folder), built lazily once.
+
+    ``VLM_GRPO_TINY_MODELS=DIR``: read-only checkpoints built beforehand by
+    ``python -m vlm_grpo.testing.tiny --family all --out DIR`` (``make mutants`` runs each mutant in a fresh
+    process, where building them again would dominate)."""
+    prebuilt = os.environ.get("VLM_GRPO_TINY_MODELS")
+    if prebuilt:
+        from vlm_grpo.testing.tiny import FAMILIES
+
+        return {family: Path(prebuilt) / family for family in FAMILIES}
     return TinyModels(tmp_path_factory.mktemp("tiny_models"))
 
 

@@ -23,8 +23,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Where each run is killed (all at the checkpoint of step 2 of 3, or as step 3 begins), and the checkpoint
 # the next run must resume from: a kill inside the save leaves checkpoint-2 unfinished, so checkpoint-1.
-KILLS = [("folder", "checkpoint-1"), ("model", "checkpoint-1"), ("optimizer", "checkpoint-1"),
-         ("marker", "checkpoint-1"), ("step", "checkpoint-2")]  # fmt: skip
+# (A kill as the folder appears or mid-way through model.safetensors leaves files that test_resume.py's
+# DAMAGE cases judge the same way; crash_entry.py still offers those phases.)
+KILLS = [("optimizer", "checkpoint-1"), ("marker", "checkpoint-1"), ("step", "checkpoint-2")]
 
 
 def _args(tiny_models, tmp_path, out):

@@ -179,3 +179,38 @@ def test_bad_settings_are_refused_before_training(change, message):
         trainer._check_dynamic_sampling()
     trainer.args.dynamic_sampling = False
     trainer._check_dynamic_sampling()  # off: nothing to check
+
+
+def test_merge_pads_every_completion_field_with_its_own_value_and_refuses_what_it_cannot_merge():
+    from vlm_grpo.dynamic_sampling import merge_batches
+
+    def part(prompt, completion, **extra):
+        rows = len(prompt)
+        return {
+            "prompt_ids": torch.tensor(prompt),
+            "prompt_mask": torch.ones(rows, len(prompt[0]), dtype=torch.long),
+            "completion_ids": torch.tensor(completion),
+            "completion_mask": torch.ones(rows, len(completion[0]), dtype=torch.long),
+            "old_per_token_logps": torch.full((rows, len(completion[0])), -1.0),
+            "tool_mask": torch.zeros(rows, len(completion[0]), dtype=torch.long),
+            "token_type_ids": torch.full((rows, len(prompt[0]) + len(completion[0])), 2),
+            "advantages": torch.ones(rows),
+            "num_items_in_batch": torch.tensor(99),
+            **extra,
+        }
+
+    a = part([[1]], [[5, 6, 7]], num_tiles=[3])
+    b = part([[2, 3]], [[8]])  # wider prompt, shorter completion, no tiles
+    merged = merge_batches([a, b], pad_token_id=9)
+    assert "num_items_in_batch" not in merged
+    assert merged["prompt_ids"].tolist() == [[9, 1], [2, 3]]
+    assert merged["completion_ids"].tolist() == [[5, 6, 7], [8, 9, 9]]
+    assert merged["old_per_token_logps"].tolist() == [[-1.0, -1.0, -1.0], [-1.0, 0.0, 0.0]]
+    assert merged["tool_mask"].tolist() == [[0, 0, 0], [0, 1, 1]]  # padding counts as the model's (masked anyway)
+    # prompt part padded left, completion part right, each with 0
+    assert merged["token_type_ids"].tolist() == [[0, 2, 2, 2, 2], [2, 2, 2, 0, 0]]
+    assert merged["num_tiles"] == [3, 0]
+    with pytest.raises(ValueError, match="field 'tool_mask' is missing in some generation rounds"):
+        merge_batches([a, {k: v for k, v in b.items() if k != "tool_mask"}], pad_token_id=9)
+    with pytest.raises(ValueError, match="cannot merge generation output field 'odd' across rounds"):
+        merge_batches([{**a, "odd": "x"}, {**b, "odd": "y"}], pad_token_id=9)

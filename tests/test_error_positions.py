@@ -80,3 +80,60 @@ def test_table_rows_are_numbered_from_one(tmp_path):
     for good, bad in (read_sources(str(path)), read_any_rows([str(path)])):
         assert [b.source for b in bad] == [f"{path}:2"]
         assert [r["source"] for r in good] == [f"{path}:1", f"{path}:3"]
+
+
+def test_a_json_object_of_records_keeps_its_keys_as_ids_and_names_each_line(tmp_path):
+    path = tmp_path / "vqa_x.json"
+    text = '{\n  "q1": ' + json.dumps(_row()) + ',\n\n  "q2" :\n    ' + json.dumps({**NO_ANSWER, "id": "own"}) + "\n}\n"
+    path.write_text(text)
+    records = list(iter_records(path))
+    assert [r.source for r in records] == [f"{path}:2", f"{path}:5"]
+    assert [r.value["id"] for r in records] == ["q1", "own"]  # a record's own id wins
+    good, bad = read_any_rows([str(path)])
+    assert [r["source"] for r in good] == [f"{path}:2"] and [b.source for b in bad] == [f"{path}:5"]
+
+
+def test_one_json_record_and_odd_json_files(tmp_path):
+    one = tmp_path / "one.json"
+    one.write_text("\n\n" + json.dumps(_row(), indent=1) + "\n")
+    (record,) = iter_records(one)
+    assert record.source == f"{one}:3" and record.value == _row()  # where the record starts
+    empty = tmp_path / "empty.json"
+    empty.write_text("  \n")
+    assert list(iter_records(empty)) == []
+    good, bad = read_any_rows([str(empty)])
+    assert good == [] and [(b.source, b.field) for b in bad] == [(str(empty), "<file>")]  # named as a whole file
+    latin = tmp_path / "latin.json"
+    latin.write_bytes(b'[\n{"a": 1},\n{"b": "caf\xe9"}\n]\n')
+    (record,) = iter_records(latin)
+    assert record.source == f"{latin}:3" and record.error.startswith("not valid UTF-8 (byte 0xe9)")
+    good, bad = read_any_rows([str(latin)])
+    assert [(b.source, b.field) for b in bad] == [(f"{latin}:3", "<json>")] and "UTF-8" in bad[0].reason
+    bom = tmp_path / "bom.json"
+    bom.write_bytes(b"\xef\xbb\xbf[" + json.dumps(_row()).encode() + b"]")
+    assert [r.value for r in iter_records(bom)] == [_row()]
+
+
+def test_parquet_nulls_are_dropped_so_rows_read_back_as_written(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{**_row(), "system": "be brief", "extra": {"k": 1, "z": None}}, _row("Why?", "because")]
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    values = [r.value for r in iter_records(path)]
+    assert values[0]["extra"] == {"k": 1} and "system" not in values[1] and "extra" not in values[1]
+    assert values[1] == _row("Why?", "because")
+
+
+def test_unsupported_and_missing_files_are_named(tmp_path):
+    from vlm_grpo.data.formats import DataError
+    from vlm_grpo.data.records import file_kind
+
+    assert [file_kind(f"x{s}") for s in (".jsonl", ".JSON", ".parquet")] == ["jsonl", "json", "parquet"]
+    with pytest.raises(DataError, match=r"unsupported file type '\.csv' \(expected one of \.jsonl, \.json, \.parquet\)"):
+        file_kind(tmp_path / "rows.csv")
+    broken = tmp_path / "broken.parquet"
+    broken.write_bytes(b"not parquet")
+    with pytest.raises(DataError, match="not a readable parquet file"):
+        list(iter_records(broken))

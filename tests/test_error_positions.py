@@ -131,7 +131,8 @@ def test_unsupported_and_missing_files_are_named(tmp_path):
     from vlm_grpo.data.records import file_kind
 
     assert [file_kind(f"x{s}") for s in (".jsonl", ".JSON", ".parquet")] == ["jsonl", "json", "parquet"]
-    with pytest.raises(DataError, match=r"unsupported file type '\.csv' \(expected one of \.jsonl, \.json, \.parquet\)"):
+    expected = r"unsupported file type '\.csv' \(expected one of \.jsonl, \.json, \.parquet\)"
+    with pytest.raises(DataError, match=expected):
         file_kind(tmp_path / "rows.csv")
     broken = tmp_path / "broken.parquet"
     broken.write_bytes(b"not parquet")

@@ -9,6 +9,7 @@ import pytest
 from PIL import Image
 
 from vlm_grpo.data import prepare_rows
+from vlm_grpo.data.formats import RowError
 from vlm_grpo.data.jsonl import LazyImageTransform
 from vlm_grpo.data.sources import read_sources
 from vlm_grpo.data.templates import TemplateError
@@ -141,3 +142,21 @@ def test_template_sees_the_system_prompt_and_the_task_type(tmp_path):
         "no system | explain | Why?",
     ]
     assert good[0]["system"] == "You count things." and [r["task_type"] for r in good] == ["counting", "explain"]
+
+
+def test_a_missing_template_and_a_bytes_column_are_handled(tmp_path):
+    from vlm_grpo.data.templates import PromptTemplate
+
+    with pytest.raises(TemplateError, match=rf"^--format_prompt: template file not found: {tmp_path / 'none.jinja'}$"):
+        PromptTemplate(tmp_path / "none.jinja")
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ blob is defined }} {{ content }}  \n\n")
+    row = {"question": "Q", "solution": "A", "image_path": []}
+    # bytes columns (image bytes of a table) are not handed to the template; the text is stripped
+    assert PromptTemplate(template).render(row, {"blob": b"\x89PNG", "level": 1}) == "False Q"
+    failing = tmp_path / "f.jinja"
+    failing.write_text("ok\n{{ content }}\n{{ 1 // level }}\n")
+    with pytest.raises(RowError) as info:
+        PromptTemplate(failing).render(row, {"level": 0})
+    assert info.value.field == "format_prompt"
+    assert str(info.value) == f"{failing}:3: ZeroDivisionError: integer division or modulo by zero"

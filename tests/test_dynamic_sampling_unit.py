@@ -214,3 +214,68 @@ def test_merge_pads_every_completion_field_with_its_own_value_and_refuses_what_i
         merge_batches([a, {k: v for k, v in b.items() if k != "tool_mask"}], pad_token_id=9)
     with pytest.raises(ValueError, match="cannot merge generation output field 'odd' across rounds"):
         merge_batches([{**a, "odd": "x"}, {**b, "odd": "y"}], pad_token_id=9)
+
+
+class Rank1Of2TRL(StandInTRL):
+    """Rank 1 of 2: the gathered rewards hold rank 0's rows (all varied) first, then this rank's."""
+
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
+        self._ds_rewards = torch.cat([torch.tensor([[1.0, 0.0], [0.0, 0.0]] * 2), self._ds_rewards])
+        return out
+
+
+class Rank1Of2(DynamicSamplingMixin, Rank1Of2TRL):
+    pass
+
+
+def test_each_rank_filters_its_own_rows_of_the_gathered_rewards():
+    """Rank 1 reads rows [4, 8) of the gathered rewards: its flat group is dropped, its varied one kept."""
+    trainer = Rank1Of2(FURTHER)
+    trainer.accelerator = SimpleNamespace(
+        process_index=1, num_processes=2, device=torch.device("cpu"), gather=lambda t: torch.cat([t.reshape(-1)] * 2)
+    )
+    mine = rows("mine_flat", [[1.0, 1.0], [1.0, 1.0]], id=2) + rows("mine_varied", VARIED, id=3)
+    ids = trainer._generate_and_score_completions(mine)["prompt_ids"][:, 0].tolist()
+    assert 2 not in ids and ids[:2] == [3, 3]
+
+
+def test_the_filter_key_and_bounds_reach_the_group_filter():
+    """EasyR1's filter: groups whose mean 'acc' lies outside (low, high) are dropped."""
+    trainer = Trainer(FURTHER, max_rounds=1)
+    vars(trainer.args).update(filter_key="acc", filter_low=0.2, filter_high=0.8)
+    half = [[1.0, 0.0], [0.0, 0.0]]  # acc mean 0.5: kept
+    all_right = [[1.0, 0.0], [1.0, 1.0]]  # acc mean 1.0: dropped (its total still varies)
+    out = trainer._generate_and_score_completions(rows("half", half, id=4) + rows("right", all_right, id=5))
+    assert out["prompt_ids"][:, 0].tolist() == [4, 4, 5, 5]  # one round only: the dropped group fills in
+    assert trainer._metrics["train"]["dynamic_sampling/kept_groups"] == [1.0]
+    vars(trainer.args).update(filter_low=0.6)  # now 0.5 is out too
+    trainer._generate_and_score_completions(rows("half", half, id=4) + rows("right", all_right, id=5))
+    assert trainer._metrics["train"]["dynamic_sampling/kept_groups"][-1] == 0.0
+
+
+def test_limits_of_the_settings_just_under_and_at_their_bounds():
+    trainer = Trainer(FURTHER)
+    vars(trainer.args).update(max_sampling_rounds=1, per_device_train_batch_size=1, steps_per_generation=2)
+    trainer._check_dynamic_sampling()  # 1 round and 1 x 2 rows per rank (G = 2) are fine
+    vars(trainer.args).update(filter_key=None, filter_low=0.9, filter_high=0.1)
+    trainer._check_dynamic_sampling()  # bounds matter only with a filter_key
+    vars(trainer.args).update(filter_key="overall")
+    with pytest.raises(ValueError, match=r"filter_low \(0\.9\) must be below filter_high \(0\.1\)"):
+        trainer._check_dynamic_sampling()
+    vars(trainer.args).update(filter_key="fmt", filter_low=0.1, filter_high=0.9)
+    trainer._check_dynamic_sampling()
+    trainer.train_dataset = iter(FURTHER)  # an iterable dataset cannot be drawn from by index
+    with pytest.raises(ValueError, match=r"^dynamic_sampling needs a map-style training dataset"):
+        trainer._check_dynamic_sampling()
+    trainer.train_dataset = SimpleNamespace(__getitem__=None)
+    with pytest.raises(ValueError, match="map-style"):
+        trainer._check_dynamic_sampling()
+
+
+def test_the_further_prompt_stream_moves_on_with_every_draw():
+    trainer = Trainer(list(range(10)))
+    draws = [trainer._further_prompts(2)[0] for _ in range(4)]
+    assert trainer._ds_cursor == 4
+    permutation = torch.randperm(10, generator=torch.Generator().manual_seed(1)).tolist()
+    assert draws == permutation[:4]

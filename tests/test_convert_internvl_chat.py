@@ -259,3 +259,15 @@ def test_the_hand_map_check_catches_two_same_shaped_weights_trading_places(hand_
     monkeypatch.setattr(chat, "convert_state_dict", split_kq)
     with pytest.raises(AssertionError, match="q_proj"):
         test_the_key_map_matches_a_hand_written_one_tensor_for_tensor(hand_made)
+
+
+def test_weights_outside_the_known_parts_are_named_both_ways(hand_made):
+    from vlm_grpo.convert.internvl_chat import convert_state_dict, to_internvl_chat_state_dict
+
+    original, expected, _ = hand_made
+    with pytest.raises(ConversionError) as info:
+        convert_state_dict({**original, "extra_head.weight": torch.zeros(1)})
+    assert str(info.value) == "unexpected weight 'extra_head.weight': not a vision_model / mlp1 / language_model weight"
+    with pytest.raises(ConversionError) as info:
+        to_internvl_chat_state_dict({**expected, "model.extra.weight": torch.zeros(1)})
+    assert str(info.value) == "unexpected weight 'model.extra.weight' in an InternVLForConditionalGeneration state dict"

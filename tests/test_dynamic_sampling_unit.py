@@ -279,3 +279,16 @@ def test_the_further_prompt_stream_moves_on_with_every_draw():
     assert trainer._ds_cursor == 4
     permutation = torch.randperm(10, generator=torch.Generator().manual_seed(1)).tolist()
     assert draws == permutation[:4]
+
+
+def test_the_group_filter_at_its_limits():
+    """A spread of 1e-6 is no spread; EasyR1's bounds are exclusive; rewards are weighted, not divided."""
+    names = ["acc", "fmt"]
+    tiny = torch.tensor([[1e-6, 0.0], [0.0, 0.0], [2e-6, 0.0], [0.0, 0.0]])
+    assert keep_groups(tiny, torch.tensor([1.0, 1.0]), 2, names).tolist() == [False, True]
+    weighted = torch.tensor([[1.0, 0.0], [0.0, 2.0]])  # 1 x 1 == 0.5 x 2: flat once weighted
+    assert keep_groups(weighted, torch.tensor([1.0, 0.5]), 2, names).tolist() == [False]
+    at = torch.tensor([[0.5, 0.0], [0.5, 0.0], [0.25, 0.0], [0.75, 0.0]])  # acc means 0.5 and 0.5
+    assert keep_groups(at, torch.tensor([1.0, 1.0]), 2, names, "acc", 0.5, 0.9).tolist() == [False, False]
+    assert keep_groups(at, torch.tensor([1.0, 1.0]), 2, names, "acc", 0.1, 0.5).tolist() == [False, False]
+    assert keep_groups(at, torch.tensor([1.0, 1.0]), 2, names, "acc", 0.49, 0.51).tolist() == [True, True]

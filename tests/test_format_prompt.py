@@ -160,3 +160,14 @@ def test_a_missing_template_and_a_bytes_column_are_handled(tmp_path):
         PromptTemplate(failing).render(row, {"level": 0})
     assert info.value.field == "format_prompt"
     assert str(info.value) == f"{failing}:3: ZeroDivisionError: integer division or modulo by zero"
+
+
+def test_a_row_the_template_call_itself_refuses_is_a_bad_row_without_a_template_line(tmp_path):
+    """A column named ``self`` clashes with the render call (no template line to name): still a bad row."""
+    path = tmp_path / "odd.jsonl"
+    path.write_text(json.dumps({"problem": "Q?", "answer": "a", "self": 1}) + "\n")
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ content }}\n")
+    rows, bad = read_sources(str(path), format_prompt=str(template))
+    assert rows == [] and [b.field for b in bad] == ["format_prompt"]
+    assert bad[0].reason.startswith(f"{template}: TypeError: ")

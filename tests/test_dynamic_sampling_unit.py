@@ -292,3 +292,35 @@ def test_the_group_filter_at_its_limits():
     assert keep_groups(at, torch.tensor([1.0, 1.0]), 2, names, "acc", 0.5, 0.9).tolist() == [False, False]
     assert keep_groups(at, torch.tensor([1.0, 1.0]), 2, names, "acc", 0.1, 0.5).tolist() == [False, False]
     assert keep_groups(at, torch.tensor([1.0, 1.0]), 2, names, "acc", 0.49, 0.51).tolist() == [True, True]
+
+
+def test_merge_joins_per_row_images_and_fills_rounds_without_them():
+    from vlm_grpo.dynamic_sampling import merge_batches
+
+    def part(prompt_width, images):
+        rows = len(images) if images is not None else 2
+        out = {
+            "prompt_ids": torch.ones(rows, prompt_width, dtype=torch.long),
+            "prompt_mask": torch.ones(rows, prompt_width, dtype=torch.long),
+            "completion_ids": torch.ones(rows, 2, dtype=torch.long),
+            "completion_mask": torch.ones(rows, 2, dtype=torch.long),
+            "mm_token_type_ids": torch.ones(rows, prompt_width + 2, dtype=torch.long),
+            "advantages": torch.zeros(rows),
+        }
+        if images is not None:
+            out["pixel_values"] = [torch.full((n, 3), float(n)) for n in images]
+            out["image_grid_thw"] = [torch.tensor([[1, 1, n]]) for n in images]
+            out["num_images"] = [1] * rows
+        else:
+            del out["mm_token_type_ids"]  # a text-only round has none
+        return out
+
+    merged = merge_batches([part(3, [4, 2]), part(2, None), part(1, [1, 5])], pad_token_id=0)
+    assert [p.shape for p in merged["pixel_values"]] == [(4, 3), (2, 3), (0, 3), (0, 3), (1, 3), (5, 3)]
+    assert [g.shape[0] for g in merged["image_grid_thw"]] == [1, 1, 0, 0, 1, 1]
+    assert merged["num_images"] == [1, 1, 0, 0, 1, 1]
+    assert merged["mm_token_type_ids"].shape == (6, 3 + 2)
+    assert merged["mm_token_type_ids"][2:4].sum() == 0  # the text-only round: zeros over prompt and completion
+    assert merged["mm_token_type_ids"][4].tolist() == [0, 0, 1, 1, 1]  # prompt padded left, completion as is
+    assert merged["prompt_mask"].sum(1).tolist() == [3, 3, 2, 2, 1, 1]
+    assert next(iter(merged)) == "prompt_ids"

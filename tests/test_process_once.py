@@ -178,3 +178,37 @@ def test_the_processor_is_restored_when_the_batch_fails(tiny_models, rows_file, 
     with pytest.raises(RuntimeError, match="reward server down"):
         trainer._generate_and_score_completions([])
     assert trainer.processing_class is processor
+
+
+class NoEquality:
+    def __eq__(self, other):
+        raise TypeError("no ==")
+
+    __hash__ = object.__hash__
+
+
+def test_rows_are_compared_by_value_for_every_kind_of_column():
+    """Arrays and tensors by dtype, shape and values; an image never equals a non-image; a value whose == fails
+    is its own row (never shared, never wrong)."""
+    a = np.arange(6).reshape(2, 3)
+    t = torch.arange(6).reshape(2, 3)
+    image = _image(1)
+    rows = [
+        a, a.copy(), a.astype(np.float32), a + 1,  # 0 0 2 3
+        t, t.clone(), t.float(), t.reshape(3, 2), t + 1,  # 4 4 6 7 8
+        image, image.copy(), np.asarray(image),  # 9 9 11
+        {"k": [1, "x"]}, {"k": [1, "x"]}, {"k": [1, "y"]},  # 12 12 14
+    ]  # fmt: skip
+    leaders, index = RowMatcher().distinct(rows)
+    assert [leaders[i] for i in index] == [0, 0, 2, 3, 4, 4, 6, 7, 8, 9, 9, 11, 12, 12, 14]
+    odd = NoEquality()
+    matcher = RowMatcher()
+    assert not matcher.equal(odd, NoEquality()) and matcher.equal(odd, odd)  # the same object is itself
+    assert not matcher.equal(image, np.asarray(image)) and not matcher.equal(np.asarray(image), image)
+    assert matcher.equal(t, t.clone()) and not matcher.equal(t, t.reshape(3, 2))
+    assert matcher.equal(a, a.copy()) and not matcher.equal(a, a.astype(np.int8))
+    # an image's bytes are kept per object: a new image at a reused id is read afresh
+    first = Image.new("RGB", (4, 4), (1, 2, 3))
+    assert matcher.equal(first, first.copy())
+    other = Image.new("RGB", (4, 4), (9, 9, 9))
+    assert not matcher.equal(other, first) and not matcher.equal(other.copy(), first.copy())

@@ -138,3 +138,35 @@ def test_unsupported_and_missing_files_are_named(tmp_path):
     broken.write_bytes(b"not parquet")
     with pytest.raises(DataError, match="not a readable parquet file"):
         list(iter_records(broken))
+
+
+def test_iter_records_goes_on_past_bad_lines_naming_each(jsonl):
+    records = list(iter_records(jsonl))
+    assert [r.source for r in records] == [f"{jsonl}:{n}" for n in (2, 5, 7, 8, 10)]
+    assert [r.error is None for r in records] == [True, False, True, True, False]
+    assert records[1].error.startswith("bad JSON: ") and "UTF-8" in records[4].error
+    assert records[3].value == _row("Why?", "because")
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "json"])
+def test_images_are_found_in_the_image_folder_whatever_the_file_kind(tmp_path, kind):
+    from PIL import Image
+
+    (tmp_path / "imgs").mkdir()
+    Image.new("RGB", (32, 32), (0, 90, 0)).save(tmp_path / "imgs" / "a.png")
+    rows = [{**_row("<image>Colour?", "green"), "image": "a.png"}]
+    path = tmp_path / f"rows.{kind}"
+    path.write_text(json.dumps(rows) if kind == "json" else json.dumps(rows[0]) + "\n")
+    good, bad = read_any_rows([str(path)], [str(tmp_path / "imgs")])
+    assert bad == [] and good[0]["image_path"] == [str(tmp_path / "imgs" / "a.png")]
+    good, bad = read_any_rows([str(path)], [str(tmp_path / "imgs")], task_type="counting")  # options reach read_rows
+    assert good[0]["task_type"] == "counting"
+
+
+@pytest.mark.parametrize("key", ["conversations", "conversation", "problem"])
+def test_a_json_file_holding_one_record_is_not_read_as_a_mapping_of_records(tmp_path, key):
+    record = {"conversations": _row()["conversations"]} if key == "conversations" else {key: "x", "answer": "y"}
+    path = tmp_path / "one.json"
+    path.write_text(json.dumps({**record, "id": "r1"}))
+    (only,) = iter_records(path)
+    assert only.value == {**record, "id": "r1"} and only.source == f"{path}:1"

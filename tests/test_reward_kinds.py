@@ -296,3 +296,18 @@ def test_a_reward_fails_the_run_after_max_failed_batches_in_a_row(tmp_path):
     assert fn(["bad"]) == [None]
     with pytest.raises(RewardError):
         fn(["bad"])
+
+
+def test_a_reward_naming_a_missing_package_names_the_extra_to_install():
+    from vlm_grpo.rewards.catalog import check_requirements
+
+    def needs(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    check_requirements("needs", needs)  # nothing required
+    needs.requires = {"json": "none", "vlm_grpo_absent_pkg": "extra1"}
+    with pytest.raises(ImportError) as info:
+        check_requirements("needs", needs)
+    assert str(info.value) == "Reward 'needs' needs the 'vlm_grpo_absent_pkg' package: pip install 'vlm-grpo[extra1]'"
+    with pytest.raises(ImportError, match="vlm-grpo\\[extra1\\]"):
+        build_reward_funcs(["n"], overrides={"n": needs})

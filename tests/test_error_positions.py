@@ -170,3 +170,37 @@ def test_a_json_file_holding_one_record_is_not_read_as_a_mapping_of_records(tmp_
     path.write_text(json.dumps({**record, "id": "r1"}))
     (only,) = iter_records(path)
     assert only.value == {**record, "id": "r1"} and only.source == f"{path}:1"
+
+
+def test_compact_json_and_odd_values_keep_their_lines(tmp_path):
+    compact = tmp_path / "compact.json"
+    compact.write_text("[" + json.dumps(_row()) + ",\n" + json.dumps(NO_ANSWER) + "]")
+    assert [r.source for r in iter_records(compact)] == [f"{compact}:1", f"{compact}:2"]
+    mapping = tmp_path / "mapping.json"
+    mapping.write_text('{"a":' + json.dumps(_row()) + ',\n"b":5}')
+    records = list(iter_records(mapping))
+    assert [r.source for r in records] == [f"{mapping}:1", f"{mapping}:2"] and records[1].value == 5
+    good, bad = read_any_rows([str(mapping)])
+    assert [(b.source, b.field) for b in bad] == [(f"{mapping}:2", "<row>")] and good[0]["id"] == "a"
+    latin = tmp_path / "latin.json"
+    latin.write_bytes(b'[\n{"b": "caf\xe9"},\n{"a": 1},\n{"c": 2}\n]\n')
+    (record,) = iter_records(latin)
+    assert record.source == f"{latin}:2"
+    empty = tmp_path / "empty.json"
+    empty.write_text("[]")
+    good, bad = read_any_rows([str(empty)])
+    assert [(b.source, b.field) for b in bad] == [(str(empty), "<file>")] and "holds no rows" in bad[0].reason
+
+
+def test_file_errors_carry_the_file(tmp_path):
+    from vlm_grpo.data.formats import DataError
+    from vlm_grpo.data.records import file_kind
+
+    with pytest.raises(DataError) as info:
+        file_kind(tmp_path / "rows.txt")
+    assert info.value.source == str(tmp_path / "rows.txt") and str(info.value).startswith(f"{tmp_path / 'rows.txt'}: ")
+    broken = tmp_path / "broken.parquet"
+    broken.write_bytes(b"PAR1 not really")
+    with pytest.raises(DataError) as info:
+        list(iter_records(broken))
+    assert info.value.source == str(broken) and "not a readable parquet file" in str(info.value)

@@ -324,3 +324,45 @@ def test_merge_joins_per_row_images_and_fills_rounds_without_them():
     assert merged["mm_token_type_ids"][4].tolist() == [0, 0, 1, 1, 1]  # prompt padded left, completion as is
     assert merged["prompt_mask"].sum(1).tolist() == [3, 3, 2, 2, 1, 1]
     assert next(iter(merged)) == "prompt_ids"
+
+
+class Rank0Of2TRL(StandInTRL):
+    """Rank 0 of 2: this rank's rows first in the gathered rewards, then rank 1's (all flat)."""
+
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
+        self._ds_rewards = torch.cat([self._ds_rewards, torch.tensor([[1.0, 1.0]] * 4)])
+        return out
+
+
+class Rank0Of2(DynamicSamplingMixin, Rank0Of2TRL):
+    pass
+
+
+def test_rank_0_reads_only_its_own_rows_and_settings_missing_from_the_args_mean_off(caplog):
+    trainer = Rank0Of2(FURTHER)
+    trainer.accelerator = SimpleNamespace(
+        process_index=0, num_processes=2, device=torch.device("cpu"), gather=lambda t: torch.cat([t.reshape(-1)] * 2)
+    )
+    ids = trainer._generate_and_score_completions(rows("a", VARIED, id=2) + rows("b", VARIED, id=3))
+    assert ids["prompt_ids"][:, 0].tolist() == [2, 2, 3, 3]
+    plain = Trainer(FURTHER)  # a plain GRPOConfig has no dynamic_sampling / filter_key fields
+    del plain.args.dynamic_sampling
+    plain._check_dynamic_sampling()
+    out = plain._generate_and_score_completions(rows("flat", [[1.0, 1.0]] * 2, id=2) * 2)
+    assert out["prompt_ids"][:, 0].tolist() == [2, 2, 2, 2] and not plain._metrics["train"]
+    keyless = Trainer(FURTHER)
+    del keyless.args.filter_key
+    keyless._check_dynamic_sampling()
+    assert keyless._generate_and_score_completions(rows("a", VARIED, id=2) * 2)["prompt_ids"].shape[0] == 4
+
+
+def test_the_refill_warning_says_what_to_do(caplog):
+    flat = [{"name": "flat", "rewards": [[1.0, 0.0]] * G, "length": 2, "tool": 0, "id": 9}] * 4
+    trainer = Trainer(flat, max_rounds=1)
+    with caplog.at_level(logging.WARNING, logger="vlm_grpo.dynamic_sampling"):
+        trainer._generate_and_score_completions(rows("x", [[1.0, 1.0]] * 2, id=7) * 2)
+    assert caplog.messages == [
+        "dynamic_sampling: 2 group(s) still missing after max_sampling_rounds=1; filled with dropped groups "
+        "(zero advantage, no policy-gradient signal). Raise max_sampling_rounds or check the rewards."
+    ]

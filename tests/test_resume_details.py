@@ -213,3 +213,34 @@ def test_an_incomplete_path_with_nothing_complete_beside_it_says_start_fresh(tmp
         f"The newest complete checkpoint beside it is {good}: pass --resume_from_checkpoint {good} "
         "(or true for the newest complete one)."
     )
+
+
+def test_a_single_file_checkpoint_with_an_index_beside_it_checks_both(tmp_path):
+    path = _sharded(tmp_path, 2)
+    save_file({"w": torch.zeros(8)}, path / "model.safetensors")
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[:-4])
+    assert "model.safetensors is truncated" in checkpoint_problem(path)
+    (path / "model.safetensors").write_bytes(data)
+    (path / "model.safetensors.index.json").write_text('{"metadata": {}}')  # an index without a weight map
+    assert checkpoint_problem(path) is None
+
+
+def test_skips_and_resumes_are_logged_word_for_word(tmp_path, caplog):
+    good = _checkpoint(tmp_path, 1)
+    broken = _checkpoint(tmp_path, 2)
+    (broken / "optimizer.pt").unlink()
+    with caplog.at_level(logging.INFO, logger="vlm_grpo.resume"):
+        resolve_resume(tmp_path, "true")
+    assert caplog.messages == [
+        f"Skipping incomplete checkpoint {broken}: {broken / 'optimizer.pt'} is missing",
+        f"Resuming from {good} (step 1)",
+    ]
+
+
+def test_a_folder_of_another_name_is_a_checkpoint_when_it_has_trainer_state(tmp_path):
+    renamed = _checkpoint(tmp_path, 4, complete=False).rename(tmp_path / "best")
+    assert resolve_resume(tmp_path, str(renamed)) == str(renamed)
+    (renamed / "trainer_state.json").unlink()
+    with pytest.raises(ResumeError, match=r"has no trainer_state\.json; is it a checkpoint-N folder"):
+        resolve_resume(tmp_path, str(renamed))

@@ -311,3 +311,14 @@ def test_a_reward_naming_a_missing_package_names_the_extra_to_install():
     assert str(info.value) == "Reward 'needs' needs the 'vlm_grpo_absent_pkg' package: pip install 'vlm-grpo[extra1]'"
     with pytest.raises(ImportError, match="vlm-grpo\\[extra1\\]"):
         build_reward_funcs(["n"], overrides={"n": needs})
+
+
+def test_bad_reward_kwargs_name_the_flag_and_show_an_example():
+    from vlm_grpo.rewards.catalog import parse_reward_kwargs
+
+    assert parse_reward_kwargs('{"iou": {"threshold": 0.5}}') == {"iou": {"threshold": 0.5}}
+    with pytest.raises(ValueError, match=r"^--reward_kwargs is not valid JSON \("):
+        parse_reward_kwargs("{not json")
+    with pytest.raises(ValueError) as info:
+        parse_reward_kwargs("[1, 2]")
+    assert str(info.value) == '--reward_kwargs must map names to keyword arguments, e.g. {"iou": {"threshold": 0.5}}'

@@ -4,14 +4,14 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint docs clean
+.PHONY: setup demo test lint docs mutants clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
 # SFT (true, then weak labels) -> greedy held-out accuracy -> GRPO -> the same evaluation; runs/demo/curves.png.
@@ -24,6 +24,17 @@ TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
+# Mutation testing (mutmut; not part of `make test`): plants small bugs in the modules listed under
+# [tool.mutmut] in pyproject.toml, runs their fast tests against each, prints the score and the survivors
+# that tests/mutants_equivalent.md does not explain. See docs/development/testing.md.
+MUTANT_WORKERS ?= 2
+
+mutants: $(STAMP)
+	rm -rf mutants
+	$(PY) -m vlm_grpo.testing.tiny --family all --out mutants/tiny
+	VLM_GRPO_TINY_MODELS=$(CURDIR)/mutants/tiny OMP_NUM_THREADS=1 $(VENV)/bin/mutmut run --max-children $(MUTANT_WORKERS)
+	$(PY) tests/mutation_score.py
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks docs
 	$(VENV)/bin/ruff format --check src tests benchmarks docs
@@ -33,4 +44,4 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs mutants

@@ -1,7 +1,8 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures, and the CI rule: under ``CI=true`` a skipped test is a failure."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -36,8 +37,17 @@ class TinyModels(Mapping[str, Path]):
 
 
 @pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
-    """Tiny checkpoints of every family (``tiny_models["qwen2_5_vl"]`` is a folder), built lazily once."""
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> TinyModels | dict[str, Path]:
+    """Tiny checkpoints of every family (``tiny_models["qwen2_5_vl"]`` is a folder), built lazily once.
+
+    ``VLM_GRPO_TINY_MODELS=DIR``: read-only checkpoints built beforehand by
+    ``python -m vlm_grpo.testing.tiny --family all --out DIR`` (``make mutants`` runs each mutant in a fresh
+    process, where building them again would dominate)."""
+    prebuilt = os.environ.get("VLM_GRPO_TINY_MODELS")
+    if prebuilt:
+        from vlm_grpo.testing.tiny import FAMILIES
+
+        return {family: Path(prebuilt) / family for family in FAMILIES}
     return TinyModels(tmp_path_factory.mktemp("tiny_models"))
 
 
@@ -51,6 +61,42 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# --------------------------------------------------------------------------- no silent skips in CI
+
+
+def running_in_ci() -> bool:
+    """``CI=true`` (GitHub Actions, GitLab, ... set it): every test must run."""
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
+def _skip_reason(report: pytest.BaseReport) -> str:
+    longrepr = report.longrepr
+    return longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+
+
+def _fail_skip_in_ci(report: pytest.BaseReport) -> None:
+    if running_in_ci() and report.skipped and not hasattr(report, "wasxfail"):
+        report.outcome = "failed"
+        report.longrepr = (
+            f"CI=true: a test was skipped ({_skip_reason(report)}). Under CI a missing dependency or an "
+            "unavailable feature a test needs is a failure: install what it names (`make setup` installs the "
+            "test extra, with Triton from the pinned torch wheel) or fix the machine."
+        )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    outcome = yield
+    _fail_skip_in_ci(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    """A module-level ``pytest.importorskip`` skips the whole file at collection."""
+    outcome = yield
+    _fail_skip_in_ci(outcome.get_result())
 
 
 @pytest.fixture(autouse=True)

@@ -131,3 +131,143 @@ def test_grpo_recipe_on_an_internvl_chat_checkpoint_prints_the_command(chat_chec
     )
     assert result.returncode != 0
     assert f"vlm-grpo-convert internvl-chat {chat} {chat}-hf" in result.stderr, result.stderr[-2000:]
+
+
+# The original InternVL-chat names of one vision layer / one language-model layer and their transformers names,
+# written out by hand from the two models' module trees (InternViT + mlp1 + a Qwen2 LM, and
+# InternVLForConditionalGeneration); the fused ``attn.qkv`` is listed apart. Nothing here comes from the converter.
+HAND_MAP_VISION_LAYER = {
+    "attn.proj.weight": "attention.projection_layer.weight",
+    "attn.proj.bias": "attention.projection_layer.bias",
+    "attn.q_norm.weight": "attention.q_norm.weight",
+    "attn.k_norm.weight": "attention.k_norm.weight",
+    "ls1": "lambda_1",
+    "ls2": "lambda_2",
+    "norm1.weight": "layernorm_before.weight",
+    "norm1.bias": "layernorm_before.bias",
+    "norm2.weight": "layernorm_after.weight",
+    "norm2.bias": "layernorm_after.bias",
+    "mlp.fc1.weight": "mlp.fc1.weight",
+    "mlp.fc1.bias": "mlp.fc1.bias",
+    "mlp.fc2.weight": "mlp.fc2.weight",
+    "mlp.fc2.bias": "mlp.fc2.bias",
+}
+HAND_MAP_LM_LAYER = [
+    f"{part}.{kind}"
+    for part, kinds in (
+        ("self_attn.q_proj", ("weight", "bias")),
+        ("self_attn.k_proj", ("weight", "bias")),
+        ("self_attn.v_proj", ("weight", "bias")),
+        ("self_attn.o_proj", ("weight",)),
+        ("mlp.gate_proj", ("weight",)),
+        ("mlp.up_proj", ("weight",)),
+        ("mlp.down_proj", ("weight",)),
+        ("input_layernorm", ("weight",)),
+        ("post_attention_layernorm", ("weight",)),
+    )
+    for kind in kinds
+]
+HAND_MAP_OTHER = {
+    "vision_model.embeddings.class_embedding": "model.vision_tower.embeddings.cls_token",
+    "vision_model.embeddings.position_embedding": "model.vision_tower.embeddings.position_embeddings",
+    "vision_model.embeddings.patch_embedding.weight": (
+        "model.vision_tower.embeddings.patch_embeddings.projection.weight"
+    ),
+    "vision_model.embeddings.patch_embedding.bias": ("model.vision_tower.embeddings.patch_embeddings.projection.bias"),
+    "mlp1.0.weight": "model.multi_modal_projector.layer_norm.weight",
+    "mlp1.0.bias": "model.multi_modal_projector.layer_norm.bias",
+    "mlp1.1.weight": "model.multi_modal_projector.linear_1.weight",
+    "mlp1.1.bias": "model.multi_modal_projector.linear_1.bias",
+    "mlp1.3.weight": "model.multi_modal_projector.linear_2.weight",
+    "mlp1.3.bias": "model.multi_modal_projector.linear_2.bias",
+    "language_model.model.embed_tokens.weight": "model.language_model.embed_tokens.weight",
+    "language_model.model.norm.weight": "model.language_model.norm.weight",
+    "language_model.lm_head.weight": "lm_head.weight",
+}
+
+
+@pytest.fixture(scope="module")
+def hand_made():
+    """(original state dict, the transformers state dict it must become, transformers' own key set): random
+    tensors of the right shapes, two layers each side, qkv bias and q/k norms on; built by the hand map."""
+    from transformers import InternVLConfig, InternVLForConditionalGeneration
+
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+              "image_size": [28, 28], "patch_size": [14, 14], "attention_bias": True, "use_qk_norm": True}  # fmt: skip
+    text = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128}  # fmt: skip
+    config = InternVLConfig(vision_config=vision, text_config=text, image_token_id=127)
+    shapes = {k: v.shape for k, v in InternVLForConditionalGeneration(config).state_dict().items()}
+    generator = torch.Generator().manual_seed(0)
+    original, expected = {}, {}
+
+    def put(old: str, new: str) -> None:
+        original[old] = expected[new] = torch.randn(shapes[new], generator=generator)
+
+    for old, new in HAND_MAP_OTHER.items():
+        put(old, new)
+    for layer in range(config.vision_config.num_hidden_layers):
+        old, new = f"vision_model.encoder.layers.{layer}.", f"model.vision_tower.encoder.layer.{layer}."
+        for a, b in HAND_MAP_VISION_LAYER.items():
+            put(old + a, new + b)
+        for kind in ("weight", "bias"):  # qkv rows: q, then k, then v
+            parts = [torch.randn(shapes[f"{new}attention.{p}_proj.{kind}"], generator=generator) for p in "qkv"]
+            original[f"{old}attn.qkv.{kind}"] = torch.cat(parts)
+            expected.update({f"{new}attention.{p}_proj.{kind}": t for p, t in zip("qkv", parts, strict=True)})
+    for layer in range(config.text_config.num_hidden_layers):
+        for name in HAND_MAP_LM_LAYER:
+            put(f"language_model.model.layers.{layer}.{name}", f"model.language_model.layers.{layer}.{name}")
+    return original, expected, set(shapes)
+
+
+def test_the_key_map_matches_a_hand_written_one_tensor_for_tensor(hand_made):
+    """Every original weight lands under the name the hand map gives it, with its own values (two same-shaped
+    weights trading places, a wrong qkv split, a dropped key: each fails); the names are transformers' own."""
+    from vlm_grpo.convert.internvl_chat import convert_state_dict
+
+    original, expected, transformers_keys = hand_made
+    assert set(expected) == transformers_keys  # the hand map covers the whole model
+    converted = convert_state_dict(original)
+    assert sorted(converted) == sorted(expected)
+    wrong = [k for k in expected if not torch.equal(converted[k], expected[k])]
+    assert wrong == [], wrong
+
+
+def test_the_way_back_gives_the_original_names_and_tensors(hand_made):
+    from vlm_grpo.convert.internvl_chat import to_internvl_chat_state_dict
+
+    original, expected, _ = hand_made
+    back = to_internvl_chat_state_dict(expected)
+    assert sorted(back) == sorted(original)
+    wrong = [k for k in original if not torch.equal(back[k], original[k])]
+    assert wrong == [], wrong
+
+
+def test_the_hand_map_check_catches_two_same_shaped_weights_trading_places(hand_made, monkeypatch):
+    """Control: a converter that splits qkv as (k, q, v) gives same-shaped tensors under the wrong names."""
+    import vlm_grpo.convert.internvl_chat as chat
+
+    real = chat.convert_state_dict
+
+    def split_kq(state):
+        out = real(state)
+        for q_key in [k for k in out if ".attention.q_proj." in k]:
+            k_key = q_key.replace("q_proj", "k_proj")
+            out[q_key], out[k_key] = out[k_key], out[q_key]
+        return out
+
+    monkeypatch.setattr(chat, "convert_state_dict", split_kq)
+    with pytest.raises(AssertionError, match="q_proj"):
+        test_the_key_map_matches_a_hand_written_one_tensor_for_tensor(hand_made)
+
+
+def test_weights_outside_the_known_parts_are_named_both_ways(hand_made):
+    from vlm_grpo.convert.internvl_chat import convert_state_dict, to_internvl_chat_state_dict
+
+    original, expected, _ = hand_made
+    with pytest.raises(ConversionError) as info:
+        convert_state_dict({**original, "extra_head.weight": torch.zeros(1)})
+    assert str(info.value) == "unexpected weight 'extra_head.weight': not a vision_model / mlp1 / language_model weight"
+    with pytest.raises(ConversionError) as info:
+        to_internvl_chat_state_dict({**expected, "model.extra.weight": torch.zeros(1)})
+    assert str(info.value) == "unexpected weight 'model.extra.weight' in an InternVLForConditionalGeneration state dict"

@@ -17,7 +17,9 @@ CASES = {
     "f16_rows16_long_down": ("float16", 16, 64, 300),  # down in 3 slices of K, the last one short
     "f32_rows3_odd_hidden": ("float32", 3, 48, 90),  # hidden not a power of two: masked K blocks
 }
-TOLERANCE = {"float32": 1e-5, "float16": 2e-3}
+# Largest error relative to the output's largest value, measured (Triton interpreter, CPU): float32 3.0e-7,
+# float16 4.3e-5 (f16_rows16_long_down: three slices of K summed in fp32, then rounded once).
+TOLERANCE = {"float32": 1e-6, "float16": 1e-4}
 
 _RUN_CASES = r"""
 import json, sys

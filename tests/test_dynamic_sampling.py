@@ -15,6 +15,7 @@ from PIL import Image
 from e2e_utils import base_args
 from vlm_grpo.dynamic_sampling import keep_groups, merge_batches
 from vlm_grpo.grpo_jsonl import main, parse_args
+from vlm_grpo.resume import mark_complete
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -207,12 +208,17 @@ def test_resume_continues_the_further_prompt_stream(tiny_models, tmp_path):
     full = main(*parse_args(ds_args(model, data, plugin, tmp_path / "full", steps=4) + save))
     state = json.loads((tmp_path / "full" / "checkpoint-2" / "dynamic_sampling.json").read_text())
     assert state["cursor"] > 0  # the first two steps drew further prompts
+    # written before the completion marker (listed in it): a kill between the two cannot leave a "complete"
+    # checkpoint whose resume restarts the further-prompt stream
+    marker = json.loads((tmp_path / "full" / "checkpoint-2" / "checkpoint_complete.json").read_text())
+    assert "dynamic_sampling.json" in marker["files"]
 
     def resumed(name: str, keep_state: bool):
         out = tmp_path / name
         shutil.copytree(tmp_path / "full" / "checkpoint-2", out / "checkpoint-2")
-        if not keep_state:
+        if not keep_state:  # a checkpoint without the position (marked again, as one whole without it)
             (out / "checkpoint-2" / "dynamic_sampling.json").unlink()
+            mark_complete(out / "checkpoint-2")
         argv = ds_args(model, data, plugin, out, steps=4) + save + ["--resume_from_checkpoint", "true"]
         return dict(main(*parse_args(argv)).model.named_parameters())
 

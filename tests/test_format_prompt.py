@@ -9,6 +9,7 @@ import pytest
 from PIL import Image
 
 from vlm_grpo.data import prepare_rows
+from vlm_grpo.data.formats import RowError
 from vlm_grpo.data.jsonl import LazyImageTransform
 from vlm_grpo.data.sources import read_sources
 from vlm_grpo.data.templates import TemplateError
@@ -115,3 +116,58 @@ def test_rendered_prompt_is_what_trains_and_what_max_prompt_length_counts(rows_f
     texts = [[c["text"] for c in p[-1]["content"] if c["type"] == "text"] for p in sample["prompt"]]
     # the family's own task template (<think>/<answer> instructions) is not added on top of the rendered text
     assert texts[2] == [rows[2]["question"]]
+
+
+def test_template_sees_the_system_prompt_and_the_task_type(tmp_path):
+    """``system`` (the row's system turn) and ``task_type`` (the row's, else --task_type) are rendered."""
+    rows = [
+        {
+            "conversations": [
+                {"from": "system", "value": "You count things."},
+                {"from": "human", "value": "How many?"},
+                {"from": "gpt", "value": "3"},
+            ],
+            "task_type": "counting",
+        },
+        {"conversations": [{"from": "human", "value": "Why?"}, {"from": "gpt", "value": "because"}]},
+    ]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ system or 'no system' }} | {{ task_type }} | {{ content }}\n")
+    good, bad = read_sources(str(path), format_prompt=str(template), task_type="explain")
+    assert bad == []
+    assert [r["question"] for r in good] == [
+        "You count things. | counting | How many?",
+        "no system | explain | Why?",
+    ]
+    assert good[0]["system"] == "You count things." and [r["task_type"] for r in good] == ["counting", "explain"]
+
+
+def test_a_missing_template_and_a_bytes_column_are_handled(tmp_path):
+    from vlm_grpo.data.templates import PromptTemplate
+
+    with pytest.raises(TemplateError, match=rf"^--format_prompt: template file not found: {tmp_path / 'none.jinja'}$"):
+        PromptTemplate(tmp_path / "none.jinja")
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ blob is defined }} {{ content }}  \n\n")
+    row = {"question": "Q", "solution": "A", "image_path": []}
+    # bytes columns (image bytes of a table) are not handed to the template; the text is stripped
+    assert PromptTemplate(template).render(row, {"blob": b"\x89PNG", "level": 1}) == "False Q"
+    failing = tmp_path / "f.jinja"
+    failing.write_text("ok\n{{ content }}\n{{ 1 // level }}\n")
+    with pytest.raises(RowError) as info:
+        PromptTemplate(failing).render(row, {"level": 0})
+    assert info.value.field == "format_prompt"
+    assert str(info.value) == f"{failing}:3: ZeroDivisionError: integer division or modulo by zero"
+
+
+def test_a_row_the_template_call_itself_refuses_is_a_bad_row_without_a_template_line(tmp_path):
+    """A column named ``self`` clashes with the render call (no template line to name): still a bad row."""
+    path = tmp_path / "odd.jsonl"
+    path.write_text(json.dumps({"problem": "Q?", "answer": "a", "self": 1}) + "\n")
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ content }}\n")
+    rows, bad = read_sources(str(path), format_prompt=str(template))
+    assert rows == [] and [b.field for b in bad] == ["format_prompt"]
+    assert bad[0].reason.startswith(f"{template}: TypeError: ")

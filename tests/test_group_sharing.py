@@ -6,6 +6,7 @@ ragged completions; prompts differ in length (left padding) and in image count.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -177,6 +178,56 @@ def test_the_parity_test_catches_blocks_that_see_each_other(tiny_models, rows_fi
     monkeypatch.setattr(sharing, "build_mask", leaky)
     with pytest.raises(AssertionError):
         assert_parity(trainer, inputs)
+
+
+def shuffled_as_trl_does(inputs, seed):
+    """The batch in the order ``GRPOTrainer._prepare_inputs`` hands it to the loss: per-sample pixels split,
+    rows permuted in unison (``shuffle_sequence_dict``), cut into micro-batches, pixels joined again."""
+    from trl.trainer.utils import (
+        shuffle_sequence_dict,
+        split_pixel_values_by_grid,
+        split_tensor_dict,
+        unsplit_pixel_values_by_grid,
+    )
+
+    torch.manual_seed(seed)
+    (batch,) = split_tensor_dict(shuffle_sequence_dict(split_pixel_values_by_grid(inputs)), 1)
+    return unsplit_pixel_values_by_grid(batch)
+
+
+def interleaved(inputs):
+    """A shuffle (TRL's own, seeded) whose groups do not come in batch order, so the packed pass must put rows
+    back to their rows."""
+    for seed in range(100):
+        batch = shuffled_as_trl_does(inputs, seed)
+        lengths = batch["prompt_mask"].sum(1).tolist()  # the two prompts differ in length
+        if sum(a != b for a, b in itertools.pairwise(lengths)) > len(set(lengths)) - 1:  # groups interleave
+            return batch
+    raise AssertionError("no interleaving shuffle found")
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "internvl"])
+def test_shared_prompt_pass_matches_trl_on_a_batch_shuffled_as_trl_shuffles_it(family, tiny_models, rows_file,
+                                                                               tmp_path, monkeypatch):  # fmt: skip
+    """TRL shuffles the generation batch before the loss; a group's rows then sit apart, and the packed pass must
+    scatter its log-probs back to each row. Control: log-probs left in group order fail the same check."""
+    import vlm_grpo.fastpath.sharing as sharing
+
+    trainer = make_trainer(tiny_models[family], rows_file, tmp_path, max_anyres_num=2 if family == "internvl" else None)
+    in_batch_order = real_batch(trainer)
+    inputs = interleaved(in_batch_order)
+    assert_parity(trainer, inputs)
+
+    class GroupOrder:  # ``torch`` for the sharing module, with argsort planted as the identity (a one-line bug)
+        def __getattr__(self, name):
+            if name == "argsort":
+                return lambda rows: torch.arange(len(rows), device=rows.device)
+            return getattr(torch, name)
+
+    monkeypatch.setattr(sharing, "torch", GroupOrder())
+    with pytest.raises(AssertionError):
+        assert_parity(trainer, inputs)
+    assert_parity(trainer, in_batch_order)  # unshuffled, groups are contiguous: the same bug would go unseen
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -178,3 +178,111 @@ def test_the_processor_is_restored_when_the_batch_fails(tiny_models, rows_file, 
     with pytest.raises(RuntimeError, match="reward server down"):
         trainer._generate_and_score_completions([])
     assert trainer.processing_class is processor
+
+
+class NoEquality:
+    def __eq__(self, other):
+        raise TypeError("no ==")
+
+    __hash__ = object.__hash__
+
+
+def test_rows_are_compared_by_value_for_every_kind_of_column():
+    """Arrays and tensors by dtype, shape and values; an image never equals a non-image; a value whose == fails
+    is its own row (never shared, never wrong)."""
+    a = np.arange(6).reshape(2, 3)
+    t = torch.arange(6).reshape(2, 3)
+    image = _image(1)
+    rows = [
+        a, a.copy(), a.astype(np.float32), a + 1,  # 0 0 2 3
+        t, t.clone(), t.float(), t.reshape(3, 2), t + 1,  # 4 4 6 7 8
+        image, image.copy(), np.asarray(image),  # 9 9 11
+        {"k": [1, "x"]}, {"k": [1, "x"]}, {"k": [1, "y"]},  # 12 12 14
+    ]  # fmt: skip
+    leaders, index = RowMatcher().distinct(rows)
+    assert [leaders[i] for i in index] == [0, 0, 2, 3, 4, 4, 6, 7, 8, 9, 9, 11, 12, 12, 14]
+    odd = NoEquality()
+    matcher = RowMatcher()
+    assert not matcher.equal(odd, NoEquality()) and matcher.equal(odd, odd)  # the same object is itself
+    assert not matcher.equal(image, np.asarray(image)) and not matcher.equal(np.asarray(image), image)
+    assert matcher.equal(t, t.clone()) and not matcher.equal(t, t.reshape(3, 2))
+    assert matcher.equal(a, a.copy()) and not matcher.equal(a, a.astype(np.int8))
+    # an image's bytes are kept per object: a new image at a reused id is read afresh
+    first = Image.new("RGB", (4, 4), (1, 2, 3))
+    assert matcher.equal(first, first.copy())
+    other = Image.new("RGB", (4, 4), (9, 9, 9))
+    assert not matcher.equal(other, first) and not matcher.equal(other.copy(), first.copy())
+
+
+class RowsSpy:
+    """A processor that returns one id per row (its text's length) and records how many rows each call had."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def __call__(self, *args, images=None, text=None, **kwargs):
+        rows = text if isinstance(text, list) else [text]
+        self.calls.append(len(rows))
+        return {"input_ids": torch.tensor([[len(t)] for t in rows]), "attention_mask": torch.ones(len(rows), 1)}
+
+    def apply_chat_template(self, conversation, *args, **kwargs):
+        rows = conversation if isinstance(conversation, list) and isinstance(conversation[0], list) else [conversation]
+        self.calls.append(len(rows))
+        return {"input_ids": torch.tensor([[len(str(c))] for c in rows])}
+
+
+def test_which_calls_run_once_per_distinct_row_and_which_run_as_they_are():
+    image = _image(2)
+    twice = {"text": ["ab", "ab"], "images": [[image], [image]]}
+    cases = [
+        (twice, [1]),  # two copies: the processor sees one row
+        ({"text": ["ab", "ab"], "images": [None, None]}, [1]),  # text-only rows share too
+        ({"text": ["ab"], "images": [[image]]}, [1]),  # one row: nothing to share, passed through
+        ({**twice, "videos": [None]}, [2]),  # videos: not laid out per row
+        ({**twice, "audio": [None]}, [2]),
+        ({"text": "ab", "images": [[image]]}, [1]),  # not a batch
+        ({"text": ["ab", "ab"], "images": [image, image]}, [2]),  # images not given per row
+        ({"text": ["ab", "ab", "ab"], "images": [[image], [image]]}, [3]),  # counts differ
+    ]
+    for kwargs, calls in cases:
+        spy = RowsSpy()
+        out = ProcessOnce(spy)(**kwargs)
+        assert spy.calls == calls, kwargs.keys()
+        rows = len(kwargs["text"]) if isinstance(kwargs["text"], list) else 1
+        assert out["input_ids"].shape[0] == rows
+    spy = RowsSpy()
+    ProcessOnce(spy)("positional", **twice)
+    assert spy.calls == [2]
+
+
+def test_chat_template_calls_run_once_only_when_tokenized_to_a_dict():
+    conversation = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    both = [conversation, conversation]
+    for kwargs, calls in [
+        ({"tokenize": True, "return_dict": True}, [1]),
+        ({"tokenize": True}, [2]),
+        ({"return_dict": True}, [2]),
+        ({"tokenize": False, "return_dict": True}, [2]),
+    ]:
+        spy = RowsSpy()
+        out = ProcessOnce(spy).apply_chat_template(both, **kwargs)
+        assert spy.calls == calls and out["input_ids"].shape[0] == 2, kwargs
+    spy = RowsSpy()
+    ProcessOnce(spy).apply_chat_template(both, "extra", tokenize=True, return_dict=True)
+    assert spy.calls == [2]
+    spy = RowsSpy()  # content the stand-in does not lay out (a video part): every row
+    video = [{"role": "user", "content": [{"type": "video"}]}]
+    ProcessOnce(spy).apply_chat_template([video, video], tokenize=True, return_dict=True)
+    assert spy.calls == [2]
+    spy = RowsSpy()  # a single conversation, not a batch
+    ProcessOnce(spy).apply_chat_template(conversation, tokenize=True, return_dict=True)
+    assert spy.calls == [1]
+
+
+def test_repeated_outputs_go_to_the_device_asked_for():
+    image = _image(3)
+    spy = RowsSpy()
+    out = ProcessOnce(spy, device="meta")(text=["ab", "ab"], images=[[image], [image]])
+    assert spy.calls == [1] and out["input_ids"].device.type == "meta" and out["input_ids"].shape == (2, 1)
+    out = ProcessOnce(RowsSpy())(text=["ab", "ab"], images=[[image], [image]])
+    assert out["input_ids"].device.type == "cpu" and out["input_ids"].dtype == torch.long

@@ -148,3 +148,41 @@ def test_beside_marked_checkpoints_an_unmarked_one_is_an_unfinished_save(tmp_pat
     unfinished = _checkpoint(tmp_path, 4, complete=False)
     assert "its save did not finish" in checkpoint_problem(unfinished)
     assert resolve_resume(tmp_path, "true") == str(good)
+
+
+def _epoch_orders(epochs, seed=5, first=0, sampler=None):
+    """Each epoch's index order from one sampler, ``set_epoch`` called before each (as the Trainer does)."""
+    from trl.trainer.utils import RepeatSampler
+
+    from vlm_grpo.trainer import EpochSeededSampler
+
+    sampler = sampler or EpochSeededSampler(RepeatSampler(range(8), mini_repeat_count=2, batch_size=4, seed=seed))
+    orders = []
+    for epoch in range(first, epochs):
+        sampler.set_epoch(epoch)
+        orders.append(list(sampler))
+    return orders
+
+
+def test_each_epoch_is_shuffled_anew_and_a_resumed_run_sees_the_uninterrupted_orders():
+    from trl.trainer.utils import RepeatSampler
+
+    uninterrupted = _epoch_orders(4)
+    assert len({tuple(o) for o in uninterrupted}) == 4, "every epoch gets its own order"
+    assert all(o[::2] == o[1::2] for o in uninterrupted)  # G=2 copies of a prompt stay side by side
+    assert sorted(uninterrupted[1][::2]) == list(range(8))
+    # epoch 0 is TRL's own order; a run resumed in epoch 2 (a fresh sampler) continues with epochs 2 and 3
+    assert uninterrupted[0] == list(RepeatSampler(range(8), mini_repeat_count=2, batch_size=4, seed=5))
+    assert _epoch_orders(4, first=2) == uninterrupted[2:]
+    assert _epoch_orders(2, seed=6) != uninterrupted[:2]  # the seed matters
+    # control: without the reseed (TRL's sampler alone) the resumed run's epoch 2 is not the uninterrupted one's
+    from vlm_grpo.trainer import EpochSeededSampler
+
+    class NoReseed(EpochSeededSampler):
+        def set_epoch(self, epoch):
+            pass
+
+    def plain():
+        return NoReseed(RepeatSampler(range(8), mini_repeat_count=2, batch_size=4, seed=5))
+
+    assert _epoch_orders(4, first=2, sampler=plain()) != _epoch_orders(4, sampler=plain())[2:]

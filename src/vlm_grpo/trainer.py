@@ -60,10 +60,10 @@ _TRL_LOGP_PARAMS = frozenset(inspect.signature(GRPOTrainer._get_per_token_logps_
 
 
 class VLMGRPOTrainer(
+    CompleteCheckpointMixin,  # first: its marker goes in after every other mixin's checkpoint files
     DynamicSamplingMixin,
     RolloutLogMixin,
     AdvantageEstimatorMixin,
-    CompleteCheckpointMixin,
     CheckpointReloadMixin,
     GRPOTrainer,
 ):

@@ -102,3 +102,24 @@ def test_help_lists_the_eval_flags(capsys):
     out = capsys.readouterr().out
     for flag in ("--num_samples", "--reward_funcs", "--batch_size", "--base_model", "--pass_threshold"):
         assert flag in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--bogus_flag"], "error: unknown flag --bogus_flag: no such flag"),
+        (["--num_sample", "4"], "did you mean --num_samples"),
+        (["--batch_size", "x"], "invalid int value: 'x'"),
+    ],
+)
+def test_a_flag_error_is_one_error_line(argv, expected, monkeypatch, capsys):
+    """An unknown, misspelt or badly typed flag ends as one `error:` line and status 2, not a traceback."""
+    from vlm_grpo.evaluate import cli
+
+    monkeypatch.setattr("sys.argv", ["vlm-grpo-eval", *argv])
+    with pytest.raises(SystemExit) as exc:
+        cli()
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err
+    (line,) = [ln for ln in err.splitlines() if ln.strip()]
+    assert line.startswith("error: ") and expected in line

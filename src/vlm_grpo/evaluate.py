@@ -83,9 +83,9 @@ class EvalArguments:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> EvalArguments:
-    from trl import TrlParser
+    from vlm_grpo.configs import VLMParser  # unknown flags and bad values as one error: line, bare booleans
 
-    (args,) = TrlParser((EvalArguments,)).parse_args_and_config(args=argv)
+    (args,) = VLMParser((EvalArguments,)).parse_args_and_config(args=argv)
     return args
 
 

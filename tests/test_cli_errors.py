@@ -313,3 +313,25 @@ def test_a_malformed_wandb_key_is_an_error_before_the_model_load(dataset, tmp_pa
     argv[argv.index("--report_to") + 1] = "wandb"
     line = _fails(argv, capsys)
     assert line.startswith("error: --report_to wandb:") and "WANDB_API_KEY" in line
+
+
+@pytest.mark.parametrize("module", ["vlm_grpo.grpo_jsonl", "vlm_grpo.sft_jsonl", "vlm_grpo.evaluate"])
+def test_a_broken_or_missing_config_file_is_one_error_line(module, tmp_path, capsys, monkeypatch):
+    """`--config` of a YAML with a syntax error, or of a path that is not there: the file and the line, no traceback
+    (PyYAML's error went up as a traceback in vlm-grpo-sft and vlm-grpo-eval)."""
+    import importlib
+
+    entry = importlib.import_module(module).cli
+    broken = tmp_path / "run.yaml"
+    broken.write_text("learning_rate: 1.0e-6\nreward_funcs: [accuracy\n")
+    for path, expected in (
+        (broken, "not valid YAML: line 3, column 1: expected ','"),
+        (tmp_path / "no.yaml", "cannot read it"),
+    ):
+        monkeypatch.setattr("sys.argv", ["prog", "--config", str(path)])
+        with pytest.raises(SystemExit) as info:
+            entry() if module == "vlm_grpo.evaluate" else entry(["--config", str(path)])
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and "Traceback" not in err, err
+        (line,) = [ln for ln in err.splitlines() if ln.strip()]
+        assert line.startswith(f"error: --config {path}: {expected}"), line

@@ -64,7 +64,10 @@ def test_pyvision_replies_as_pyvision_does():
         }
     ]
     image = Image.new("RGB", (8, 8))
-    shown = [{"type": "text", "text": "hi\n[2 image(s) shown: image_clue_3, image_clue_4]"}, {"type": "image", "image": image}]
+    shown = [
+        {"type": "text", "text": "hi\n[2 image(s) shown: image_clue_3, image_clue_4]"},
+        {"type": "image", "image": image},
+    ]
     shown.append({"type": "image", "image": image})
     reply = pyvision.reply(shown, 3)
     texts = "".join(b.get("text", "<IMG>") for b in reply)

@@ -123,3 +123,13 @@ def test_a_flag_error_is_one_error_line(argv, expected, monkeypatch, capsys):
     assert exc.value.code == 2 and "Traceback" not in err
     (line,) = [ln for ln in err.splitlines() if ln.strip()]
     assert line.startswith("error: ") and expected in line
+
+
+def test_a_misspelt_reward_or_missing_data_is_reported_before_the_model_loads(tmp_path, dataset):
+    """The model path does not exist: the error must be about the reward or the data, found first."""
+    data, _ = dataset
+    base = ["--model_name_or_path", str(tmp_path / "no_model"), "--output_dir", str(tmp_path / "out")]
+    with pytest.raises(Exception, match=r"Unknown reward .accurcy."):
+        eval_main([*base, "--data_file_paths", str(data), "--reward_funcs", "accurcy"])
+    with pytest.raises(Exception, match=r"nope\.jsonl"):
+        eval_main([*base, "--data_file_paths", str(tmp_path / "nope.jsonl"), "--reward_funcs", "accuracy"])

@@ -335,3 +335,17 @@ def test_a_broken_or_missing_config_file_is_one_error_line(module, tmp_path, cap
         assert info.value.code == 2 and "Traceback" not in err, err
         (line,) = [ln for ln in err.splitlines() if ln.strip()]
         assert line.startswith(f"error: --config {path}: {expected}"), line
+
+
+def test_a_misspelt_flag_is_named_before_the_value_it_was_meant_to_set_is_checked(dataset, tmp_path, capsys):
+    """`--num_genrations 4` with a batch of 4: TRL's own check (4 is not divisible by the default 8) spoke first and
+    hid the typo; the unknown flag, or YAML key, is the error."""
+    argv = _args(dataset, tmp_path)
+    i = argv.index("--num_generations")
+    del argv[i : i + 2]  # the default, 8, does not divide the batch of 4
+    line = _fails([*argv, "--num_genrations", "4"], capsys)
+    assert line.startswith("error: unknown flag --num_genrations: did you mean --num_generations")
+    config = tmp_path / "run.yaml"
+    config.write_text("num_genrations: 4\n")
+    line = _fails([*argv, "--config", str(config)], capsys)
+    assert "unknown key in the --config file: num_genrations: did you mean --num_generations" in line

@@ -349,3 +349,21 @@ def test_a_misspelt_flag_is_named_before_the_value_it_was_meant_to_set_is_checke
     config.write_text("num_genrations: 4\n")
     line = _fails([*argv, "--config", str(config)], capsys)
     assert "unknown key in the --config file: num_genrations: did you mean --num_generations" in line
+
+
+def test_overwrite_output_dir_removes_the_old_checkpoints_only_once_every_check_passed(
+    dataset, tiny_models, tmp_path, capsys
+):
+    """A misspelt reward (or a missing model, a bad row) found after the old run's checkpoints were removed cost
+    them for nothing; they go only when the run really starts."""
+    out = tmp_path / "out"
+    old = out / "checkpoint-5"
+    old.mkdir(parents=True)
+    (old / "trainer_state.json").write_text('{"global_step": 5}')
+    argv = [*_args(dataset, tmp_path, model=tiny_models["qwen2_vl"]), "--overwrite_output_dir", "--max_steps", "1"]
+    i = argv.index("--reward_funcs")
+    bad = [*argv[: i + 1], "accurcy", *argv[i + 3 :]]
+    assert "Unknown reward 'accurcy'" in _fails(bad, capsys)
+    assert old.is_dir()
+    cli(argv)  # the same run with its rewards right: a fresh run, the old checkpoint gone
+    assert not old.exists() and (out / "model.safetensors").is_file()

@@ -42,6 +42,7 @@ def main(script_args: GRPOScriptArguments, training_args: VLMSFTConfig, model_ar
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     from vlm_grpo.plot import finish_run
+    from vlm_grpo.recipe import start_fresh_run
     from vlm_grpo.trainer_common import log_metrics_to_logger
     from vlm_grpo.utils import quiet_warnings
 
@@ -52,6 +53,7 @@ def main(script_args: GRPOScriptArguments, training_args: VLMSFTConfig, model_ar
     quiet_warnings()
     trainer, resume = build_trainer(script_args, training_args, model_args)
     log_metrics_to_logger(trainer)
+    start_fresh_run(script_args, training_args, resume)
     with logging_redirect_tqdm():  # log lines above the progress bar, not through it
         trainer.train(resume_from_checkpoint=resume)
     save_final_model(trainer, training_args, model_args.model_name_or_path)

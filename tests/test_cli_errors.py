@@ -367,3 +367,28 @@ def test_overwrite_output_dir_removes_the_old_checkpoints_only_once_every_check_
     assert old.is_dir()
     cli(argv)  # the same run with its rewards right: a fresh run, the old checkpoint gone
     assert not old.exists() and (out / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        (["--reward_funcs", "iou"], "--reward_funcs"),
+        (["--reward_kwargs", '{"iou": {"threshold": 0.7}}'], "--reward_kwargs"),
+        (["--reward_max_failed_batches", "1"], "--reward_max_failed_batches"),
+    ],
+)
+def test_sft_refuses_reward_flags_it_would_ignore(extra, named, dataset, tmp_path, capsys):
+    """vlm-grpo-sft computes no rewards: a reward flag was silently dropped. The defaults (what a GRPO YAML or
+    command line without reward flags gives) still pass, up to the missing model."""
+    from vlm_grpo.sft_jsonl import cli as sft_cli
+
+    data, _ = dataset
+    argv = ["--model_name_or_path", "no/such/model", "--data_file_paths", str(data), "--image_folders",
+            str(data.parent / "images"), "--output_dir", str(tmp_path / "sft"), "--report_to", "none"]  # fmt: skip
+    refused = f"error: {named}: vlm-grpo-sft trains on the rows' solutions"
+    defaults = [*argv, "--reward_funcs", "accuracy", "format"]
+    for args, expected in (([*argv, *extra], refused), (defaults, "error: --model_name_or_path no/such/model")):
+        with pytest.raises(SystemExit):
+            sft_cli(args)
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and expected in err, err

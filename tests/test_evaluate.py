@@ -133,3 +133,5 @@ def test_a_misspelt_reward_or_missing_data_is_reported_before_the_model_loads(tm
         eval_main([*base, "--data_file_paths", str(data), "--reward_funcs", "accurcy"])
     with pytest.raises(Exception, match=r"nope\.jsonl"):
         eval_main([*base, "--data_file_paths", str(tmp_path / "nope.jsonl"), "--reward_funcs", "accuracy"])
+    with pytest.raises(ValueError, match=r"no_model: no such folder"):  # not the Hub's "Repo id must use ..."
+        eval_main([*base, "--data_file_paths", str(data), "--reward_funcs", "accuracy"])

@@ -197,6 +197,9 @@ def evaluate(args: EvalArguments) -> dict[str, Any]:
     rows, bad = read_sources(  # every source training reads (parquet with image bytes, name@split, verl rows, ...)
         args.data_file_paths, args.image_folders, reward_method=args.reward_method, task_type=args.task_type
     )
+    path = args.model_name_or_path
+    if path.startswith(("/", "./", "../", "~")) and not Path(path).expanduser().is_dir():
+        raise ValueError(f"--model_name_or_path {path}: no such folder (a local model folder or a Hub id)")
     model, processor, module = load_model_and_processor(
         args.model_name_or_path,
         base_model=args.base_model,

@@ -221,6 +221,20 @@ def test_whole_file_problems_are_an_error_naming_the_file(kind, corpus, capsys):
         read_any_rows([str(path)])
 
 
+@pytest.mark.parametrize("command", [["check"], ["format", "--check", "--ann_path"]])
+def test_a_local_model_path_that_is_not_there_is_named(command, corpus, tmp_path, capsys):
+    """Not the Hub's "Repo id must use alphanumeric chars" about a path the user meant as a folder."""
+    root, _, _ = corpus
+    rows = root / "one.jsonl"
+    rows.write_text(
+        '{"image": "a.png", "conversations": [{"from": "human", "value": "<image>q"}, {"from": "gpt", "value": "a"}]}\n'
+    )
+    missing = str(tmp_path / "no_model")
+    assert data_main([*command, str(rows), "--model", missing]) == 2
+    err = capsys.readouterr().err
+    assert f"error: --model {missing}: no such folder" in err and "Traceback" not in err
+
+
 def _script_args(files, images, skip: bool):
     from vlm_grpo.configs import GRPOScriptArguments
 

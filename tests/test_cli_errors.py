@@ -313,3 +313,82 @@ def test_a_malformed_wandb_key_is_an_error_before_the_model_load(dataset, tmp_pa
     argv[argv.index("--report_to") + 1] = "wandb"
     line = _fails(argv, capsys)
     assert line.startswith("error: --report_to wandb:") and "WANDB_API_KEY" in line
+
+
+@pytest.mark.parametrize("module", ["vlm_grpo.grpo_jsonl", "vlm_grpo.sft_jsonl", "vlm_grpo.evaluate"])
+def test_a_broken_or_missing_config_file_is_one_error_line(module, tmp_path, capsys, monkeypatch):
+    """`--config` of a YAML with a syntax error, or of a path that is not there: the file and the line, no traceback
+    (PyYAML's error went up as a traceback in vlm-grpo-sft and vlm-grpo-eval)."""
+    import importlib
+
+    entry = importlib.import_module(module).cli
+    broken = tmp_path / "run.yaml"
+    broken.write_text("learning_rate: 1.0e-6\nreward_funcs: [accuracy\n")
+    for path, expected in (
+        (broken, "not valid YAML: line 3, column 1: expected ','"),
+        (tmp_path / "no.yaml", "cannot read it"),
+    ):
+        monkeypatch.setattr("sys.argv", ["prog", "--config", str(path)])
+        with pytest.raises(SystemExit) as info:
+            entry() if module == "vlm_grpo.evaluate" else entry(["--config", str(path)])
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and "Traceback" not in err, err
+        (line,) = [ln for ln in err.splitlines() if ln.strip()]
+        assert line.startswith(f"error: --config {path}: {expected}"), line
+
+
+def test_a_misspelt_flag_is_named_before_the_value_it_was_meant_to_set_is_checked(dataset, tmp_path, capsys):
+    """`--num_genrations 4` with a batch of 4: TRL's own check (4 is not divisible by the default 8) spoke first and
+    hid the typo; the unknown flag, or YAML key, is the error."""
+    argv = _args(dataset, tmp_path)
+    i = argv.index("--num_generations")
+    del argv[i : i + 2]  # the default, 8, does not divide the batch of 4
+    line = _fails([*argv, "--num_genrations", "4"], capsys)
+    assert line.startswith("error: unknown flag --num_genrations: did you mean --num_generations")
+    config = tmp_path / "run.yaml"
+    config.write_text("num_genrations: 4\n")
+    line = _fails([*argv, "--config", str(config)], capsys)
+    assert "unknown key in the --config file: num_genrations: did you mean --num_generations" in line
+
+
+def test_overwrite_output_dir_removes_the_old_checkpoints_only_once_every_check_passed(
+    dataset, tiny_models, tmp_path, capsys
+):
+    """A misspelt reward (or a missing model, a bad row) found after the old run's checkpoints were removed cost
+    them for nothing; they go only when the run really starts."""
+    out = tmp_path / "out"
+    old = out / "checkpoint-5"
+    old.mkdir(parents=True)
+    (old / "trainer_state.json").write_text('{"global_step": 5}')
+    argv = [*_args(dataset, tmp_path, model=tiny_models["qwen2_vl"]), "--overwrite_output_dir", "--max_steps", "1"]
+    i = argv.index("--reward_funcs")
+    bad = [*argv[: i + 1], "accurcy", *argv[i + 3 :]]
+    assert "Unknown reward 'accurcy'" in _fails(bad, capsys)
+    assert old.is_dir()
+    cli(argv)  # the same run with its rewards right: a fresh run, the old checkpoint gone
+    assert not old.exists() and (out / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        (["--reward_funcs", "iou"], "--reward_funcs"),
+        (["--reward_kwargs", '{"iou": {"threshold": 0.7}}'], "--reward_kwargs"),
+        (["--reward_max_failed_batches", "1"], "--reward_max_failed_batches"),
+    ],
+)
+def test_sft_refuses_reward_flags_it_would_ignore(extra, named, dataset, tmp_path, capsys):
+    """vlm-grpo-sft computes no rewards: a reward flag was silently dropped. The defaults (what a GRPO YAML or
+    command line without reward flags gives) still pass, up to the missing model."""
+    from vlm_grpo.sft_jsonl import cli as sft_cli
+
+    data, _ = dataset
+    argv = ["--model_name_or_path", "no/such/model", "--data_file_paths", str(data), "--image_folders",
+            str(data.parent / "images"), "--output_dir", str(tmp_path / "sft"), "--report_to", "none"]  # fmt: skip
+    refused = f"error: {named}: vlm-grpo-sft trains on the rows' solutions"
+    defaults = [*argv, "--reward_funcs", "accuracy", "format"]
+    for args, expected in (([*argv, *extra], refused), (defaults, "error: --model_name_or_path no/such/model")):
+        with pytest.raises(SystemExit):
+            sft_cli(args)
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and expected in err, err

@@ -109,6 +109,14 @@ def test_not_an_easyr1_config_is_refused(tmp_path, capsys):
     assert err.startswith("error: ") and "not an EasyR1 config" in err and err.count("\n") == 1
 
 
+def test_broken_yaml_is_one_error_line_with_its_line(tmp_path, capsys):
+    path = tmp_path / "easyr1.yaml"
+    path.write_text("data:\n  train_files: [a.parquet\n")
+    assert main([str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {path}: not valid YAML: line 3, column 1:") and err.count("\n") == 1
+
+
 def test_cli_writes_a_yaml_trl_parses(tmp_path, capsys):
     source = tmp_path / "easyr1.yaml"
     source.write_text(yaml.safe_dump(EASYR1))

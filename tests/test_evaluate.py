@@ -102,3 +102,36 @@ def test_help_lists_the_eval_flags(capsys):
     out = capsys.readouterr().out
     for flag in ("--num_samples", "--reward_funcs", "--batch_size", "--base_model", "--pass_threshold"):
         assert flag in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--bogus_flag"], "error: unknown flag --bogus_flag: no such flag"),
+        (["--num_sample", "4"], "did you mean --num_samples"),
+        (["--batch_size", "x"], "invalid int value: 'x'"),
+    ],
+)
+def test_a_flag_error_is_one_error_line(argv, expected, monkeypatch, capsys):
+    """An unknown, misspelt or badly typed flag ends as one `error:` line and status 2, not a traceback."""
+    from vlm_grpo.evaluate import cli
+
+    monkeypatch.setattr("sys.argv", ["vlm-grpo-eval", *argv])
+    with pytest.raises(SystemExit) as exc:
+        cli()
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err
+    (line,) = [ln for ln in err.splitlines() if ln.strip()]
+    assert line.startswith("error: ") and expected in line
+
+
+def test_a_misspelt_reward_or_missing_data_is_reported_before_the_model_loads(tmp_path, dataset):
+    """The model path does not exist: the error must be about the reward or the data, found first."""
+    data, _ = dataset
+    base = ["--model_name_or_path", str(tmp_path / "no_model"), "--output_dir", str(tmp_path / "out")]
+    with pytest.raises(Exception, match=r"Unknown reward .accurcy."):
+        eval_main([*base, "--data_file_paths", str(data), "--reward_funcs", "accurcy"])
+    with pytest.raises(Exception, match=r"nope\.jsonl"):
+        eval_main([*base, "--data_file_paths", str(tmp_path / "nope.jsonl"), "--reward_funcs", "accuracy"])
+    with pytest.raises(ValueError, match=r"no_model: no such folder"):  # not the Hub's "Repo id must use ..."
+        eval_main([*base, "--data_file_paths", str(data), "--reward_funcs", "accuracy"])

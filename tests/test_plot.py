@@ -99,7 +99,9 @@ def test_cli_picks_the_newest_checkpoint(tmp_path, capsys):
     assert find_state(tmp_path) == tmp_path / "trainer_state.json"
 
 
-@pytest.mark.parametrize("content", [None, "{not json", json.dumps({"log_history": []})])
+@pytest.mark.parametrize(
+    "content", [None, "{not json", json.dumps({"log_history": []}), "[1, 2]", '{"a": 1}\n{"b": 2}\n']
+)
 def test_cli_errors_are_one_line(content, tmp_path, capsys):
     if content is not None:
         (tmp_path / "trainer_state.json").write_text(content)
@@ -107,6 +109,13 @@ def test_cli_errors_are_one_line(content, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "Traceback" not in err and err.count("\n") == 1
     assert not (tmp_path / "c.png").exists()
+
+
+def test_a_file_that_is_not_a_trainer_state_is_named(tmp_path, capsys):
+    rows = tmp_path / "rows.jsonl"  # a data file passed by mistake
+    rows.write_text('{"image": "a.png"}\n{"image": "b.png"}\n')
+    assert main([str(rows)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {rows}: not a trainer_state.json")
 
 
 def test_single_reward_is_drawn_once():

@@ -273,6 +273,30 @@ def test_an_unknown_tool_fails_before_the_model_is_loaded(tmp_path):
     with pytest.raises(ValueError, match="--tool_kwargs was given without --tools"):
         main(*parse_args([*argv, "--tool_kwargs", '{"python": {}}']))
 
+    with pytest.raises(ValueError, match=r"unknown zoom_in tool option\(s\) \['sise'\]; known: size, upscale_only"):
+        main(*parse_args([*argv, "--tools", "zoom_in", "--tool_kwargs", '{"zoom_in": {"sise": 224}}']))
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"zoom_in": {"size": 224, "upscale_only": False}}, None),
+        ({"zoom_in": {"sise": 224}}, r"unknown zoom_in tool option\(s\) \['sise'\]"),
+        ({"zoom_in": {"size": "224"}}, "zoom_in tool option size must be a positive integer, got '224'"),
+        ({"zoom_in": {"size": 0}}, "must be a positive integer, got 0"),
+        ({"zoom_in": {"upscale_only": "no"}}, "upscale_only must be true or false"),
+        ({"crop": {"size": 224}}, r"unknown crop tool option\(s\) \['size'\]; it takes none"),
+        ({"rotate": {"fill": 0}}, r"unknown rotate tool option\(s\) \['fill'\]; it takes none"),
+    ],
+)
+def test_image_tool_options_are_checked_when_the_run_starts(options, message):
+    """A misspelt --tool_kwargs option of an image tool was silently not applied."""
+    if message is None:
+        build_tool_environment(["zoom_in", "crop", "rotate"], options)
+        return
+    with pytest.raises(ValueError, match=message):
+        build_tool_environment(["zoom_in", "crop", "rotate"], options)
+
 
 @pytest.fixture(scope="module")
 def tool_tokenizer():

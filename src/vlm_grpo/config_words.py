@@ -1,5 +1,5 @@
-"""What the config converters share: reading a ``key=value`` word's value as Hydra / OmegaConf read it, and
-writing a converted config with its notes."""
+"""What the config converters share: reading a ``key=value`` word's value as Hydra / OmegaConf read it, a YAML
+error on one line, and writing a converted config with its notes."""
 
 from __future__ import annotations
 
@@ -26,6 +26,13 @@ def override_value(text: str) -> Any:
         except ValueError:
             return value
     return value
+
+
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML parse error on one line: ``line L, column C: problem`` (PyYAML's own text spans five lines)."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark is not None else problem
 
 
 def write_converted(text: str, output: str | None, notes: Sequence[str]) -> int:

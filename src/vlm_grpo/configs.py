@@ -18,11 +18,13 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
+import yaml
 from trl import GRPOConfig, ModelConfig, ScriptArguments, TrlParser
 
 from vlm_grpo.advantages import check_estimator
-from vlm_grpo.cli_aliases import expand_flag_aliases, explain_unknown_flags
+from vlm_grpo.cli_aliases import _CONFIG_UNUSED, _UNUSED, expand_flag_aliases, explain_unknown_flags
 from vlm_grpo.cli_errors import UserError
+from vlm_grpo.config_words import yaml_problem
 from vlm_grpo.help_cache import HELP_WIDTH, store_help
 
 
@@ -546,11 +548,33 @@ class VLMParser(TrlParser):
 
     def parse_args_and_config(self, args: Sequence[str] | None = None, **kwargs: Any) -> tuple[Any, ...]:
         argv = self.with_bare_booleans(expand_flag_aliases(sys.argv[1:] if args is None else args))
+        config = argv[argv.index("--config") + 1] if "--config" in argv[:-1] else None
         try:
             return super().parse_args_and_config(args=argv, **kwargs)
+        except yaml.YAMLError as exc:
+            raise FlagError(f"--config {config}: not valid YAML: {yaml_problem(exc)}") from None
+        except OSError as exc:
+            if config is None or exc.filename != config:
+                raise
+            raise FlagError(f"--config {config}: cannot read it ({exc.strerror or exc})") from None
         except ValueError as exc:  # raised by the configs' own checks: about the flags the user gave
             known = {o for a in self._actions for o in a.option_strings if o.startswith("--")}
             raise FlagError(explain_unknown_flags(str(exc), known)) from exc
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[Any, list[str]]:
+        """An unknown flag is reported before the configs are built: their own checks would otherwise speak first,
+        about a value the misspelt flag was meant to set (``--num_genrations 4`` -> "not divisible by 8")."""
+        namespace, remaining = super().parse_known_args(args, namespace)
+        if remaining:
+            raise ValueError(f"{_UNUSED}{remaining}")
+        return namespace, remaining
+
+    def set_defaults_with_config(self, **kwargs: Any) -> list[str]:
+        """The same for a key of the ``--config`` YAML that is no flag."""
+        remaining = super().set_defaults_with_config(**kwargs)
+        if remaining:
+            raise ValueError(f"{_CONFIG_UNUSED}{remaining}")
+        return remaining
 
     def print_help(self, file: Any = None) -> None:
         text = self.format_help()

@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from vlm_grpo.config_words import override_value, write_converted
+from vlm_grpo.config_words import override_value, write_converted, yaml_problem
 from vlm_grpo.easyr1_keys import REFUSED_UNLESS, ignore_reason
 
 logger = logging.getLogger(__name__)
@@ -364,7 +364,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ConfigError(f"override {item!r}: write section.key=value")
             apply_override(config, key, override_value(text))
         flags, notes = convert(config, accept_differences=args.accept_easyr1_differences)
-    except (OSError, yaml.YAMLError) as exc:
+    except yaml.YAMLError as exc:
+        print(f"error: {args.config}: not valid YAML: {yaml_problem(exc)}", file=sys.stderr)
+        return 2
+    except OSError as exc:
         print(f"error: {args.config}: cannot read the config: {exc}", file=sys.stderr)
         return 2
     except (ConfigError, ValueError) as exc:

@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from vlm_grpo.cli_errors import UserError
-from vlm_grpo.config_words import override_value
+from vlm_grpo.config_words import override_value, yaml_problem
 from vlm_grpo.convert_config import (
     EASYR1_SECTIONS,
     ConfigError,
@@ -48,12 +48,16 @@ def _read(path: str) -> Any:
     except OSError as exc:
         raise UserError(f"config={path}: cannot read it ({exc.strerror or exc})") from None
     except yaml.YAMLError as exc:
-        raise UserError(f"config={path}: not valid YAML ({exc})") from None
+        raise UserError(f"config={path}: not valid YAML: {yaml_problem(exc)}") from None
 
 
 def _is_easyr1_file(path: str) -> bool:
-    """``--config PATH`` names an EasyR1 YAML (any other file is TrlParser's to read, or to report)."""
-    return Path(path).is_file() and is_easyr1_config(_read(path))
+    """``--config PATH`` names an EasyR1 YAML (any other file, broken YAML included, is TrlParser's to read, or to
+    report as ``--config PATH``)."""
+    try:
+        return Path(path).is_file() and is_easyr1_config(_read(path))
+    except UserError:
+        return False
 
 
 def _take_accept_flag(argv: list[str]) -> tuple[list[str], bool]:

@@ -83,9 +83,9 @@ class EvalArguments:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> EvalArguments:
-    from trl import TrlParser
+    from vlm_grpo.configs import VLMParser  # unknown flags and bad values as one error: line, bare booleans
 
-    (args,) = TrlParser((EvalArguments,)).parse_args_and_config(args=argv)
+    (args,) = VLMParser((EvalArguments,)).parse_args_and_config(args=argv)
     return args
 
 
@@ -188,6 +188,18 @@ def evaluate(args: EvalArguments) -> dict[str, Any]:
         logger.info("--num_samples %d: sampling (greedy decoding would repeat one completion)", args.num_samples)
     torch.manual_seed(args.seed)
     device = _device(args.device)
+    # The cheap checks first: a missing data file or a misspelt reward is reported before the model loads.
+    reward_funcs = (
+        None
+        if args.is_reward_customized_from_vlm_module
+        else build_reward_funcs(args.reward_funcs, None, args.reward_kwargs)
+    )
+    rows, bad = read_sources(  # every source training reads (parquet with image bytes, name@split, verl rows, ...)
+        args.data_file_paths, args.image_folders, reward_method=args.reward_method, task_type=args.task_type
+    )
+    path = args.model_name_or_path
+    if path.startswith(("/", "./", "../", "~")) and not Path(path).expanduser().is_dir():
+        raise ValueError(f"--model_name_or_path {path}: no such folder (a local model folder or a Hub id)")
     model, processor, module = load_model_and_processor(
         args.model_name_or_path,
         base_model=args.base_model,
@@ -197,12 +209,8 @@ def evaluate(args: EvalArguments) -> dict[str, Any]:
         trust_remote_code=args.trust_remote_code,
     )
     model.to(device)
-    overrides = module.reward_overrides if args.is_reward_customized_from_vlm_module else None
-    reward_funcs = build_reward_funcs(args.reward_funcs, overrides, args.reward_kwargs)
-
-    rows, bad = read_sources(  # every source training reads (parquet with image bytes, name@split, verl rows, ...)
-        args.data_file_paths, args.image_folders, reward_method=args.reward_method, task_type=args.task_type
-    )
+    if reward_funcs is None:  # the module's own rewards replace registered ones of the same name
+        reward_funcs = build_reward_funcs(args.reward_funcs, module.reward_overrides, args.reward_kwargs)
     if args.max_samples is not None:
         keep = {r["source"] for r in rows[: args.max_samples]}
         rows = [r for r in rows if r["source"] in keep]

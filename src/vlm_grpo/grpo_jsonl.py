@@ -66,6 +66,7 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
         pick_module,
         preflight,
         resolve_run,
+        start_fresh_run,
     )
     from vlm_grpo.rewards import build_reward_funcs
     from vlm_grpo.tools.rollouts import check_tool_flags
@@ -118,6 +119,7 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
         eval_dataset=eval_dataset,
     )
     log_metrics_to_logger(trainer)
+    start_fresh_run(script_args, training_args, resume)
     with logging_redirect_tqdm():  # log lines above the progress bar, not through it
         trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(training_args.output_dir)

@@ -175,6 +175,17 @@ def find_state(run_dir: str | Path) -> Path:
     )
 
 
+def read_history(state: Path) -> list[dict]:
+    """The ``log_history`` of a ``trainer_state.json``; any other file is named as not one."""
+    try:
+        content = json.loads(state.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{state}: not a trainer_state.json (not one JSON object: {exc})") from None
+    if not isinstance(content, dict):
+        raise ValueError(f"{state}: not a trainer_state.json (a JSON {type(content).__name__}, not an object)")
+    return content.get("log_history", [])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vlm-grpo-plot", description="Plot a run's training curves as a PNG.")
     parser.add_argument("run_dir", help="a run's output_dir, a checkpoint folder, or a trainer_state.json")
@@ -183,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         state = find_state(args.run_dir)
-        history = json.loads(state.read_text(encoding="utf-8")).get("log_history", [])
+        history = read_history(state)
         folder = Path(args.run_dir) if Path(args.run_dir).is_dir() else state.parent
         out = plot_run(history, args.out or folder / "curves.png", title=args.title or str(folder))
     except (OSError, ValueError) as exc:

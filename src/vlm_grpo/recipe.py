@@ -142,10 +142,20 @@ def resolve_run(script_args: GRPOScriptArguments, training_args: Any) -> str | N
         training_args.resume_from_checkpoint,
         script_args.overwrite_output_dir,
         is_main_process=is_main,
+        remove_old=False,  # start_fresh_run removes them, once everything else has been checked
     )
     if resume is None and is_main:  # rank 0 only: the other ranks' write tests come and go meanwhile
         check_fresh_output_dir(training_args.output_dir, script_args.overwrite_output_dir)
     return resume
+
+
+def start_fresh_run(script_args: GRPOScriptArguments, training_args: Any, resume: str | None) -> None:
+    """Just before training: a fresh run under ``--overwrite_output_dir`` removes the old run's checkpoints (not
+    earlier, in :func:`resolve_run`: a bad reward name or data file found later would have cost them)."""
+    from vlm_grpo.resume import remove_old_checkpoints
+
+    if resume is None and script_args.overwrite_output_dir:
+        remove_old_checkpoints(training_args.output_dir, training_args.process_index == 0)
 
 
 def check_fresh_output_dir(output_dir: str, overwrite: bool) -> None:

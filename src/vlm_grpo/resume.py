@@ -175,13 +175,25 @@ def checkpoint_step(checkpoint: str | Path) -> int | None:
         return None
 
 
+def remove_old_checkpoints(output_dir: str | Path, is_main_process: bool = True) -> None:
+    """A fresh run under ``--overwrite_output_dir``: the checkpoints of the run it replaces go (main process)."""
+    existing = list_checkpoints(output_dir)
+    if existing and is_main_process:
+        logger.warning("--overwrite_output_dir: removing %d old checkpoint(s) in %s", len(existing), output_dir)
+        for path in existing:
+            shutil.rmtree(path)
+
+
 def resolve_resume(
     output_dir: str | Path,
     resume_from_checkpoint: str | bool | None,
     overwrite_output_dir: bool = False,
     is_main_process: bool = True,
+    remove_old: bool = True,
 ) -> str | None:
-    """The checkpoint path to resume from, or None for a fresh run."""
+    """The checkpoint path to resume from, or None for a fresh run. ``remove_old=False``: a fresh run under
+    ``--overwrite_output_dir`` leaves the old checkpoints for :func:`remove_old_checkpoints`, called once every
+    other check has passed (a typo found later must not have cost them)."""
     log = logger.info if is_main_process else logger.debug
     existing = list_checkpoints(output_dir)
     value = resume_from_checkpoint
@@ -195,10 +207,8 @@ def resolve_resume(
                 "  --overwrite_output_dir             start a fresh run there (removes the old checkpoints)\n"
                 "  --output_dir OTHER_DIR             start a fresh run elsewhere"
             )
-        if existing and is_main_process:
-            logger.warning("--overwrite_output_dir: removing %d old checkpoint(s) in %s", len(existing), output_dir)
-            for path in existing:
-                shutil.rmtree(path)
+        if remove_old:
+            remove_old_checkpoints(output_dir, is_main_process)
         return None
     if value is True or (isinstance(value, str) and value.strip().lower() in _LATEST):
         if not existing:

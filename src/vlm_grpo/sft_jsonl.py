@@ -42,6 +42,7 @@ def main(script_args: GRPOScriptArguments, training_args: VLMSFTConfig, model_ar
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     from vlm_grpo.plot import finish_run
+    from vlm_grpo.recipe import start_fresh_run
     from vlm_grpo.trainer_common import log_metrics_to_logger
     from vlm_grpo.utils import quiet_warnings
 
@@ -52,6 +53,7 @@ def main(script_args: GRPOScriptArguments, training_args: VLMSFTConfig, model_ar
     quiet_warnings()
     trainer, resume = build_trainer(script_args, training_args, model_args)
     log_metrics_to_logger(trainer)
+    start_fresh_run(script_args, training_args, resume)
     with logging_redirect_tqdm():  # log lines above the progress bar, not through it
         trainer.train(resume_from_checkpoint=resume)
     save_final_model(trainer, training_args, model_args.model_name_or_path)
@@ -84,6 +86,7 @@ def build_trainer(
     from vlm_grpo.sft_trainer import SFTTransform, VLMSFTTrainer, assistant_masks_supported
 
     refuse_tool_flags(script_args)
+    refuse_reward_flags(script_args)
     preflight(script_args, training_args)
     resume = resolve_run(script_args, training_args)
 
@@ -132,6 +135,29 @@ def refuse_tool_flags(script_args: GRPOScriptArguments) -> None:
 
 
 _TOOL_FLAGS = ("tools", "tool_kwargs", "tool_protocol", "max_turn_tokens", "max_tool_images", "max_context_tokens")
+_REWARD_FLAGS = (
+    "reward_funcs",
+    "reward_kwargs",
+    "reward_aliases",
+    "reward_max_failed_batches",
+    "is_reward_customized_from_vlm_module",
+)
+
+
+def refuse_reward_flags(script_args: GRPOScriptArguments) -> None:
+    """SFT scores nothing: a reward flag set away from its default would be ignored, so say so."""
+    import dataclasses
+
+    defaults = {f.name: f.default_factory() if callable(f.default_factory) else f.default
+                for f in dataclasses.fields(script_args) if f.name in _REWARD_FLAGS}  # fmt: skip
+    given = [f"--{name}" for name in _REWARD_FLAGS if getattr(script_args, name) != defaults[name]]
+    if given:
+        from vlm_grpo.cli_errors import UserError
+
+        raise UserError(
+            f"{', '.join(given)}: vlm-grpo-sft trains on the rows' solutions and computes no rewards; drop these "
+            "flags (vlm-grpo-eval scores a checkpoint with rewards)"
+        )
 
 
 def save_final_model(trainer: VLMSFTTrainer, args: VLMSFTConfig, base: str) -> None:

@@ -125,6 +125,8 @@ def _fmt(dist: dict[str, float]) -> str:
 def load_module_and_processor(model: str, vlm_module: str | None = None, **limits: Any) -> tuple[Any, Any]:
     from vlm_grpo.modules import ImageLimits, get_vlm_module
 
+    if model.startswith(("/", "./", "../", "~")) and not Path(model).expanduser().is_dir():
+        raise ValueError(f"--model {model}: no such folder (a local model folder or a Hub id)")
     module = get_vlm_module(model, vlm_module, ImageLimits(**limits))
     return module, module.load_processor(model)
 

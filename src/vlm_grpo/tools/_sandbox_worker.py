@@ -342,7 +342,7 @@ def run(code):
                 display(*(value if isinstance(value, (list, tuple)) else [value]))
             elif value is not None:
                 print(repr(value))
-    except BaseException as exc:  # SystemExit, KeyboardInterrupt and MemoryError included: the session goes on
+    except BaseException as exc:  # SystemExit, KeyboardInterrupt and MemoryError included: the interpreter goes on
         lines = traceback.format_exception(type(exc), exc, exc.__traceback__)
         lines = [line for line in lines if "worker.py" not in line]
         error = "".join(lines[-6:]).strip()

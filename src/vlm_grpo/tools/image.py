@@ -14,6 +14,23 @@ from vlm_grpo.tools.base import ToolEnvironment, ToolError
 
 #: Smallest side (pixels) of a region that can be cut out: below it the vision encoder sees almost nothing.
 MIN_REGION = 4
+#: ``--tool_kwargs`` options of each image tool: ``zoom_in``'s longer side of the returned view, and whether a
+#: larger region is left at its size (True) or scaled down to it.
+OPTIONS: dict[str, dict[str, type]] = {"zoom_in": {"size": int, "upscale_only": bool}, "crop": {}, "rotate": {}}
+
+
+def _check_options(tool: str, options: dict[str, Any]) -> None:
+    """A misspelt or mistyped option is an error when the run starts, not a setting silently not applied."""
+    known = OPTIONS[tool]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        takes = f"known: {', '.join(sorted(known))}" if known else "it takes none"
+        raise ValueError(f"--tool_kwargs: unknown {tool} tool option(s) {unknown}; {takes}")
+    for name, value in options.items():
+        kind = known[name]
+        if type(value) is not kind or (kind is int and value <= 0):
+            what = "a positive integer" if kind is int else "true or false"
+            raise ValueError(f"--tool_kwargs: {tool} tool option {name} must be {what}, got {value!r}")
 
 
 def _box(env: ToolEnvironment, bbox_2d: Any, image_index: Any) -> tuple[Any, int, tuple[int, int, int, int]]:
@@ -98,3 +115,8 @@ def rotate(env: ToolEnvironment, angle: float, image_index: int = 0) -> list:
         raise ToolError(f"angle must be a number of degrees between -360 and 360, got {angle!r}")
     rotated = image.rotate(degrees, expand=True, fillcolor=(0, 0, 0) if image.mode == "RGB" else None)
     return _result(env, rotated, f"Image {int(image_index)} rotated by {degrees:g} degrees")
+
+
+zoom_in.setup = lambda options: _check_options("zoom_in", options)  # type: ignore[attr-defined]
+crop.setup = lambda options: _check_options("crop", options)  # type: ignore[attr-defined]
+rotate.setup = lambda options: _check_options("rotate", options)  # type: ignore[attr-defined]

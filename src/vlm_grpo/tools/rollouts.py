@@ -217,7 +217,7 @@ def prefetch_tool_calls(
 class ToolBatch:
     """The rollouts of one tool loop: their parallel tool calls start together, round after round.
 
-    On entry the first round's calls start; in later rounds the first parallel call TRL makes starts every
+    On entry the calls of the loop's first turn start; in later turns the first parallel call TRL makes starts every
     rollout's pending calls (TRL has appended the new assistant turns to ``completions`` by then).
     """
 

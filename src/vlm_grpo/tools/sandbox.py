@@ -215,7 +215,7 @@ class Sandbox:
             self._kill()
             if time.monotonic() - start >= self.limits.timeout:
                 message = (
-                    f"timed out after {self.limits.timeout:g} s: the code was stopped and the Python session "
+                    f"timed out after {self.limits.timeout:g} s: the code was stopped and the Python interpreter "
                     "restarted, so variables, imports and files from earlier cells are gone (the conversation's "
                     "images are loaded again as image_clue_0, image_clue_1, ...)"
                 )

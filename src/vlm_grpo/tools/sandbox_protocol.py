@@ -27,7 +27,9 @@ class SandboxLimits:
     """Limits of one sandbox session (``--tool_kwargs '{"python": {...}}'`` sets any of them)."""
 
     timeout: float = field(default=10.0, metadata={"help": "Wall-clock seconds per code cell; then the process dies."})
-    cpu_seconds: int = field(default=60, metadata={"help": "CPU seconds for the whole session (RLIMIT_CPU)."})
+    cpu_seconds: int = field(
+        default=60, metadata={"help": "CPU seconds for the sandboxed interpreter, all cells together (RLIMIT_CPU)."}
+    )
     memory_mb: int = field(
         default=2048, metadata={"help": "Address-space cap in MiB of the interpreter, imports included (RLIMIT_AS)."}
     )

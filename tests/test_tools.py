@@ -224,7 +224,7 @@ def test_zoom_demo_data_and_config(tmp_path):
         assert min(sum(c) for c in colors(inside)) < 150  # the digits: dark pixels on the white label
         assert row["solution"].startswith("<answer>") and row["accu_reward_method"] == "exact"
     script, training, model = parse_args(["--config", "configs/grpo_zoom_in.yaml"])
-    assert script.tools == ["zoom_in"] and training.max_tool_calling_iterations == 4
+    assert script.tools == ["image_zoom_in_tool"] and training.max_tool_calling_iterations == 4
     assert script.reward_funcs == ["deepeyes", "tool_format"] and model.max_pixels == 262144
 
 

@@ -26,6 +26,7 @@ import argparse
 import json
 import logging
 import random
+import shlex
 import shutil
 import sys
 import time
@@ -46,32 +47,34 @@ def tool_kwargs() -> str:
     return json.dumps({"zoom_in": {"size": ZOOM_SIZE}})
 
 
-def eval_args(model_dir: Path, data: Path, out_dir: Path, seed: int, max_iterations: int = 2) -> Any:
-    """The agentic evaluation the demo reports: greedy tool rollouts on ``val.jsonl``, exact-match accuracy."""
-    from vlm_grpo.evaluate import EvalArguments
+def eval_argv(model_dir: Path, data: Path, out_dir: Path, seed: int, max_samples: int | None = None) -> list[str]:
+    """The ``vlm-grpo-eval`` command line of the demo's evaluation: greedy tool rollouts on ``val.jsonl``."""
+    return [
+        "--model_name_or_path", str(model_dir),
+        "--data_file_paths", str(data / "val.jsonl"),
+        "--image_folders", str(data / "images"),
+        "--output_dir", str(out_dir),
+        "--reward_funcs", "accuracy",
+        "--tools", *TOOLS,
+        "--tool_kwargs", tool_kwargs(),
+        "--max_tool_calling_iterations", "2",
+        "--max_new_tokens", "96",
+        "--batch_size", "64",
+        "--device", "cpu",
+        "--seed", str(seed),
+        "--progress", "false",
+        *(["--max_samples", str(max_samples)] if max_samples else []),
+    ]  # fmt: skip
 
-    return EvalArguments(
-        model_name_or_path=str(model_dir),
-        data_file_paths=str(data / "val.jsonl"),
-        image_folders=str(data / "images"),
-        output_dir=str(out_dir),
-        reward_funcs=["accuracy"],
-        tools=list(TOOLS),
-        tool_kwargs=tool_kwargs(),
-        max_tool_calling_iterations=max_iterations,
-        max_new_tokens=96,
-        batch_size=64,
-        device="cpu",
-        seed=seed,
-        progress=False,
-    )
 
+def held_out(model_dir: Path, a: argparse.Namespace, out_dir: Path) -> tuple[float, float]:
+    """(accuracy, tool-call rate) of ``model_dir``'s greedy tool rollouts on the held-out rows, by
+    ``vlm-grpo-eval`` (its command line is printed, to rerun it)."""
+    from vlm_grpo.evaluate import evaluate, parse_args
 
-def held_out(model_dir: Path, data: Path, out_dir: Path, seed: int) -> tuple[float, float]:
-    """(accuracy, tool-call rate) of ``model_dir``'s greedy tool rollouts on the held-out rows."""
-    from vlm_grpo.evaluate import evaluate
-
-    summary = evaluate(eval_args(model_dir, data, out_dir, seed))
+    argv = eval_argv(model_dir, a.data, out_dir, a.seed, a.eval_rows)
+    print("demo-tools: vlm-grpo-eval " + shlex.join(argv), flush=True)
+    summary = evaluate(parse_args(argv))
     return float(summary["rewards"]["accuracy"]["mean"]), float(summary["tools"]["tool_call_rate"])
 
 
@@ -222,14 +225,14 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     model = build_tiny_model("qwen2_5_vl", out / "model", seed=a.seed)
     sft_on_trajectories(model, a.data / "sft_true.jsonl", images, out / "sft_true", a.sft_true_steps, a)
     sft_on_trajectories(out / "sft_true", a.data / "sft.jsonl", images, out / "sft", a.sft_steps, a)
-    a0, r0 = held_out(out / "sft", a.data, out / "eval_sft", a.seed)
+    a0, r0 = held_out(out / "sft", a, out / "eval_sft")
     print(f"demo-tools: after SFT: held-out accuracy {a0:.3f}, tool-call rate {r0:.3f}", flush=True)
     t_sft = time.monotonic()
     summary: dict[str, Any] = {"seed": a.seed, "sft": {"accuracy": a0, "tool_call_rate": r0}}
     runs = [("grpo", "eval_grpo", a.grpo_lr)] + ([("grpo_control", "eval_control", 0.0)] if a.control else [])
     for name, eval_name, lr in runs:
         trainer = grpo_jsonl.main(*grpo_jsonl.parse_args(grpo_argv(a, out / "sft", out / name, lr)))
-        accuracy, rate = held_out(out / name, a.data, out / eval_name, a.seed)
+        accuracy, rate = held_out(out / name, a, out / eval_name)
         summary[name] = {"accuracy": accuracy, "tool_call_rate": rate, "steps": trainer.state.global_step, "lr": lr}
         print(f"demo-tools: after GRPO (lr {lr:g}): held-out accuracy {accuracy:.3f}, tool-call rate {rate:.3f}")
     summary["seconds"] = {"build_sft_eval": round(t_sft - t0, 1), "grpo_eval": round(time.monotonic() - t_sft, 1)}
@@ -256,6 +259,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--control", action="store_true", help="also run GRPO at learning rate 0 and evaluate it")
+    p.add_argument("--eval_rows", type=int, default=None, help="evaluate on the first N held-out rows (default: all)")
     return p.parse_args(argv)
 
 

@@ -65,3 +65,31 @@ def test_the_demo_prints_what_vlm_grpo_eval_gives(tmp_path, capsys):
     assert again["rewards"]["accuracy"]["mean"] == summary["sft"]["accuracy"]
     assert again["tools"]["tool_call_rate"] == summary["sft"]["tool_call_rate"]
     assert summary["sft"]["tool_call_rate"] > 0  # the SFT policy calls zoom_in
+
+
+def test_sft_sees_the_prompt_the_loop_shows(tiny_models):
+    """The replayed trajectory, as SFT encodes it, gives the model the same view of the prompt as a tool rollout
+    (image token types included: without them the 3D positions differ and SFT trains another context)."""
+    import torch
+
+    from vlm_grpo.demo_tools import TOOLS, _collate, _dataset, _encode, tool_kwargs
+    from vlm_grpo.eval_tools import ToolLoop
+    from vlm_grpo.merge_lora import load_model_and_processor
+
+    model, processor, module = load_model_and_processor(str(tiny_models["qwen2_5_vl"]))
+    loop = ToolLoop(model, processor, module, TOOLS, tool_kwargs(), max_iterations=2)
+    row = _dataset(DATA / "val.jsonl", DATA / "images", module, processor)[0]
+    env = loop.environment()
+    env.reset(**row)
+    text = loop._render(list(row["prompt"]), [getattr(env, n) for n in TOOLS], generation_prompt=True)
+    shown = processor(text=[text], images=row["images"], return_tensors="pt")
+    encoded = _encode(processor, loop.replay(row, [zoom_call(), "<answer>red</answer>"]))
+    batch = _collate([encoded], processor.tokenizer.pad_token_id)
+    n = shown["input_ids"].shape[1]
+    assert encoded["ids"][:n] == shown["input_ids"][0].tolist()
+    with torch.no_grad():
+        trained = model(**batch).logits[0, n - 1]
+        generated = model(**shown).logits[0, -1]
+        without_types = model(**{k: v for k, v in batch.items() if k != "mm_token_type_ids"}).logits[0, n - 1]
+    torch.testing.assert_close(trained, generated, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(without_types, generated, atol=1e-5)  # control: the bug this guards against

@@ -84,18 +84,21 @@ def _encode(processor: Any, segments: list[tuple[str, list[Any], bool]]) -> dict
     tokenizer = getattr(processor, "tokenizer", processor)
     ids: list[int] = []
     labels: list[int] = []
+    types: list[int] = []  # 1 for an image token: the model's 3D positions need them
     pixels, grids = [], []
     for text, images, written in segments:
         if images:
             encoded = processor(text=[text], images=images, return_tensors="pt")
             piece = encoded["input_ids"][0].tolist()
+            types += encoded["mm_token_type_ids"][0].tolist()
             pixels.append(encoded["pixel_values"])
             grids.append(encoded["image_grid_thw"])
         else:
             piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+            types += [0] * len(piece)
         ids += piece
         labels += piece if written else [-100] * len(piece)
-    return {"ids": ids, "labels": labels, "pixels": pixels, "grids": grids}
+    return {"ids": ids, "labels": labels, "types": types, "pixels": pixels, "grids": grids}
 
 
 def _collate(examples: list[dict[str, Any]], pad_id: int) -> dict[str, Any]:
@@ -105,12 +108,15 @@ def _collate(examples: list[dict[str, Any]], pad_id: int) -> dict[str, Any]:
     ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     labels = torch.full((len(examples), width), -100, dtype=torch.long)
     mask = torch.zeros((len(examples), width), dtype=torch.long)
+    types = torch.zeros((len(examples), width), dtype=torch.long)
     for i, e in enumerate(examples):
         n = len(e["ids"])
         ids[i, :n], labels[i, :n], mask[i, :n] = torch.tensor(e["ids"]), torch.tensor(e["labels"]), 1
+        types[i, :n] = torch.tensor(e["types"])
     return {
         "input_ids": ids,
         "attention_mask": mask,
+        "mm_token_type_ids": types,
         "labels": labels,
         "pixel_values": torch.cat([p for e in examples for p in e["pixels"]]),
         "image_grid_thw": torch.cat([g for e in examples for g in e["grids"]]),

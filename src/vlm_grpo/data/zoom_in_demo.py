@@ -110,7 +110,7 @@ def tool_scene(rng: random.Random, colour: str) -> Image.Image:
                 break
         draw.rectangle([cx, cy, cx + side, cy + side], fill=COLOURS[rng.choice(list(COLOURS))])
     draw.rectangle(MARKED, outline=(90, 90, 90), width=2)
-    side = rng.randint(14, 20)
+    side = rng.randint(22, 30)  # about half the zoomed view: one or two of its image tokens
     ox, oy = rng.randint(x1 + 4, x2 - 4 - side), rng.randint(y1 + 4, y2 - 4 - side)
     draw.rectangle([ox, oy, ox + side, oy + side], fill=COLOURS[colour])
     return image

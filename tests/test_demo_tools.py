@@ -51,7 +51,7 @@ def test_the_demo_prints_what_vlm_grpo_eval_gives(tmp_path, capsys):
     from vlm_grpo.evaluate import main as eval_main
 
     out = tmp_path / "demo"
-    argv = ["--out", str(out), "--data", str(DATA), "--sft_true_steps", "40", "--sft_steps", "0"]
+    argv = ["--out", str(out), "--data", str(DATA), "--sft_true_steps", "60", "--sft_lr", "1e-2", "--sft_steps", "0"]
     argv += ["--grpo_steps", "1", "--grpo_batch", "4", "--num_generations", "2", "--eval_rows", "4"]
     demo_tools.main(argv)
     printed = capsys.readouterr().out

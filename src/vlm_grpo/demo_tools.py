@@ -198,7 +198,7 @@ def grpo_argv(a: argparse.Namespace, model: Path, out: Path, learning_rate: floa
         "--max_steps", str(a.grpo_steps),
         "--per_device_train_batch_size", str(a.grpo_batch),
         "--num_generations", str(a.num_generations),
-        "--max_completion_length", "128",
+        "--max_completion_length", "192",  # the call, the tool reply (70 tokens with its image), the answer
         "--temperature", str(a.temperature),
         "--beta", str(a.beta),
         "--learning_rate", str(learning_rate),

@@ -254,7 +254,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the tiny model, SFT and GRPO (default: %(default)s)")
     p.add_argument("--threads", type=int, default=1, help="torch threads: tiny models run fastest on one")
     p.add_argument("--sft_true_steps", type=int, default=300, help="SFT steps on the true trajectories")
-    p.add_argument("--sft_steps", type=int, default=60, help="then SFT steps on the weak labeller's")
+    p.add_argument("--sft_steps", type=int, default=20, help="then SFT steps on the weak labeller's")
     p.add_argument("--sft_batch", type=int, default=8)
     p.add_argument("--sft_lr", type=float, default=3e-3, help="SFT learning rate of the language model")
     p.add_argument("--sft_vision_lr", type=float, default=1e-3, help="SFT learning rate of the vision tower")

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint docs mutants clean
+.PHONY: setup demo demo-tools test lint docs mutants clean
 
 setup: $(STAMP)
 
@@ -17,6 +17,10 @@ $(STAMP): pyproject.toml constraints.txt
 # SFT (true, then weak labels) -> greedy held-out accuracy -> GRPO -> the same evaluation; runs/demo/curves.png.
 demo: $(STAMP)
 	$(PY) -m vlm_grpo.demo --out runs/demo
+
+# Tool trajectories -> SFT -> agentic eval -> GRPO with --tools zoom_in -> agentic eval; a learning-rate-0 control.
+demo-tools: $(STAMP)
+	$(PY) -m vlm_grpo.demo_tools --out runs/demo_tools --control
 
 # Two pytest-xdist workers (CI's two cores), each taking whole test files (module fixtures are built once).
 TEST_WORKERS ?= 2

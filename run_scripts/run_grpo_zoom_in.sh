@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# DeepEyes-style zoom-in with tool calls on the synthetic "small marked object" set (generated here if missing).
+# DeepEyes-style zoom-in (image_zoom_in_tool, the deepeyes reward) on the synthetic "small marked object" set
+# (generated here if missing). The tiny random default only checks the wiring (it never calls a tool); the CPU
+# demo whose model calls tools is `make demo-tools`.
 #   bash run_scripts/run_grpo_zoom_in.sh                                      (CPU, tiny offline Qwen2.5-VL)
 #   MODEL=Qwen/Qwen2.5-VL-7B-Instruct NPROC=8 DEEPSPEED=local_scripts/zero3.json \
 #     bash run_scripts/run_grpo_zoom_in.sh --max_steps 200 --learning_rate 1e-6 --bf16 true

@@ -13,6 +13,11 @@ Writes ``predictions.jsonl`` (one line per row: completions and each reward's sc
 ``summary.json`` (per reward: mean, scored samples, failures, pass@k; the same per task_type; counts).
 ``--model_name_or_path`` may be a full checkpoint or a LoRA adapter folder (its base is read from
 ``adapter_config.json`` or ``--base_model``).
+
+With ``--tools`` (and ``--max_tool_calling_iterations``, ``--tool_kwargs``) each sample is a multi-turn tool
+rollout (:mod:`vlm_grpo.eval_tools`); rewards receive its messages as in GRPO, ``predictions.jsonl`` logs every
+rollout's turns, calls, errors and conversation, and ``summary.json`` adds ``tools`` (tool-call rate, calls,
+errors, images and turns per sample).
 """
 
 from __future__ import annotations
@@ -55,7 +60,9 @@ class EvalArguments:
         default=False, metadata={"help": "Let the VLM module replace registered rewards of the same name."}
     )
     batch_size: int = field(default=8, metadata={"help": "Prompts per generate() call."})
-    max_new_tokens: int = field(default=256, metadata={"help": "Most tokens generated per completion."})
+    max_new_tokens: int = field(
+        default=256, metadata={"help": "Most tokens generated per completion (with --tools: over all its turns)."}
+    )
     num_samples: int = field(
         default=1, metadata={"help": "Completions per prompt (k of pass@k); k > 1 samples (do_sample is turned on)."}
     )
@@ -80,6 +87,20 @@ class EvalArguments:
     seed: int = field(default=42, metadata={"help": "Seed for sampling."})
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow custom model code from the checkpoint."})
     progress: bool = field(default=True, metadata={"help": "Show a progress bar."})
+    tools: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Evaluate as tool rollouts: the tools the model may call (registered names or 'file.py:fn'), "
+            "run in the training tool loop, greedily unless --do_sample."
+        },
+    )
+    tool_kwargs: str | None = field(
+        default=None, metadata={"help": 'Options per tool, as JSON: \'{"zoom_in": {"size": 448}}\'.'}
+    )
+    max_tool_calling_iterations: int | None = field(
+        default=None,
+        metadata={"help": "With --tools: most rounds of tool calls per rollout (default: until max_new_tokens)."},
+    )
 
 
 def parse_args(argv: Sequence[str] | None = None) -> EvalArguments:
@@ -125,13 +146,14 @@ def _generate(model: Any, processor: Any, batch: dict[str, list], args: EvalArgu
     return [completions[i * k : (i + 1) * k] for i in range(len(texts))]
 
 
-def _score(reward_funcs: Sequence[Any], rows: dict[str, list], completions: list[list[str]]) -> dict[str, list]:
-    """Each reward on every completion, given every column of its row (repeated per sample), as in GRPO."""
+def _score(reward_funcs: Sequence[Any], rows: dict[str, list], completions: list[list[Any]]) -> dict[str, list]:
+    """Each reward on every completion (text, or a tool rollout's messages), given every column of its row
+    (repeated per sample), as in GRPO."""
     k = len(completions[0]) if completions else 0
     flat = [c for per_row in completions for c in per_row]
     columns = {key: [v for v in values for _ in range(k)] for key, values in rows.items() if key != "prompt"}
     prompts = [p for p in rows["prompt"] for _ in range(k)]
-    messages = [[{"role": "assistant", "content": c}] for c in flat]
+    messages = [c if isinstance(c, list) else [{"role": "assistant", "content": c}] for c in flat]
     scores = {}
     for fn in reward_funcs:
         values = fn(completions=messages, prompts=prompts, **columns)
@@ -184,6 +206,10 @@ def evaluate(args: EvalArguments) -> dict[str, Any]:
         raise ValueError("--model_name_or_path and --data_file_paths are required")
     if args.num_samples < 1:
         raise ValueError("--num_samples must be >= 1")
+    if args.max_tool_calling_iterations is not None and not args.tools:
+        raise ValueError("--max_tool_calling_iterations needs --tools")
+    if args.tool_kwargs and not args.tools:
+        raise ValueError("--tool_kwargs needs --tools")
     if args.num_samples > 1 and not args.do_sample:
         logger.info("--num_samples %d: sampling (greedy decoding would repeat one completion)", args.num_samples)
     torch.manual_seed(args.seed)
@@ -211,6 +237,26 @@ def evaluate(args: EvalArguments) -> dict[str, Any]:
     model.to(device)
     if reward_funcs is None:  # the module's own rewards replace registered ones of the same name
         reward_funcs = build_reward_funcs(args.reward_funcs, module.reward_overrides, args.reward_kwargs)
+
+    loop = None
+    if args.tools:
+        from vlm_grpo.eval_tools import ToolLoop
+
+        sampling = {}
+        if args.do_sample or args.num_samples > 1:
+            sampling = {"temperature": args.temperature, "top_p": args.top_p}
+            if args.top_k is not None:
+                sampling["top_k"] = args.top_k
+        loop = ToolLoop(
+            model,
+            processor,
+            module,
+            args.tools,
+            args.tool_kwargs,
+            args.max_tool_calling_iterations,
+            args.max_new_tokens,
+            sampling,
+        )
     if args.max_samples is not None:
         keep = {r["source"] for r in rows[: args.max_samples]}
         rows = [r for r in rows if r["source"] in keep]
@@ -229,8 +275,16 @@ def evaluate(args: EvalArguments) -> dict[str, Any]:
             batch = dataset[start : start + args.batch_size]
             n = len(batch["id"])
             error = None
+            rollouts: list[list[Any]] = [[] for _ in range(n)]
             try:
-                completions = _generate(model, processor, batch, args, device)
+                if loop is None:
+                    completions = _generate(model, processor, batch, args, device)
+                else:
+                    rollouts = [
+                        [loop.run({key: values[i] for key, values in batch.items()}) for _ in range(args.num_samples)]
+                        for i in range(n)
+                    ]
+                    completions = [[r.messages for r in per_row] for per_row in rollouts]
                 scores = _score(reward_funcs, batch, completions)
             except Exception as exc:  # one bad batch costs its rows, not the run
                 logger.exception("Generation failed for rows %d-%d", start, start + n - 1)
@@ -244,10 +298,12 @@ def evaluate(args: EvalArguments) -> dict[str, Any]:
                     "task_type": batch["task_type"][i],
                     "question": batch["question"][i],
                     "solution": batch["solution"][i],
-                    "completions": completions[i],
+                    "completions": [_final_text(c) for c in completions[i]],
                     "rewards": {fn.__name__: (scores[fn.__name__][i] if scores else None) for fn in reward_funcs},
                     "error": error,
                 }
+                if loop is not None:
+                    record["tool_rollouts"] = [r.log() for r in rollouts[i]]
                 predictions.append(record)
                 handle.write(json.dumps(record, ensure_ascii=False) + "\n")
 
@@ -264,6 +320,7 @@ def evaluate(args: EvalArguments) -> dict[str, Any]:
             "max_new_tokens": args.max_new_tokens,
         },
         **summarise(predictions, names, args.num_samples, args.pass_threshold),
+        **({"tools": tool_summary(predictions)} if loop is not None else {}),
         "failures": {
             "bad_rows": len(bad),
             "generation": generation_failures,
@@ -275,8 +332,39 @@ def evaluate(args: EvalArguments) -> dict[str, Any]:
         json.dumps(summary, indent=2, ensure_ascii=False, default=_json_default) + "\n"
     )
     shown = ", ".join(f"{name}={_fmt(summary['rewards'][name]['mean'])}" for name in names)
+    if loop is not None:
+        tools = summary["tools"]
+        shown += (
+            f"; tool-call rate {_fmt(tools['tool_call_rate'])}, calls/sample {_fmt(tools['calls_per_sample'])}, "
+            f"errors/sample {_fmt(tools['errors_per_sample'])}, turns/sample {_fmt(tools['turns_per_sample'])}"
+        )
     print(f"[vlm-grpo-eval] {summary['count']} rows x {args.num_samples}: {shown}; summary in {out_dir}/summary.json")
     return summary
+
+
+def _final_text(completion: Any) -> str:
+    """A completion as text: the model's turns of a tool rollout, joined by newlines."""
+    if not isinstance(completion, list):
+        return completion
+    return "\n".join(str(m.get("content") or "") for m in completion if m.get("role") == "assistant")
+
+
+def tool_summary(predictions: list[dict]) -> dict[str, float | None]:
+    """Tool use over every rollout: the share that called a tool, and calls, errors, images, turns per rollout."""
+    logs = [log for p in predictions for log in p.get("tool_rollouts") or []]
+
+    def per_sample(key: str) -> float | None:
+        return _mean([float(log[key]) for log in logs])
+
+    return {
+        "rollouts": len(logs),
+        "tool_call_rate": _mean([float(log["tool_calls"] > 0) for log in logs]),
+        "calls_per_sample": per_sample("tool_calls"),
+        "errors_per_sample": per_sample("tool_errors"),
+        "images_per_sample": per_sample("tool_images"),
+        "turns_per_sample": per_sample("turns"),
+        "calls_after_answer": per_sample("calls_after_answer"),
+    }
 
 
 def _fmt(value: float | None) -> str:

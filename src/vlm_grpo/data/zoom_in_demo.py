@@ -1,4 +1,4 @@
-"""Synthetic "find the small marked object" set for the zoom-in (DeepEyes) demo, in VLM-R1 JSONL form.
+"""Synthetic "read the small marked object" sets for zoom-in (DeepEyes-style) runs, in VLM-R1 JSONL form.
 
 ``python -m vlm_grpo.data.zoom_in_demo --out runs/data/zoom_in`` writes ``train.jsonl`` and ``images/``.
 Each image is a large cluttered canvas (grey shapes) holding one small red-framed box with a two-digit
@@ -73,6 +73,89 @@ def generate(out: Path, n: int = 64, size: tuple[int, int] = (1024, 768), font_s
     return path
 
 
+# ---------------------------------------------------------------------- the tool demo's set (make demo-tools)
+COLOURS: dict[str, tuple[int, int, int]] = {
+    "red": (220, 40, 40),
+    "green": (40, 160, 60),
+    "blue": (40, 80, 220),
+    "yellow": (230, 190, 20),
+}
+#: The weak labeller's blind spots (as in ``make demo``): 3 in 5 red objects called yellow, blue ones green.
+MIXUPS: dict[str, str] = {"red": "yellow", "blue": "green"}
+CANVAS = 112  # one 112 x 112 view: the tiny model's processor shows it at its own size (frame = pixels)
+MARKED = (32, 32, 80, 80)  # the framed region holding the object: the box the trajectories zoom into
+ZOOM_SIZE = 56  # zoom_in's "size" option in the demo: the 48-px region comes back at 56 px
+TOOL_QUESTION = (
+    "<image>What colour is the small object inside the grey frame? Zoom in on the frame, then answer in "
+    "<answer></answer> tags."
+)
+
+
+def zoom_call(box: tuple[int, int, int, int] = MARKED) -> str:
+    """The turn that calls ``zoom_in`` on ``box``, as a Qwen / Hermes tool call."""
+    arguments = json.dumps({"name": "zoom_in", "arguments": {"bbox_2d": list(box)}})
+    return f"<tool_call>\n{arguments}\n</tool_call>"
+
+
+def tool_scene(rng: random.Random, colour: str) -> Image.Image:
+    """Clutter of every colour outside the frame; inside it, one small square of ``colour``."""
+    image = Image.new("RGB", (CANVAS, CANVAS), (236, 236, 230))
+    draw = ImageDraw.Draw(image)
+    x1, y1, x2, y2 = MARKED
+    for _ in range(rng.randint(8, 12)):  # clutter never touches the frame
+        side = rng.randint(6, 12)
+        while True:
+            cx, cy = rng.randrange(2, CANVAS - side - 2), rng.randrange(2, CANVAS - side - 2)
+            if cx + side < x1 - 2 or cx > x2 + 2 or cy + side < y1 - 2 or cy > y2 + 2:
+                break
+        draw.rectangle([cx, cy, cx + side, cy + side], fill=COLOURS[rng.choice(list(COLOURS))])
+    draw.rectangle(MARKED, outline=(90, 90, 90), width=2)
+    side = rng.randint(22, 30)  # about half the zoomed view: one or two of its image tokens
+    ox, oy = rng.randint(x1 + 4, x2 - 4 - side), rng.randint(y1 + 4, y2 - 4 - side)
+    draw.rectangle([ox, oy, ox + side, oy + side], fill=COLOURS[colour])
+    return image
+
+
+def generate_tool_demo(out: Path, n_train: int = 256, n_val: int = 64, seed: int = 0) -> dict[str, Path]:
+    """The tool demo's set under ``out``: ``train.jsonl`` / ``val.jsonl`` (questions with true answers) and
+    ``sft.jsonl`` / ``sft_true.jsonl``: tool-use trajectories on the train images (the model's turns: the zoom
+    call, then the answer; the tool's reply is made by the tool when the trajectory is replayed), answered by
+    the weak labeller and truly. Colours are balanced (row i shows colour i % 4); the same arguments always give
+    the same files."""
+    images = out / "images"
+    images.mkdir(parents=True, exist_ok=True)
+    names = list(COLOURS)
+    files: dict[str, list[str]] = {"train": [], "val": [], "sft": [], "sft_true": []}
+    for split, n in (("train", n_train), ("val", n_val)):
+        for i in range(n):
+            rng = random.Random(f"vlm_grpo.zoom_in_demo.tools/{seed}/{split}/{i}")
+            colour = names[i % len(names)]
+            name = f"{split}_{i:04d}.png"
+            tool_scene(rng, colour).save(images / name, optimize=True)
+            row = {
+                "id": f"zoom-tools-{split}-{i:04d}",
+                "image": name,
+                "conversations": [
+                    {"from": "human", "value": TOOL_QUESTION},
+                    {"from": "gpt", "value": f"<answer>{colour}</answer>"},
+                ],
+                "accu_reward_method": "exact",
+                "task_type": "raw",
+            }
+            files[split].append(json.dumps(row))
+            if split != "train":
+                continue
+            weak = MIXUPS[colour] if colour in MIXUPS and (i // len(names)) % 5 < 3 else colour
+            for kind, said in (("sft", weak), ("sft_true", colour)):
+                turns = [zoom_call(), f"<answer>{said}</answer>"]
+                files[kind].append(json.dumps({**row, "id": f"{row['id']}-{kind}", "assistant_turns": turns}))
+    paths = {}
+    for kind, lines in files.items():
+        paths[kind] = out / f"{kind}.jsonl"
+        paths[kind].write_text("".join(line + "\n" for line in lines))
+    return paths
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m vlm_grpo.data.zoom_in_demo", description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="output folder (train.jsonl + images/)")
@@ -81,7 +164,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--height", type=int, default=768, help="canvas height in pixels (default 768)")
     parser.add_argument("--font_size", type=int, default=10, help="digit height in pixels (default 10)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--tool_demo",
+        action="store_true",
+        help="write make demo-tools' set instead (train/val/sft/sft_true.jsonl: the coloured object in the frame)",
+    )
     args = parser.parse_args(argv)
+    if args.tool_demo:
+        paths = generate_tool_demo(Path(args.out), seed=args.seed)
+        print(", ".join(str(p) for p in paths.values()))
+        return
     path = generate(Path(args.out), args.n, (args.width, args.height), args.font_size, args.seed)
     print(f"{path}: {args.n} rows")
 

@@ -1,4 +1,4 @@
-"""Rewards for tool-using rollouts: ``tool_use``, ``deepeyes``, ``tool_format``.
+"""Rewards for tool-using rollouts: ``tool_use``, ``deepeyes`` (DeepEyes' ``vl_agent.py`` score), ``tool_format``.
 
 A tool rollout's completion is a list of messages: assistant turns, with the ``tool`` messages that TRL's
 tool loop appended between them. With registered tools the rewards also receive the rollout's
@@ -15,7 +15,6 @@ from typing import Any
 from vlm_grpo.rewards.base import completion_text
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-_VISION_MARKERS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<IMG_CONTEXT>", "<img>", "</img>")
 
 
 def _messages(completion: Any) -> list[dict[str, Any]]:
@@ -50,64 +49,146 @@ def tool_use_reward(
     return [bonus if successful_calls(c, envs[i] if envs else None) > 0 else 0.0 for i, c in enumerate(completions)]
 
 
-def _tags_balanced(text: str, tag: str) -> bool:
-    opens, closes = text.count(f"<{tag}>"), text.count(f"</{tag}>")
-    if opens != closes:
-        return False
-    depth = 0
-    for match in re.finditer(rf"</?{tag}>", text):
-        depth += -1 if match.group().startswith("</") else 1
-        if depth not in (0, 1):
-            return False
-    return True
+# The image markers a family's chat template writes for one image: DeepEyes counts the opening pair of Qwen's.
+IMAGE_MARKERS = {
+    "qwen": ("<|vision_start|><|image_pad|>", "<|image_pad|><|vision_end|>"),
+    "internvl": ("<img><IMG_CONTEXT>", "<IMG_CONTEXT></img>"),
+}
+_QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+DEEPEYES_RULES = ("vstar", "common")
+#: DeepEyes refuses answers this long (characters) as an attempt to sway the judge: no accuracy, format error.
+DEEPEYES_MAX_ANSWER = 1000
 
 
-def deepeyes_format_ok(completion: Any) -> bool:
-    """DeepEyes' format rule: think / answer tags balanced in every turn, exactly one answer, in the last turn,
-    and no image markers written by the model itself (broken image blocks)."""
-    turns = [completion_text([m]) for m in _messages(completion) if m.get("role") == "assistant"]
-    if not turns:
-        return False
-    for text in turns:
-        if not _tags_balanced(text, "think") or not _tags_balanced(text, "answer"):
-            return False
-        if any(marker in text for marker in _VISION_MARKERS):
-            return False
-    return sum(t.count("<answer>") for t in turns) == 1 and "<answer>" in turns[-1]
+def _content_text(content: Any, image_marker: str) -> str:
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content or []:
+        if isinstance(part, dict) and part.get("type") == "image":
+            parts.append(image_marker)
+        elif isinstance(part, dict):
+            parts.append(str(part.get("text") or ""))
+        else:
+            parts.append(str(part))
+    return "".join(parts)
+
+
+def response_text(completion: Any, image_marker: str = _QWEN_IMAGE) -> str:
+    """The rollout as one text, the way verl-style reward code (DeepEyes) reads a response: the model's turns with
+    their ``<tool_call>`` blocks, and each tool reply in ``<tool_response>`` with ``image_marker`` for each image it
+    returned. A completion that is already text is returned as it is."""
+    if isinstance(completion, str):
+        return completion
+    pieces = []
+    for message in _messages(completion):
+        role = message.get("role")
+        text = _content_text(message.get("content"), image_marker)
+        if role == "assistant":
+            for call in message.get("tool_calls") or []:
+                function = call.get("function") if isinstance(call, dict) else None
+                if isinstance(function, dict) and "<tool_call>" not in text and function.get("name"):
+                    body = {"name": function.get("name"), "arguments": function.get("arguments") or {}}
+                    text += "\n<tool_call>\n" + json.dumps(body, default=str) + "\n</tool_call>"
+            pieces.append(text)
+        elif role == "tool":
+            pieces.append(f"<tool_response>\n{text}\n</tool_response>")
+        else:
+            pieces.append(text)
+    return "\n".join(pieces)
+
+
+def count_images(text: str) -> int:
+    """Images in a response text: the opening image markers of every family (Qwen's, InternVL's)."""
+    return sum(text.count(opening) for opening, _ in IMAGE_MARKERS.values())
+
+
+def deepeyes_terms(text: str, rule: str = "vstar") -> tuple[str | None, bool, int]:
+    """DeepEyes' reading of a response text (``vl_agent.py``): the answer to grade (None: no accuracy), whether the
+    format is broken, and the images the response holds.
+
+    Format errors: ``<think>`` / ``</think>`` counts differ; opening / closing image marker counts differ; after the
+    last ``</think>``, ``<answer>`` / ``</answer>`` counts differ; the answer is 1,000 characters or longer (it
+    then gets no accuracy either). The answer: ``rule="vstar"`` (DeepEyes' ``compute_score``, its V* / chart data)
+    takes the text after the last ``<answer>`` up to the next ``</answer>`` -- the whole response when there is no
+    tag; ``rule="common"`` (``compute_common_reasoning``) takes the first ``<answer>...</answer>`` after the last
+    ``</think>``, and a missing or empty one gives no accuracy and a format error.
+    """
+    if rule not in DEEPEYES_RULES:
+        raise ValueError(f"deepeyes rule must be one of {DEEPEYES_RULES}, got {rule!r}")
+    broken = text.count("<think>") != text.count("</think>")
+    broken |= any(text.count(opening) != text.count(closing) for opening, closing in IMAGE_MARKERS.values())
+    after_think = text.split("</think>")[-1].strip()
+    broken |= after_think.count("<answer>") != after_think.count("</answer>")
+    answer: str | None
+    if rule == "vstar":
+        answer = text.split("<answer>")[-1].split("</answer>")[0].strip()
+    else:
+        match = re.search(r"<answer>(.*?)</answer>", after_think, re.DOTALL)
+        answer = match.group(1).strip() if match else None
+        if not answer:
+            answer, broken = None, True
+    if answer is not None and len(answer) >= DEEPEYES_MAX_ANSWER:
+        answer, broken = None, True
+    return answer, broken, count_images(text)
+
+
+def deepeyes_judge_template(rule: str = "vstar") -> str:
+    """Path of the packaged judge prompt DeepEyes uses with ``rule`` (for ``llm_judge``'s ``template``)."""
+    from importlib import resources
+
+    name = "judge_deepeyes.txt" if rule == "vstar" else "judge_deepeyes_common.txt"
+    return str(resources.files("vlm_grpo.rewards").joinpath("templates", name))
 
 
 def deepeyes_reward(
     completions: Sequence[Any],
-    environments: Sequence[Any] | None = None,
     accuracy: str = "accuracy",
     accuracy_kwargs: dict[str, Any] | None = None,
+    rule: str = "vstar",
     accuracy_weight: float = 0.8,
     format_weight: float = 0.2,
-    tool_weight: float = 0.4,
+    tool_weight: float = 1.2,
+    image_marker: str = _QWEN_IMAGE,
     **kwargs: Any,
 ) -> list[float | None]:
-    """DeepEyes: 0.8 x accuracy + 0.2 x format + 0.4 x tool bonus.
+    """DeepEyes' ``vl_agent.py`` score: 0.8 x accuracy + 0.2 x format + 1.2 x tool.
 
-    accuracy: the ``accuracy`` reward (or ``llm_judge``, or any registered reward) on the model's own text;
-    format: 0, or -1 when think / answer tags are unbalanced, the answer is missing, repeated or not in the
-    last turn, or the model wrote image markers itself; tool bonus: 1 when a tool call returned successfully
-    and the answer is right (accuracy > 0.5), as in DeepEyes, so calling tools alone pays nothing.
+    The response is read as DeepEyes reads it (:func:`response_text`, :func:`deepeyes_terms`): format is -1 when
+    a tag or image-marker count is unbalanced or the answer is 1,000+ characters, else 0; tool is 1 when the
+    response holds an image (a tool returned one) and the accuracy is > 0.5. Accuracy: the ``accuracy`` reward (or
+    ``llm_judge``, given DeepEyes' own judge prompt, system message and temperature unless ``accuracy_kwargs``
+    says otherwise, or any registered reward) on the extracted answer; 0 when there is none.
     """
     from vlm_grpo.rewards import REWARDS
 
     scorer: Callable[..., list[float | None]] = REWARDS.get(accuracy)
-    texts = [assistant_text(c) for c in completions]
-    scores = scorer(texts, **kwargs, **(accuracy_kwargs or {}))
-    envs = list(environments) if environments is not None and len(environments) == len(completions) else None
+    options = dict(accuracy_kwargs or {})
+    if accuracy == "llm_judge":
+        options.setdefault("template", deepeyes_judge_template(rule))
+        options.setdefault("temperature", 0.3 if rule == "vstar" else 0.5)
+        if rule == "vstar":
+            options.setdefault("system_prompt", "You are a helpful assistant.")
+    terms = [deepeyes_terms(response_text(c, image_marker), rule) for c in completions]
+    graded = [i for i, (answer, _, _) in enumerate(terms) if answer is not None]
+    scores: list[float | None] = [0.0] * len(completions)
+    if graded:
+        columns = {k: ([v[i] for i in graded] if _per_sample(v, len(completions)) else v) for k, v in kwargs.items()}
+        texts = [f"<answer>{terms[i][0]}</answer>" for i in graded]
+        for i, value in zip(graded, scorer(texts, **columns, **options), strict=True):
+            scores[i] = value
     out: list[float | None] = []
-    for i, (completion, acc) in enumerate(zip(completions, scores, strict=True)):
+    for acc, (_, broken, images) in zip(scores, terms, strict=True):
         if acc is None:
             out.append(None)
             continue
-        fmt = 0.0 if deepeyes_format_ok(completion) else -1.0
-        used = successful_calls(completion, envs[i] if envs else None) > 0 and acc > 0.5
-        out.append(accuracy_weight * acc + format_weight * fmt + tool_weight * float(used))
+        tool = 1.0 if images > 0 and acc > 0.5 else 0.0
+        out.append(accuracy_weight * acc + format_weight * (-1.0 if broken else 0.0) + tool_weight * tool)
     return out
+
+
+def _per_sample(value: Any, n: int) -> bool:
+    return isinstance(value, (list, tuple)) and len(value) == n
 
 
 def tool_format_reward(completions: Sequence[Any], require_call: bool = False, **kwargs: Any) -> list[float]:
@@ -141,5 +222,5 @@ def tool_format_reward(completions: Sequence[Any], require_call: bool = False, *
 
 
 tool_use_reward.value_range = (0.0, 1.0)  # type: ignore[attr-defined]  # with the default bonus
-deepeyes_reward.value_range = (-0.2, 1.4)  # type: ignore[attr-defined]  # with the default weights
+deepeyes_reward.value_range = (-0.2, 2.0)  # type: ignore[attr-defined]  # with the default weights
 tool_format_reward.value_range = (0.0, 1.0)  # type: ignore[attr-defined]

@@ -33,6 +33,7 @@ def register_tool(name: str):
 TOOLS.register("zoom_in", "vlm_grpo.tools.image:zoom_in")
 TOOLS.register("crop", "vlm_grpo.tools.image:crop")
 TOOLS.register("rotate", "vlm_grpo.tools.image:rotate")
+TOOLS.register("image_zoom_in_tool", "vlm_grpo.tools.image:image_zoom_in_tool")
 TOOLS.register("python", "vlm_grpo.tools.python:python")
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""DeepEyes-style image tools: ``zoom_in``, ``crop``, ``rotate``.
+"""Image tools: ``zoom_in``, ``crop``, ``rotate``, and DeepEyes' own ``image_zoom_in_tool``.
 
 Boxes are written in the frame the model family writes boxes in (the row's ``coord_sizes``): the resized
 image's pixels for Qwen2.5-VL, 0-1000 for Qwen2-VL, Qwen3-VL and InternVL; images a tool returned use the
@@ -8,6 +8,7 @@ same rule on their own size. Bad arguments raise :class:`ToolError`, which the m
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from vlm_grpo.tools.base import ToolEnvironment, ToolError
@@ -115,6 +116,85 @@ def rotate(env: ToolEnvironment, angle: float, image_index: int = 0) -> list:
         raise ToolError(f"angle must be a number of degrees between -360 and 360, got {angle!r}")
     rotated = image.rotate(degrees, expand=True, fillcolor=(0, 0, 0) if image.mode == "RGB" else None)
     return _result(env, rotated, f"Image {int(image_index)} rotated by {degrees:g} degrees")
+
+
+#: DeepEyes' smallest crop side (pixels): a box with a shorter side is grown around its centre to this size.
+DEEPEYES_MIN_SIDE = 28
+#: DeepEyes' largest aspect ratio (longer side / shorter side) of a box it crops.
+DEEPEYES_MAX_ASPECT = 100
+#: What DeepEyes tells the model after each tool result (its multi-image turn prompt).
+DEEPEYES_TURN_PROMPT = (
+    "\nThink in the mind first, and then decide whether to call tools one or more times OR provide final answer. "
+    "Format strictly as: <think>...</think> <tool_call>...</tool_call> <tool_call>...</tool_call> "
+    "(if any tools needed) OR <answer>...</answer> (if no tools needed)."
+)
+
+
+def _deepeyes_valid(left: float, top: float, right: float, bottom: float) -> str | None:
+    """Why DeepEyes would refuse this box, or None."""
+    if not (left < right and top < bottom):
+        return f"the box [{left:g}, {top:g}, {right:g}, {bottom:g}] is empty or inverted (needs x1 < x2, y1 < y2)"
+    width, height = right - left, bottom - top
+    if max(width, height) / min(width, height) > DEEPEYES_MAX_ASPECT:
+        return f"the box is {width:g}x{height:g} pixels: longer side over {DEEPEYES_MAX_ASPECT}x the shorter"
+    return None
+
+
+def deepeyes_box(box: Sequence[float], width: int, height: int) -> list[float]:
+    """DeepEyes' rule for a zoom box in image pixels: clamp it to the image, then grow a box with a side under
+    28 px around its centre so that its shorter side is >= 28 (the grown box may reach past the image: the crop
+    pads it). Raises ToolError for an empty, inverted or over-thin box."""
+    left, top = max(0.0, float(box[0])), max(0.0, float(box[1]))
+    right, bottom = min(float(width), float(box[2])), min(float(height), float(box[3]))
+    problem = _deepeyes_valid(left, top, right, bottom)
+    if problem:
+        raise ToolError(f"ZOOM IN ARGUMENTS ARE INVALID: {problem} after clamping to the {width}x{height} image")
+    box_w, box_h = right - left, bottom - top
+    if box_w >= DEEPEYES_MIN_SIDE and box_h >= DEEPEYES_MIN_SIDE:
+        return [left, top, right, bottom]
+    centre_x, centre_y = (left + right) / 2.0, (top + bottom) / 2.0
+    ratio = DEEPEYES_MIN_SIDE / min(box_w, box_h)
+    half_w, half_h = math.ceil(box_w * ratio * 0.5), math.ceil(box_h * ratio * 0.5)
+    grown = [
+        math.floor(centre_x - half_w),
+        math.floor(centre_y - half_h),
+        math.ceil(centre_x + half_w),
+        math.ceil(centre_y + half_h),
+    ]
+    problem = _deepeyes_valid(*grown)
+    if problem:
+        raise ToolError(f"ZOOM IN ARGUMENTS ARE INVALID: {problem} after growing it to {DEEPEYES_MIN_SIDE} px")
+    return [float(v) for v in grown]
+
+
+def image_zoom_in_tool(env: ToolEnvironment, bbox_2d: list[float], label: str | None = None) -> list:
+    image = env._image(0)  # DeepEyes always crops the conversation's first image
+    if not isinstance(bbox_2d, (list, tuple)) or len(bbox_2d) != 4 or any(isinstance(v, bool) for v in bbox_2d):
+        raise ToolError(f"bbox_2d must be a list of 4 numbers [x1, y1, x2, y2], got {bbox_2d!r}")
+    try:
+        values = [float(v) for v in bbox_2d]
+    except (TypeError, ValueError):
+        raise ToolError(f"bbox_2d must hold 4 numbers, got {bbox_2d!r}") from None
+    if not all(math.isfinite(v) for v in values):
+        raise ToolError(f"bbox_2d must hold 4 finite numbers, got {bbox_2d!r}")
+    frame_w, frame_h = env.coord_sizes[0]
+    width, height = image.size
+    sx, sy = width / frame_w, height / frame_h  # the model's frame -> the image's pixels (1:1 for Qwen2.5-VL)
+    box = deepeyes_box([values[0] * sx, values[1] * sy, values[2] * sx, values[3] * sy], width, height)
+    region = image.crop(tuple(box))
+    env._add_image(region)
+    return [{"type": "image", "image": region}, {"type": "text", "text": DEEPEYES_TURN_PROMPT}]
+
+
+# DeepEyes' tool description, word for word: the schema the chat template shows the model (lines kept under 120).
+image_zoom_in_tool.__doc__ = (
+    "Zoom in on a specific region of an image by cropping it based on a bounding box (bbox) and an optional "
+    "object label.\n\n"
+    "Args:\n"
+    "    bbox_2d: The bounding box of the region to zoom in, as [x1, y1, x2, y2], where (x1, y1) is the top-left "
+    "corner and (x2, y2) is the bottom-right corner.\n"
+    "    label: The name or label of the object in the specified bounding box (optional).\n"
+)
 
 
 zoom_in.setup = lambda options: _check_options("zoom_in", options)  # type: ignore[attr-defined]

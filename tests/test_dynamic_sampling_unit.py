@@ -18,9 +18,9 @@ NAN = float("nan")
 
 class StandInTRL:
     """``_generate_and_score_completions`` as TRL lays it out: one row per input; the i-th row's rewards
-    (``row["rewards"][i % G]``: a prompt's G completions score differently) gathered into ``_ds_rewards`` (as
-    ``_calculate_rewards`` does); ``completion_mask`` ones over ``row["length"]`` tokens, ``tool_mask`` zeros over
-    ``row["tool"]`` of them."""
+    (``row["rewards"][i % G]``: a prompt's G completions score differently) gathered into ``_gathered_rewards``
+    (as ``_calculate_rewards`` gathers them and the advantage mixin keeps them); ``completion_mask`` ones over
+    ``row["length"]`` tokens, ``tool_mask`` zeros over ``row["tool"]`` of them."""
 
     def __init__(self, dataset, max_rounds=4, seed=0):
         self.args = SimpleNamespace(
@@ -34,6 +34,7 @@ class StandInTRL:
         )
         self.reward_weights = torch.tensor([1.0, 0.5])
         self.reward_func_names = ["acc", "fmt"]
+        self.reward_funcs = [lambda **_: None, lambda **_: None]  # plain TRL-style rewards (no dicts)
         self._tokenizer = SimpleNamespace(pad_token_id=0)
         self._metrics = {"train": defaultdict(list)}
         self.train_dataset = dataset
@@ -46,7 +47,8 @@ class StandInTRL:
         tool = torch.ones_like(mask)
         for i, row in enumerate(inputs):
             tool[i, 1 : 1 + row["tool"]] = 0  # tool output inside the completion: not the model's tokens
-        self._ds_rewards = torch.tensor([row["rewards"][i % G] for i, row in enumerate(inputs)], dtype=torch.float32)
+        scores = [row["rewards"][i % G] for i, row in enumerate(inputs)]
+        self._gathered_rewards = torch.tensor(scores, dtype=torch.float32)
         ids = torch.tensor([[row["id"]] * width for row in inputs])
         return {
             "prompt_ids": torch.tensor([[row["id"], row["id"]] for row in inputs]),
@@ -221,7 +223,7 @@ class Rank1Of2TRL(StandInTRL):
 
     def _generate_and_score_completions(self, inputs):
         out = super()._generate_and_score_completions(inputs)
-        self._ds_rewards = torch.cat([torch.tensor([[1.0, 0.0], [0.0, 0.0]] * 2), self._ds_rewards])
+        self._gathered_rewards = torch.cat([torch.tensor([[1.0, 0.0], [0.0, 0.0]] * 2), self._gathered_rewards])
         return out
 
 
@@ -331,7 +333,7 @@ class Rank0Of2TRL(StandInTRL):
 
     def _generate_and_score_completions(self, inputs):
         out = super()._generate_and_score_completions(inputs)
-        self._ds_rewards = torch.cat([self._ds_rewards, torch.tensor([[1.0, 1.0]] * 4)])
+        self._gathered_rewards = torch.cat([self._gathered_rewards, torch.tensor([[1.0, 1.0]] * 4)])
         return out
 
 
@@ -339,22 +341,18 @@ class Rank0Of2(DynamicSamplingMixin, Rank0Of2TRL):
     pass
 
 
-def test_rank_0_reads_only_its_own_rows_and_settings_missing_from_the_args_mean_off(caplog):
+def test_rank_0_reads_only_its_own_rows(caplog):
     trainer = Rank0Of2(FURTHER)
     trainer.accelerator = SimpleNamespace(
         process_index=0, num_processes=2, device=torch.device("cpu"), gather=lambda t: torch.cat([t.reshape(-1)] * 2)
     )
     ids = trainer._generate_and_score_completions(rows("a", VARIED, id=2) + rows("b", VARIED, id=3))
     assert ids["prompt_ids"][:, 0].tolist() == [2, 2, 3, 3]
-    plain = Trainer(FURTHER)  # a plain GRPOConfig has no dynamic_sampling / filter_key fields
-    del plain.args.dynamic_sampling
+    plain = Trainer(FURTHER)  # dynamic_sampling off: every row passes, nothing is logged
+    plain.args.dynamic_sampling = False
     plain._check_dynamic_sampling()
     out = plain._generate_and_score_completions(rows("flat", [[1.0, 1.0]] * 2, id=2) * 2)
     assert out["prompt_ids"][:, 0].tolist() == [2, 2, 2, 2] and not plain._metrics["train"]
-    keyless = Trainer(FURTHER)
-    del keyless.args.filter_key
-    keyless._check_dynamic_sampling()
-    assert keyless._generate_and_score_completions(rows("a", VARIED, id=2) * 2)["prompt_ids"].shape[0] == 4
 
 
 def test_the_refill_warning_says_what_to_do(caplog):

@@ -213,6 +213,7 @@ def check_wandb_login(is_main: bool = True) -> None:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             logged_in = wandb.login(prompt=False, verify=False)  # no network: only where a key is configured
     except wandb.errors.Error as exc:
+        wandb.teardown()  # the refused settings go with it (a caller that goes on starts from the environment)
         raise UserError(
             f"--report_to wandb: {exc}; fix WANDB_API_KEY or `wandb login`, or pass --report_to none"
         ) from None

@@ -54,6 +54,7 @@ def sft_flag_line(model, data, output_dir, *extra):
         "--llm_lr", "1e-5",
         "--vision_encoder_lr", "2e-6",
         "--lr_scheduler_type", "cosine",
+        "--warmup_ratio", "0.03",
         "--bf16", "False",
         "--gradient_checkpointing", "True",
         "--output_dir", str(output_dir),
@@ -71,6 +72,7 @@ def test_sft_flag_line_means_what_rynnscale_means(tiny_models, formatted_rows, t
     assert training.max_length == 16384 and script.mm_max_length == 10240
     assert (training.llm_lr, training.vision_encoder_lr) == (1e-5, 2e-6)
     assert training.gradient_checkpointing is True and training.lr_scheduler_type == "cosine"
+    assert training.warmup_steps == 0.03  # transformers reads a value below 1 as that ratio of the total steps
 
 
 def test_sft_flag_line_trains_one_step(tiny_models, formatted_rows, tmp_path, capsys):

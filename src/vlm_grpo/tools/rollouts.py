@@ -166,7 +166,7 @@ def prepare_for_tools(args: Any, processing_class: Any) -> None:
     vocab = tokenizer.get_vocab()
     placeholders = sorted(vocab[t] for t in _VISION_TOKENS if t in vocab)
     if placeholders and args is not None:
-        kwargs = dict(getattr(args, "generation_kwargs", None) or {})
+        kwargs = dict(args.generation_kwargs or {})
         kwargs["suppress_tokens"] = sorted(set(kwargs.get("suppress_tokens") or []) | set(placeholders))
         args.generation_kwargs = kwargs
     on = [name for name in _SPEED_FEATURES if getattr(args, name, False)]

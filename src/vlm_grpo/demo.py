@@ -145,23 +145,30 @@ def run(a: argparse.Namespace) -> tuple[float, float, int]:
     return a0, a1, steps
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m vlm_grpo.demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=Path("runs/demo"), help="run folder (default: %(default)s)")
-    p.add_argument("--data", type=Path, default=DATA, help="the colour task folder (default: %(default)s)")
+def add_demo_arguments(p: argparse.ArgumentParser, *, out: str, data: Path, task: str, defaults: dict) -> None:
+    """The options both demos share (SFT then GRPO on a tiny model); ``defaults`` sets the step and batch counts:
+    ``sft_true_steps``, ``sft_steps``, ``sft_batch``, ``grpo_steps``, ``grpo_batch``."""
+    p.add_argument("--out", type=Path, default=Path(out), help="run folder (default: %(default)s)")
+    p.add_argument("--data", type=Path, default=data, help=f"the {task} folder (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the tiny model, SFT and GRPO (default: %(default)s)")
     p.add_argument("--threads", type=int, default=1, help="torch threads: tiny models run fastest on one")
-    p.add_argument("--sft_true_steps", type=int, default=200, help="SFT steps on the true answers (train.jsonl)")
-    p.add_argument("--sft_steps", type=int, default=100, help="then SFT steps on the weak labeller's (sft.jsonl)")
-    p.add_argument("--sft_batch", type=int, default=16)
+    p.add_argument("--sft_true_steps", type=int, default=defaults["sft_true_steps"], help="SFT steps on true answers")
+    p.add_argument("--sft_steps", type=int, default=defaults["sft_steps"], help="then SFT steps on the weak labeller's")
+    p.add_argument("--sft_batch", type=int, default=defaults["sft_batch"])
     p.add_argument("--sft_lr", type=float, default=3e-3, help="SFT learning rate of the language model")
     p.add_argument("--sft_vision_lr", type=float, default=1e-3, help="SFT learning rate of the vision tower")
-    p.add_argument("--grpo_steps", type=int, default=200)
-    p.add_argument("--grpo_batch", type=int, default=32, help="completions per step (prompts x G)")
+    p.add_argument("--grpo_steps", type=int, default=defaults["grpo_steps"])
+    p.add_argument("--grpo_batch", type=int, default=defaults["grpo_batch"], help="completions per step (prompts x G)")
     p.add_argument("--num_generations", type=int, default=8, help="G, completions per prompt")
     p.add_argument("--grpo_lr", type=float, default=3e-4)
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient")
     p.add_argument("--temperature", type=float, default=1.0)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m vlm_grpo.demo", description=__doc__.split("\n\n")[0])
+    steps = {"sft_true_steps": 200, "sft_steps": 100, "sft_batch": 16, "grpo_steps": 200, "grpo_batch": 32}
+    add_demo_arguments(p, out="runs/demo", data=DATA, task="colour task", defaults=steps)
     return p.parse_args(argv)
 
 

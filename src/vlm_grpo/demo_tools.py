@@ -248,22 +248,11 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    from vlm_grpo.demo import add_demo_arguments
+
     p = argparse.ArgumentParser(prog="python -m vlm_grpo.demo_tools", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=Path("runs/demo_tools"), help="run folder (default: %(default)s)")
-    p.add_argument("--data", type=Path, default=DATA, help="the tool task folder (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the tiny model, SFT and GRPO (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads: tiny models run fastest on one")
-    p.add_argument("--sft_true_steps", type=int, default=300, help="SFT steps on the true trajectories")
-    p.add_argument("--sft_steps", type=int, default=20, help="then SFT steps on the weak labeller's")
-    p.add_argument("--sft_batch", type=int, default=8)
-    p.add_argument("--sft_lr", type=float, default=3e-3, help="SFT learning rate of the language model")
-    p.add_argument("--sft_vision_lr", type=float, default=1e-3, help="SFT learning rate of the vision tower")
-    p.add_argument("--grpo_steps", type=int, default=120)
-    p.add_argument("--grpo_batch", type=int, default=16, help="completions per step (prompts x G)")
-    p.add_argument("--num_generations", type=int, default=8, help="G, completions per prompt")
-    p.add_argument("--grpo_lr", type=float, default=3e-4)
-    p.add_argument("--beta", type=float, default=0.0, help="KL coefficient")
-    p.add_argument("--temperature", type=float, default=1.0)
+    steps = {"sft_true_steps": 300, "sft_steps": 20, "sft_batch": 8, "grpo_steps": 120, "grpo_batch": 16}
+    add_demo_arguments(p, out="runs/demo_tools", data=DATA, task="tool task", defaults=steps)
     p.add_argument("--control", action="store_true", help="also run GRPO at learning rate 0 and evaluate it")
     p.add_argument("--eval_rows", type=int, default=None, help="evaluate on the first N held-out rows (default: all)")
     return p.parse_args(argv)

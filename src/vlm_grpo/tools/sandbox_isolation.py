@@ -189,6 +189,22 @@ def _view(packages: tuple[str, ...], worker: str) -> list[str]:
     return args
 
 
+def _rebound_under_scratch(paths: list[str]) -> list[str]:
+    """bwrap arguments binding again, read-only, the view's folders that lie under the scratch dir (a venv or a
+    checkout under ``/tmp``): the scratch tmpfs mounted over ``/tmp`` would hide them."""
+    args: list[str] = []
+    made: set[str] = set()
+    for path in paths:
+        if not path.startswith(SCRATCH + "/"):
+            continue
+        for parent in map(str, reversed(Path(path).parents)):
+            if parent.startswith(SCRATCH + "/") and parent not in made:
+                made.add(parent)
+                args += ["--dir", parent]
+        args += ["--ro-bind", path, path]
+    return args
+
+
 def build_launch(worker: str, request_fd: int, reply_fd: int, scratch_mb: int) -> Launch:
     """The command for one interpreter under the full isolation, or :class:`IsolationMissing` saying why not."""
     problems = _problems()
@@ -209,7 +225,8 @@ def build_launch(worker: str, request_fd: int, reply_fd: int, scratch_mb: int) -
     ]  # fmt: skip
     tail = [
         "--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev",
-        "--size", str(int(scratch_mb) * 2**20), "--tmpfs", SCRATCH, "--chdir", SCRATCH,
+        "--size", str(int(scratch_mb) * 2**20), "--tmpfs", SCRATCH,
+        *_rebound_under_scratch([os.path.realpath(sys.base_prefix), *packages]), "--chdir", SCRATCH,
         python, "-I", "-S", "-B", WORKER_PATH, str(request_fd), str(reply_fd),
     ]  # fmt: skip
     if os.geteuid() == 0:

@@ -21,12 +21,8 @@ from typing import Any
 
 from vlm_grpo.tools import ToolError
 from vlm_grpo.tools.base import MALFORMED_CALL
-from vlm_grpo.tools.rollouts import (
-    answer_malformed_call,
-    build_tool_environment,
-    mark_malformed_call,
-    prepare_for_tools,
-)
+from vlm_grpo.tools.protocols import HERMES_MALFORMED
+from vlm_grpo.tools.rollouts import MalformedCall, build_tool_environment, malformed, prepare_for_tools
 
 logger = logging.getLogger("vlm_grpo")
 
@@ -150,7 +146,9 @@ class ToolLoop:
         if not isinstance(message, dict):
             message = {"role": "assistant", "content": str(message)}
         message.setdefault("role", "assistant")
-        mark_malformed_call(message)
+        content = message.get("content")
+        if not message.get("tool_calls") and isinstance(content, str) and "<tool_call>" in content:
+            message["tool_calls"] = [malformed(HERMES_MALFORMED)]  # answered with the error, as in training
         return message
 
     def _call(self, env: Any, call: Any) -> Any:
@@ -174,7 +172,7 @@ class ToolLoop:
             out.calls += 1
             try:
                 if name == MALFORMED_CALL:
-                    answer_malformed_call()
+                    raise MalformedCall(call["function"]["arguments"].get("message", HERMES_MALFORMED))
                 result = self._call(env, call)
             except Exception as exc:  # the model reads the error, as in TRL's loop
                 out.errors += 1

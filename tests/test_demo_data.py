@@ -32,8 +32,12 @@ def _images(row: dict) -> list[str]:
     return row["image"] if isinstance(row["image"], list) else [row["image"]]
 
 
+TOOL_DEMO = "zoom_in"  # make demo-tools' set: its own generator, checked in test_demo_tools.py
+
+
 def _files(folder: Path) -> dict[str, Path]:
-    return {p.relative_to(folder).as_posix(): p for p in sorted(folder.rglob("*")) if p.is_file()}
+    files = {p.relative_to(folder).as_posix(): p for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {name: p for name, p in files.items() if not name.startswith(TOOL_DEMO + "/")}
 
 
 def _pixels(path: Path) -> np.ndarray:
@@ -82,6 +86,7 @@ def test_different_seed_differs():
 
 def test_size_budget():
     assert sum(p.stat().st_size for p in _files(DEMO).values()) < 300_000
+    assert sum(p.stat().st_size for p in (DEMO / TOOL_DEMO).rglob("*") if p.is_file()) < 600_000
 
 
 @pytest.mark.parametrize("split", SPLITS)

@@ -104,7 +104,7 @@ class EvalArguments:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> EvalArguments:
-    from vlm_grpo.configs import VLMParser  # unknown flags and bad values as one error: line, bare booleans
+    from vlm_grpo.cli_parser import VLMParser  # unknown flags and bad values as one error: line, bare booleans
 
     (args,) = VLMParser((EvalArguments,)).parse_args_and_config(args=argv)
     return args

@@ -27,7 +27,8 @@ logger = logging.getLogger("vlm_grpo")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig]:
-    from vlm_grpo.configs import GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig, VLMParser
+    from vlm_grpo.cli_parser import VLMParser
+    from vlm_grpo.configs import GRPOScriptArguments, VLMGRPOConfig, VLMModelConfig
     from vlm_grpo.convert_verl import verl_overrides_argv
     from vlm_grpo.easyr1_args import easyr1_argv
     from vlm_grpo.utils import quiet_warnings

@@ -28,7 +28,8 @@ logger = logging.getLogger("vlm_grpo")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[GRPOScriptArguments, VLMSFTConfig, VLMModelConfig]:
-    from vlm_grpo.configs import GRPOScriptArguments, VLMModelConfig, VLMParser
+    from vlm_grpo.cli_parser import VLMParser
+    from vlm_grpo.configs import GRPOScriptArguments, VLMModelConfig
     from vlm_grpo.sft_trainer import VLMSFTConfig
     from vlm_grpo.utils import quiet_warnings
 

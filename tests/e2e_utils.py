@@ -100,3 +100,21 @@ def original_params(model_dir: Path) -> dict[str, torch.Tensor]:
 
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def own_forward_logps(trainer, input_ids, attention, completion_mask, row: int, images: list) -> torch.Tensor:
+    """The completion log-probs of one row of a Qwen tool batch by an independent plain forward of the model, fed
+    ``images`` (what the rollout saw: the prompt's image, then the tool's): the reference for the batched passes."""
+    image_pad = trainer._tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    row_ids = input_ids[row][attention[row].bool()].unsqueeze(0)
+    pixels = trainer.processing_class.image_processor(images=images, return_tensors="pt")
+    with torch.no_grad():
+        logits = trainer.model(
+            input_ids=row_ids,
+            attention_mask=torch.ones_like(row_ids),
+            pixel_values=pixels["pixel_values"],
+            image_grid_thw=pixels["image_grid_thw"],
+            mm_token_type_ids=(row_ids == image_pad).long(),
+        ).logits[0, :-1]
+    n = int(completion_mask[row].sum())
+    return torch.log_softmax(logits.float(), -1).gather(-1, row_ids[0, 1:, None])[-n:, 0]

@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 
-from e2e_utils import base_args, make_dataset
+from e2e_utils import base_args, make_dataset, own_forward_logps
 from vlm_grpo.grpo_jsonl import main, parse_args
 from vlm_grpo.rewards import completion_text
 from vlm_grpo.testing.tiny import FAMILIES
@@ -199,22 +199,8 @@ def test_each_protocol_runs_its_tools_and_rewards_read_the_rollout(protocol, fam
 
 
 def check_against_own_forward(trainer, batch, ours, input_ids, attention):
-    processor, model = trainer.processing_class, trainer.model
-    image_pad = trainer._tokenizer.convert_tokens_to_ids("<|image_pad|>")
-
     def row_logps(row: int, images: list) -> torch.Tensor:
-        row_ids = input_ids[row][attention[row].bool()].unsqueeze(0)
-        pixels = processor.image_processor(images=images, return_tensors="pt")
-        with torch.no_grad():
-            logits = model(
-                input_ids=row_ids,
-                attention_mask=torch.ones_like(row_ids),
-                pixel_values=pixels["pixel_values"],
-                image_grid_thw=pixels["image_grid_thw"],
-                mm_token_type_ids=(row_ids == image_pad).long(),
-            ).logits[0, :-1]
-        n = int(batch["completion_mask"][row].sum())
-        return torch.log_softmax(logits.float(), -1).gather(-1, row_ids[0, 1:, None])[-n:, 0]
+        return own_forward_logps(trainer, input_ids, attention, batch["completion_mask"], row, images)
 
     for row, env in enumerate(trainer.environments):
         n = int(batch["completion_mask"][row].sum())

@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from e2e_utils import base_args, make_dataset, original_params
+from e2e_utils import base_args, make_dataset, original_params, own_forward_logps
 from vlm_grpo.grpo_jsonl import main, parse_args
 from vlm_grpo.trainer import VLMGRPOTrainer
 
@@ -192,23 +192,9 @@ def test_tool_tokens_are_masked_and_images_reach_the_loss_pass(tiny_models, data
             trainer, model, input_ids, attention, ids.size(1), **mm
         )
     torch.testing.assert_close(ours, trls, rtol=0, atol=1e-5)
-    processor = trainer.processing_class
 
     def row_logps(row: int, images: list) -> torch.Tensor:
-        keep = attention[row].bool()
-        row_ids = input_ids[row][keep].unsqueeze(0)
-        pixels = processor.image_processor(images=images, return_tensors="pt")
-        with torch.no_grad():
-            logits = model(
-                input_ids=row_ids,
-                attention_mask=torch.ones_like(row_ids),
-                pixel_values=pixels["pixel_values"],
-                image_grid_thw=pixels["image_grid_thw"],
-                mm_token_type_ids=(row_ids == image_pad).long(),
-            ).logits[0, :-1]
-        n = int(batch["completion_mask"][row].sum())
-        targets = row_ids[0, 1:]
-        return torch.log_softmax(logits.float(), -1).gather(-1, targets[:, None])[-n:, 0]
+        return own_forward_logps(trainer, input_ids, attention, batch["completion_mask"], row, images)
 
     for row, env in enumerate(trainer.environments):
         n = int(batch["completion_mask"][row].sum())

@@ -282,6 +282,32 @@ def test_val_files_are_not_read_with_eval_strategy_no(tmp_path, easyr1_data):
     assert script.eval_file_paths is None and not training.eval_on_start
 
 
+def test_a_converted_yaml_naming_absent_val_files_starts_with_eval_strategy_no(tmp_path, easyr1_data, monkeypatch):
+    """The YAML vlm-grpo-convert-config writes names the eval files; a run that never evaluates neither checks
+    nor reads them (control: the same YAML evaluating fails on the absent file before any model load)."""
+    from vlm_grpo import recipe
+    from vlm_grpo.grpo_jsonl import parse_args
+
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"data_file_paths": str(easyr1_data), "eval_file_paths": "absent.parquet",
+                                      "eval_strategy": "steps", "eval_steps": 5}))  # fmt: skip
+    line = ["--config", str(config), "--output_dir", str(tmp_path / "o")]
+    script, training, _ = parse_args(line)
+    with pytest.raises(UserError, match=r"absent\.parquet"):
+        recipe.preflight(script, training)
+    script, training, _ = parse_args([*line, "--eval_strategy", "no"])
+    assert script.eval_file_paths == "absent.parquet" and not recipe.evaluates(training)
+    recipe.preflight(script, training)
+    read = []
+    monkeypatch.setattr(recipe, "load_checked_rows", lambda *a, data_file_paths=None: read.append(data_file_paths))
+    monkeypatch.setattr(recipe, "to_datasets", lambda rows, module, *a: ("train", None))
+    assert recipe.load_datasets(script, None, None, 0, recipe.evaluates(training)) == ("train", None)
+    assert read == [None]  # the training files only
+    read.clear()
+    recipe.load_datasets(script, None, None, 0, True)  # control: an evaluating run reads them
+    assert read == [None, "absent.parquet"]
+
+
 def test_sft_reads_warmup_ratio_too():
     from vlm_grpo.sft_jsonl import parse_args
 

@@ -64,7 +64,8 @@ class GRPOScriptArguments(ScriptArguments):
         default=None,
         metadata={
             "help": "Evaluation data, in any form --data_file_paths takes (':'-separated), checked like the training "
-            "rows; instead of --val_split_ratio."
+            "rows; instead of --val_split_ratio. Not read when the run never evaluates (--eval_strategy no without "
+            "--eval_on_start)."
         },
     )
     format_prompt: str | None = field(

@@ -61,6 +61,7 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
     from vlm_grpo.plot import finish_run
     from vlm_grpo.recipe import (
         check_sharded_settings,
+        evaluates,
         finish_loggers,
         load_datasets,
         load_model,
@@ -96,7 +97,9 @@ def main(script_args: GRPOScriptArguments, training_args: VLMGRPOConfig, model_a
         seed_aliases=script_args.reward_aliases,
     )
 
-    train_dataset, eval_dataset = load_datasets(script_args, module, processor, training_args.seed)
+    train_dataset, eval_dataset = load_datasets(
+        script_args, module, processor, training_args.seed, evaluates(training_args)
+    )
     logger.info("Data: %d training rows, %d evaluation rows", len(train_dataset), len(eval_dataset or []))
 
     model = load_model(module, model_args, training_args.trust_remote_code)

@@ -51,6 +51,11 @@ def _installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
+def evaluates(training_args: Any) -> bool:
+    """Whether the run ever evaluates: with ``--eval_strategy no`` and no ``--eval_on_start``, eval files go unread."""
+    return training_args.eval_strategy != "no" or bool(training_args.eval_on_start)
+
+
 def preflight(script_args: GRPOScriptArguments, training_args: Any) -> None:
     """Checks that take milliseconds, run before the data check and the model load (minutes on a 7B model):
     output_dir usable, --report_to integrations installed, data files and image folders present."""
@@ -76,7 +81,7 @@ def preflight(script_args: GRPOScriptArguments, training_args: Any) -> None:
         check_wandb_login(is_main=training_args.process_index == 0)
     for flag, value in (
         ("--data_file_paths", script_args.data_file_paths),
-        ("--eval_file_paths", script_args.eval_file_paths),
+        ("--eval_file_paths", script_args.eval_file_paths if evaluates(training_args) else None),
     ):
         for spec in split_sources(value):
             check_source(spec, flag)
@@ -331,10 +336,19 @@ def load_model(module: VLMModule, model_args: VLMModelConfig, trust_remote_code:
     return model
 
 
-def load_datasets(script_args: GRPOScriptArguments, module: VLMModule, processor: Any, seed: int) -> tuple[Any, Any]:
-    """(train, eval or None) datasets: eval from ``--eval_file_paths`` or a ``--val_split_ratio`` hold-out."""
+def load_datasets(
+    script_args: GRPOScriptArguments, module: VLMModule, processor: Any, seed: int, evaluates: bool = True
+) -> tuple[Any, Any]:
+    """(train, eval or None) datasets: eval from ``--eval_file_paths`` or a ``--val_split_ratio`` hold-out.
+
+    ``evaluates=False`` (``--eval_strategy no`` without ``--eval_on_start``): the eval files are not read, since
+    nothing would use them (a run config that names them, as a converted EasyR1 YAML does, still starts when
+    they are absent here); one info line says so."""
     rows = load_checked_rows(script_args, module, processor)
     eval_files = script_args.eval_file_paths
+    if eval_files and not evaluates:
+        logger.info("--eval_file_paths %s not read: the run never evaluates (--eval_strategy no)", eval_files)
+        eval_files = None
     if not eval_files:
         return to_datasets(rows, module, script_args.val_split_ratio, seed)
     if script_args.val_split_ratio:

@@ -83,7 +83,7 @@ def build_trainer(
     # Imported here, not at the top: `--help` needs none of it (see vlm_grpo.help_cache).
     from trl import get_peft_config
 
-    from vlm_grpo.recipe import load_datasets, load_model, pick_module, preflight, resolve_run
+    from vlm_grpo.recipe import evaluates, load_datasets, load_model, pick_module, preflight, resolve_run
     from vlm_grpo.sft_trainer import SFTTransform, VLMSFTTrainer, assistant_masks_supported
 
     refuse_tool_flags(script_args)
@@ -92,7 +92,9 @@ def build_trainer(
     resume = resolve_run(script_args, training_args)
 
     module, processor = pick_module(model_args, training_args.trust_remote_code)
-    train_dataset, eval_dataset = load_datasets(script_args, module, processor, training_args.seed)
+    train_dataset, eval_dataset = load_datasets(
+        script_args, module, processor, training_args.seed, evaluates(training_args)
+    )
 
     # Loss on the assistant's tokens: from the template's generation markers, or else prompt/completion rows.
     prompt_completion = training_args.assistant_only_loss and not assistant_masks_supported(processor)

@@ -12,6 +12,7 @@ control: rows handed another rollout's held cache must change the answers.
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -81,7 +82,8 @@ def run(family: str, model_dir, dataset, out, share: bool, swap_rows: bool = Fal
                 grid = kwargs.get("grid_thw")
                 if grid is None and len(args) > 1:
                     grid = args[1]
-                counter["images"] += int(grid.size(0)) if grid is not None else int(args[0].size(0))
+                pixels = args[0] if args else kwargs["pixel_values"]  # InternVL: one tile an image here
+                counter["images"] += int(grid.size(0)) if grid is not None else int(pixels.size(0))
 
             unwrapped.get_input_embeddings().register_forward_pre_hook(embed_hook)
             _vision_tower(unwrapped).register_forward_pre_hook(vision_hook, with_kwargs=True)
@@ -149,7 +151,7 @@ def new_tokens(turns: list[dict]) -> list[int]:
     """Per later turn: the tokens of each row not held from its previous turn (what that turn fed and generated,
     all but the last generated token), all but the row's last token (the decode feeds it), summed over rows."""
     counts = []
-    for previous, turn in zip(turns, turns[1:], strict=False):
+    for previous, turn in itertools.pairwise(turns):
         held = [inp + out[:-1] for inp, out in zip(previous["inputs"], previous["outputs"], strict=True)]
         total = 0
         for ids in turn["inputs"]:
@@ -167,7 +169,7 @@ def new_tokens(turns: list[dict]) -> list[int]:
 def new_images(turns: list[dict]) -> list[int]:
     """Per later turn: the tool images the rollouts got since their previous turn (every rollout calls a tool in
     every scripted round, so each turn has the same rows)."""
-    return [sum(t["images"] or [0]) - sum(p["images"] or [0]) for p, t in zip(turns, turns[1:], strict=False)]
+    return [sum(t["images"] or [0]) - sum(p["images"] or [0]) for p, t in itertools.pairwise(turns)]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -73,9 +73,9 @@ class TurnCache:
         deltas: list[int],
     ) -> None:
         """Hold what a decode left in ``cache`` (``fast_decode``'s static cache): row ``rows[k]`` of it answers
-        ``layouts[k]`` (the row's context tokens, the slot ranges of all but its last) and ``completions[k]`` (cut after EOS),
-        from slot ``next_slot`` on the decode wrote the context's last token and every completion token but the
-        last. Replaces whatever was held: every generation call covers all the rollouts still going."""
+        ``layouts[k]`` (the row's context tokens, the slot ranges of all but its last) and ``completions[k]`` (cut
+        after EOS); from slot ``next_slot`` on the decode wrote the context's last token and every completion token
+        but the last. Replaces whatever was held: every generation call covers all the rollouts still going."""
         longest = max((len(c) for c in completions), default=0)
         width = next_slot + longest
         layers = [(layer.keys[:, :, :width].clone(), layer.values[:, :, :width].clone()) for layer in cache.layers]
@@ -112,7 +112,9 @@ class TurnCache:
         if best is None:
             return None, 0
         pad = self.image_pad_id
-        while best_len and pad is not None and ids[best_len - 1] == pad and best_len < len(ids) and ids[best_len] == pad:
+        while (
+            best_len and pad is not None and ids[best_len - 1] == pad and best_len < len(ids) and ids[best_len] == pad
+        ):
             best_len -= 1  # cut before an image, never inside it
         if self.count_images(best.ids[:best_len]) != best.images:
             return None, 0  # an image of the held turn lies past the cut: its positions would differ

@@ -61,6 +61,14 @@ def scripted(base: type, rounds: int, half: bool) -> type:
 
     class Scripted(base):
         _round = 0
+        generating = False  # inside _generate: count_work counts only there
+
+        def _generate(self, prompts):
+            Scripted.generating = True
+            try:
+                return super()._generate(prompts)
+            finally:
+                Scripted.generating = False
 
         def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
             self._round = 0 if num_generations > 1 else self._round + 1
@@ -83,17 +91,20 @@ def scripted(base: type, rounds: int, half: bool) -> type:
     return Scripted
 
 
-def count_work(model: torch.nn.Module, module: Any, pad_id: int, timer: PhaseTimer) -> None:
-    """Hooks counting the tokens each prefill embeds (padding apart) and the images the vision tower encodes."""
+def count_work(model: torch.nn.Module, module: Any, pad_id: int, timer: PhaseTimer, cls: type) -> None:
+    """Hooks counting, during generation (``cls.generating``), the tokens each prefill embeds (padding apart) and
+    the images the vision tower encodes."""
     tower = dict(model.named_modules()).get(module.vision_prefixes[0])
 
     def embedded(_m, args):
         ids = args[0]
-        if ids.dim() == 2 and ids.size(1) > 1:  # decode steps feed one token a row
+        if cls.generating and ids.dim() == 2 and ids.size(1) > 1:  # decode steps feed one token a row
             timer.totals["_prefill_tokens"] += float((ids != pad_id).sum())
             timer.totals["_prefill_padded"] += float(ids.numel())
 
     def encoded(_m, args, kwargs):
+        if not cls.generating:
+            return
         grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
         pixels = args[0] if args else kwargs.get("pixel_values")
         timer.totals["_vision_images"] += float(grid.size(0) if grid is not None else pixels.size(0))
@@ -122,7 +133,6 @@ def run_one(
     config.generation_kwargs["max_new_tokens"] = scenario.completion_length  # each sampled turn: exactly C tokens
     timer = PhaseTimer(device)
     time_vision(model, module, timer)
-    count_work(model, module, processor.tokenizer.pad_token_id, timer)
     if kind == "vanilla":
         prepare_for_tools(config, processor)  # TRL's parser for the tiny template; same token rules as ours
         cls = scripted(timed_trainer_class(GRPOTrainer), rounds, half)
@@ -133,6 +143,7 @@ def run_one(
         dataset = ours_dataset(paths, workdir, module, processor)
         kwargs = {"vlm_module": module, "tools": ["zoom_in"]}
     cls.timer = timer
+    count_work(model, module, processor.tokenizer.pad_token_id, timer, cls)
     trainer = cls(
         model=model, reward_funcs=[length_reward], args=config, train_dataset=dataset, processing_class=processor,
         callbacks=[OptimizerTimer(timer)], **kwargs,

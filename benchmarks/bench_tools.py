@@ -200,7 +200,23 @@ def main(argv: list[str] | None = None) -> list[Result]:
         if name.rstrip("h")[:1] != "T" or not name.rstrip("h")[1:].isdigit():
             raise SystemExit(f"error: --tool_scenarios {name}: use T<rounds> or T<rounds>h (e.g. T2 T4 T4h)")
     args = parse(argv, __doc__.split("\n\n")[0])
+    unknown = [k for k in args.trainers if k not in ("vanilla", "ours")]
+    if unknown:
+        raise SystemExit(f"error: --trainers {' '.join(unknown)}: bench_tools.py runs vanilla and ours only")
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     results, extras = [], {}
+
+    def save() -> None:  # after every run: a run cut short by a time limit keeps what it measured
+        payload = {
+            **run_stamp(),
+            "device": device,
+            "args": vars(args),
+            "results": [asdict(r) for r in results],
+            "tool_scenarios": tool_scenarios,
+            "tools": extras,
+        }
+        Path(args.out).write_text(json.dumps(payload, indent=2))
+
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.image_sizes:
             for length in args.completion_lengths:
@@ -209,25 +225,16 @@ def main(argv: list[str] | None = None) -> list[Result]:
                 workdir.mkdir(parents=True)
                 paths = write_images(workdir, scenario, args.prompts_per_step * (args.warmup + args.steps), args.seed)
                 for tools_scenario in tool_scenarios:
-                    for kind in ("vanilla", "ours"):
+                    for kind in args.trainers:
                         result, tools = run_one(kind, args, scenario, tools_scenario, workdir, paths)
                         results.append(result)
                         extras[f"{result.scenario} {kind}"] = tools
                         print(f"[bench_tools] {json.dumps(asdict(result) | tools)}", flush=True)
-    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+                        save()
     print(f"\ndevice: {device}; preset: {args.preset}; G={args.num_generations}; scenarios {' '.join(tool_scenarios)}")
     print(format_table(results))
     for name, tools in extras.items():
         print(f"{name}: " + ", ".join(f"{k} {v:.1f}" for k, v in tools.items()))
-    payload = {
-        **run_stamp(),
-        "device": device,
-        "args": vars(args),
-        "results": [asdict(r) for r in results],
-        "tool_scenarios": tool_scenarios,
-        "tools": extras,
-    }
-    Path(args.out).write_text(json.dumps(payload, indent=2))
     return results
 
 

@@ -181,6 +181,14 @@ def _unhonoured(generation_config: Any) -> str | None:
     return None
 
 
+def _step_aside(turns: TurnCache, reason: str) -> None:
+    """Say once why a later turn prefills the whole history, and drop what is held."""
+    warn_once(logger, f"turn cache: {reason}: this tool turn prefills the rollouts' whole history", logging.INFO)
+    turns.stats.fallbacks.append(reason)
+    turns.forget()
+    return None
+
+
 def continue_turns(
     trainer: Any, turns: TurnCache, prompt_ids: list[list[int]], images: list | None, fields: dict[str, Any]
 ) -> list[list[int]] | None:
@@ -198,10 +206,7 @@ def continue_turns(
     if reason is None and units is None:
         reason = "image pixels that cannot be cut per image"
     if reason is not None:
-        warn_once(logger, f"turn cache: {reason}: later tool turns prefill the whole history", logging.INFO)
-        turns.stats.fallbacks.append(reason)
-        turns.forget()
-        return None
+        return _step_aside(turns, reason)
 
     device = trainer.accelerator.device
     plans = []
@@ -213,13 +218,10 @@ def continue_turns(
         new_images = turns.count_images(chunk)
         first_image = n_images - new_images
         if first_image < 0 or (held.images if held is not None else 0) != first_image:
-            turns.stats.fallbacks.append("images do not match the held turns")
-            turns.forget()
-            return None
+            return _step_aside(turns, "the rollout's image tokens do not match its images")
         plans.append((held, reused, chunk, first_image))
-    if not any(chunk for _, _, chunk, _ in plans):  # nothing to prefill: the decode would miss the prefill's autocast
-        turns.forget()
-        return None
+    if not any(chunk for _, _, chunk, _ in plans):  # the decode would not know the prefill's autocast
+        return _step_aside(turns, "no rollout has a new token to prefill")
     # Pixel rows of each row's new images, in the order their tokens come in the chunk batch.
     starts = [0]
     for u in units:
@@ -247,9 +249,7 @@ def continue_turns(
         blocker = None if trainer.args.fast_decode else "fast_decode is off"
         blocker = blocker or decode.unsupported_reason(unwrapped)
         if blocker is not None:
-            turns.stats.fallbacks.append(blocker)
-            turns.forget()
-            return None
+            return _step_aside(turns, blocker)
         generated, layouts, deltas, next_slot, cache = _prefill_and_decode(
             trainer, turns, unwrapped, base, mrope, plans, prompt_ids, fields, pixel_rows, grid_rows, device
         )

@@ -129,7 +129,7 @@ def run(family: str, model_dir, dataset, out, share: bool, swap_rows: bool = Fal
         held, n = match(self, ids)
         if held is not None and len(self.held) > 1:
             other = self.held[(self.held.index(held) + 1) % len(self.held)]
-            held = turn_cache.Held(other.layers, other.row, other.segments, held.ids, held.delta, held.images)
+            held = turn_cache.Held(held.layers, other.row, held.segments, held.ids, held.delta, held.images)
         return held, n
 
     argv = base_args(model_dir, data, plugin, out, steps=1)
@@ -195,7 +195,7 @@ def test_held_caches_give_trls_rollouts(family, sharp_models, dataset, tmp_path)
 
 
 def test_a_row_given_another_rollouts_cache_answers_differently(sharp_models, dataset, tmp_path):
-    """The control: the same prefix lengths read from another rollout's held cache change the tokens."""
+    """The control: each row reads its held slots from another rollout's row of the cache: the tokens change."""
     model = sharp_models("qwen2_5_vl")
     trl = run("qwen2_5_vl", model, dataset, tmp_path / "trl", share=False)
     broken = run("qwen2_5_vl", model, dataset, tmp_path / "broken", share=True, swap_rows=True)

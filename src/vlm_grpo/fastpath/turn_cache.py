@@ -264,6 +264,23 @@ def continue_turns(
     return result
 
 
+def _past_block(plans: list, past: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, each row's held keys and values right-aligned in ``past`` slots (the slots before them are masked),
+    gathered with one indexing per tensor: everything held comes from one decode (see :meth:`TurnCache.remember`)."""
+    held_rows = [(b, held, reused) for b, (held, reused, _, _) in enumerate(plans) if held is not None and reused]
+    layers = held_rows[0][1].layers
+    device = layers[0][0].device
+    rows = torch.zeros(len(plans), past, dtype=torch.long)
+    slots = torch.zeros(len(plans), past, dtype=torch.long)
+    for b, held, reused in held_rows:
+        if held.layers is not layers:
+            raise RuntimeError("turn cache: held rollouts from different decodes")
+        rows[b, past - reused :] = held.row
+        slots[b, past - reused :] = torch.cat([torch.arange(a, e) for a, e in _slots(held.segments, reused)])
+    rows, slots = rows.to(device), slots.to(device)
+    return [tuple(x[rows, :, slots].transpose(1, 2).contiguous() for x in layer) for layer in layers]
+
+
 def _prefill_and_decode(
     trainer, turns, unwrapped, base, mrope, plans, prompt_ids, fields, pixel_rows, grid_rows, device
 ):  # fmt: skip
@@ -316,24 +333,8 @@ def _prefill_and_decode(
         turns.stats.reused_tokens += reused
         turns.stats.prefill_tokens += n
 
-    # The past block: each row's held keys and values, right-aligned.
-    layers = []
-    first = next((h for h, _, _, _ in plans if h is not None), None)
     if past:
-        for layer_idx in range(len(first.layers)):
-            keys_like, values_like = first.layers[layer_idx]
-            keys = keys_like.new_zeros(rows, keys_like.size(1), past, keys_like.size(-1))
-            values = values_like.new_zeros(rows, values_like.size(1), past, values_like.size(-1))
-            for b, (held, reused, _, _) in enumerate(plans):
-                if held is None or not reused:
-                    continue
-                at = past - reused
-                for start, end in _slots(held.segments, reused):
-                    keys[b, :, at : at + end - start] = held.layers[layer_idx][0][held.row, :, start:end]
-                    values[b, :, at : at + end - start] = held.layers[layer_idx][1][held.row, :, start:end]
-                    at += end - start
-            layers.append((keys, values))
-        for layer_idx, (keys, values) in enumerate(layers):
+        for layer_idx, (keys, values) in enumerate(_past_block(plans, past)):
             cache.update(keys, values, layer_idx)
     ids, mask = ids.to(device), mask.to(device)
     turns.held = []  # read: the decode's cache holds these rows from now on

@@ -192,11 +192,6 @@ def test_held_caches_give_trls_rollouts(family, sharp_models, dataset, tmp_path)
     assert sum(t["prefilled"] for t in trl["turns"][1:]) > 2 * sum(new_tokens(trl["turns"]))
     assert [t["encoded"] for t in trl["turns"][1:]] == [sum(t["images"]) for t in trl["turns"][1:]]
     assert sum(new_images(trl["turns"])) < sum(sum(t["images"]) for t in trl["turns"][1:])
-
-
-def test_a_row_given_another_rollouts_cache_answers_differently(sharp_models, dataset, tmp_path):
-    """The control: each row reads its held slots from another rollout's row of the cache: the tokens change."""
-    model = sharp_models("qwen2_5_vl")
-    trl = run("qwen2_5_vl", model, dataset, tmp_path / "trl", share=False)
-    broken = run("qwen2_5_vl", model, dataset, tmp_path / "broken", share=True, swap_rows=True)
-    assert broken["turns"][-1]["outputs"] != trl["turns"][-1]["outputs"]
+    if family == "qwen2_5_vl":  # the control: each row reads its held slots from another rollout's row of the cache
+        broken = run(family, model, dataset, tmp_path / "broken", share=True, swap_rows=True)
+        assert broken["turns"][-1]["outputs"] != trl["turns"][-1]["outputs"]

@@ -12,6 +12,7 @@ control: rows handed another rollout's held cache must change the answers.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 
@@ -125,11 +126,11 @@ def run(family: str, model_dir, dataset, out, share: bool, swap_rows: bool = Fal
 
     match = turn_cache.TurnCache.match
 
-    def swapped(self, ids):
-        held, n = match(self, ids)
+    def swapped(self, ids, keys=()):
+        held, n = match(self, ids, keys)
         if held is not None and len(self.held) > 1:
             other = self.held[(self.held.index(held) + 1) % len(self.held)]
-            held = turn_cache.Held(held.layers, other.row, held.segments, held.ids, held.delta, held.images)
+            held = dataclasses.replace(held, row=other.row)
         return held, n
 
     argv = base_args(model_dir, data, plugin, out, steps=1)
@@ -195,3 +196,33 @@ def test_held_caches_give_trls_rollouts(family, sharp_models, dataset, tmp_path)
     if family == "qwen2_5_vl":  # the control: each row reads its held slots from another rollout's row of the cache
         broken = run(family, model, dataset, tmp_path / "broken", share=True, swap_rows=True)
         assert broken["turns"][-1]["outputs"] != trl["turns"][-1]["outputs"]
+
+
+def test_match_takes_the_longest_held_prefix_and_never_cuts_an_image():
+    """What is held is matched by tokens: the longest held prefix, all but the row's last token, cut before an image
+    (never inside one), and refused when an image of the held turn lies past the cut (its positions would differ)
+    or is not the row's own image (equal tokens, other pixels)."""
+    pad = 9
+    cache = turn_cache.TurnCache(image_pad_id=pad, pad_id=0)
+
+    def held(ids, keys=None):
+        n = cache.count_images(ids)
+        return turn_cache.Held([], 0, [(0, len(ids))], ids, 0, n, tuple(keys or [b"k%d" % i for i in range(n)]))
+
+    a, b = held([1, 2, 3, 4, 5]), held([1, 2, 7, 8])
+    cache.held = [a, b]
+    assert cache.match([1, 2, 3, 4, 5, 6, 7]) == (a, 5)  # the whole held turn, then new tokens
+    assert cache.match([1, 2, 3, 4, 5]) == (a, 4)  # the last token is fed by the decode
+    assert cache.match([1, 2, 7, 8, 1]) == (b, 4)
+    assert cache.match([1, 2, 3, 6]) == (a, 3)  # a turn cut short: the common prefix
+    assert cache.match([5, 5]) == (None, 0)
+    img = held([1, pad, pad, pad, 2, 3])
+    cache.held = [img]
+    assert cache.count_images(img.ids) == 1
+    assert cache.match([1, pad, pad, pad, 2, 3, 4], (b"k0",)) == (img, 6)
+    assert cache.match([1, pad, pad, pad, 2, 3, 4], (b"other pixels",)) == (None, 0)  # same tokens, other image
+    assert cache.match([1, pad, pad, 5]) == (None, 0)  # the held image lies past the cut
+    two = held([1, pad, pad, 2, pad, pad])
+    cache.held = [two]
+    assert cache.count_images([1, pad, pad, 2, pad, pad, pad]) == 2
+    assert cache.match([1, pad, pad, 2, pad, pad, pad, 3], (b"k0", b"k1")) == (None, 0)  # inside the 2nd image

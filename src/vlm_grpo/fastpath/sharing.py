@@ -363,7 +363,7 @@ def shared_prefill_generate(
         cut = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
         result[row] = tokens[:cut]
     prefix = lead_ids.size(1) - 1
-    remember_shared(trainer._turn_cache, exported, order, index, prompt_ids, result, prefix, decode_positions)
+    remember_shared(trainer._turn_cache, exported, order, index, prompt_ids, images, result, prefix, decode_positions)
     return result
 
 

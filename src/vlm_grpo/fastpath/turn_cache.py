@@ -15,6 +15,7 @@ returns None: the turn then prefills the whole history, as before, and is held f
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,7 @@ class Held:
     ids: list[int]
     delta: int  # rotary position minus token index, for the text tokens after the last image
     images: int  # images among ids
+    image_keys: tuple = ()  # their contents' keys (TurnCache.image_key), in order
 
 
 @dataclass
@@ -62,6 +64,24 @@ class TurnCache:
         self.pad_id = pad_id
         self.held: list[Held] = []
         self.stats = TurnStats()
+        self._keys: dict[int, tuple[Any, bytes]] = {}  # id(image) -> (image, key); the image is kept: its id stays
+
+    def image_key(self, image: Any) -> bytes:
+        """A key of an image's contents: rows whose images have equal tokens but other pixels never share a cache."""
+        known = self._keys.get(id(image))
+        if known is not None and known[0] is image:
+            return known[1]
+        if hasattr(image, "tobytes") and hasattr(image, "size"):
+            digest = hashlib.blake2b(image.tobytes(), digest_size=16)
+            digest.update(repr((getattr(image, "mode", None), image.size)).encode())
+            key = digest.digest()
+        else:  # not a PIL image: only the same object matches
+            key = f"object:{id(image)}".encode()
+        self._keys[id(image)] = (image, key)
+        return key
+
+    def row_keys(self, images: list | None) -> tuple:
+        return tuple(self.image_key(image) for image in images or [])
 
     def remember(
         self,
@@ -71,21 +91,28 @@ class TurnCache:
         completions: list[list[int]],
         next_slot: int,
         deltas: list[int],
+        image_keys: list[tuple],
     ) -> None:
         """Hold what a decode left in ``cache`` (``fast_decode``'s static cache): row ``rows[k]`` of it answers
-        ``layouts[k]`` (the row's context tokens, the slot ranges of all but its last) and ``completions[k]`` (cut
-        after EOS); from slot ``next_slot`` on the decode wrote the context's last token and every completion token
-        but the last. Replaces whatever was held: every generation call covers all the rollouts still going."""
+        ``layouts[k]`` (the row's context tokens, the slot ranges of all but its last; ``image_keys[k]``: its
+        images') and ``completions[k]`` (cut after EOS); from slot ``next_slot`` on the decode wrote the context's
+        last token and every completion token but the last. Replaces whatever was held: every generation call
+        covers all the rollouts still going."""
         longest = max((len(c) for c in completions), default=0)
         width = next_slot + longest
         layers = [(layer.keys[:, :, :width].clone(), layer.values[:, :, :width].clone()) for layer in cache.layers]
         self.held = []
-        for row, (ids, segments), completion, delta in zip(rows, layouts, completions, deltas, strict=True):
+        for row, (ids, segments), completion, delta, keys in zip(
+            rows, layouts, completions, deltas, image_keys, strict=True
+        ):
             if not completion:
                 continue
             held_ids = list(ids) + list(completion[:-1])
             segments = _merge([*segments, (next_slot, next_slot + len(completion))])
-            self.held.append(Held(layers, row, segments, held_ids, delta, self.count_images(held_ids)))
+            images = self.count_images(held_ids)
+            if images != len(keys):
+                continue  # its image tokens do not match its images: not held
+            self.held.append(Held(layers, row, segments, held_ids, delta, images, tuple(keys)))
 
     def forget(self) -> None:
         self.held = []
@@ -97,28 +124,32 @@ class TurnCache:
         pad = self.image_pad_id
         return sum(1 for i, t in enumerate(ids) if t == pad and (i == 0 or ids[i - 1] != pad))
 
-    def match(self, ids: list[int]) -> tuple[Held | None, int]:
-        """The held rollout sharing the longest prefix with ``ids`` and that prefix's length (at most all but the
-        last token, which the decode feeds; never inside an image)."""
+    def match(self, ids: list[int], keys: tuple = ()) -> tuple[Held | None, int]:
+        """The held rollout sharing the longest prefix with ``ids`` (``keys``: its images' keys) and that prefix's
+        length: at most all but the last token (which the decode feeds), never inside an image, and only where
+        every held image lies within the prefix and is the row's own image (same pixels)."""
         best, best_len = None, 0
         limit = len(ids) - 1
         for held in self.held:
             n = min(len(held.ids), limit)
             if n <= best_len:
                 continue
-            same = _common_prefix(held.ids, ids, n)
-            if same > best_len:
-                best, best_len = held, same
-        if best is None:
-            return None, 0
-        pad = self.image_pad_id
-        while (
-            best_len and pad is not None and ids[best_len - 1] == pad and best_len < len(ids) and ids[best_len] == pad
-        ):
-            best_len -= 1  # cut before an image, never inside it
-        if self.count_images(best.ids[:best_len]) != best.images:
-            return None, 0  # an image of the held turn lies past the cut: its positions would differ
+            same = self._cut(held.ids, ids, _common_prefix(held.ids, ids, n))
+            if same <= best_len or self.count_images(held.ids[:same]) != held.images:
+                continue  # an image of the held turn would lie past the cut: its positions would differ
+            if held.image_keys != tuple(keys[: held.images]):
+                continue  # the same image tokens, other pixels
+            best, best_len = held, same
         return best, best_len
+
+    def _cut(self, held: list[int], ids: list[int], n: int) -> int:
+        """``n`` moved back to before an image that either side continues past it."""
+        pad = self.image_pad_id
+        if pad is None:
+            return n
+        while n and held[n - 1] == pad and pad in (*ids[n : n + 1], *held[n : n + 1]):
+            n -= 1
+        return n
 
 
 def _common_prefix(a: list[int], b: list[int], n: int) -> int:
@@ -210,8 +241,9 @@ def continue_turns(
 
     device = trainer.accelerator.device
     plans = []
-    for ids, n_images in zip(prompt_ids, row_images, strict=True):
-        held, reused = turns.match(ids)
+    row_keys = [turns.row_keys(x) for x in images] if images is not None else [()] * len(prompt_ids)
+    for ids, n_images, keys in zip(prompt_ids, row_images, row_keys, strict=True):
+        held, reused = turns.match(ids, keys)
         if held is None:
             reused = 0
         chunk = ids[reused:-1]
@@ -259,7 +291,7 @@ def continue_turns(
     for tokens in completions:
         cut = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
         result.append(tokens[:cut])
-    turns.remember(cache, list(range(len(result))), layouts, result, next_slot, deltas)
+    turns.remember(cache, list(range(len(result))), layouts, result, next_slot, deltas, row_keys)
     turns.stats.calls += 1
     return result
 
@@ -384,13 +416,14 @@ def remember_shared(
     order: list[int],
     index: torch.Tensor,
     prompt_ids: list[list[int]],
+    images: list | None,
     completions: list[list[int]],
     prefix: int,
     positions: torch.Tensor | None,
 ) -> None:
     """Hold what the shared-prefill decode left (row k of its cache answers batch row ``order[k]``, a copy of
-    unique prompt ``index[k]``; ``positions``: each unique prompt's last rotary position), or drop what was held
-    when the decode did not go through ``fast_decode``."""
+    unique prompt ``index[k]``; ``images``: each batch row's; ``positions``: each unique prompt's last rotary
+    position), or drop what was held when the decode did not go through ``fast_decode``."""
     if turns is None:
         return
     if not exported or positions is None:
@@ -402,7 +435,9 @@ def remember_shared(
         prompt = prompt_ids[row]
         layouts.append((prompt, _merge([(prefix + 1 - len(prompt), prefix)])))
         deltas.append(int(last[k]) - (len(prompt) - 1))
-    turns.remember(exported[0], list(range(len(order))), layouts, [completions[r] for r in order], prefix, deltas)
+    keys = [turns.row_keys(images[r]) if images is not None else () for r in order]
+    completions = [completions[r] for r in order]
+    turns.remember(exported[0], list(range(len(order))), layouts, completions, prefix, deltas, keys)
 
 
 def image_pad_id(tokenizer: Any) -> int | None:

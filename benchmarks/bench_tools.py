@@ -210,9 +210,8 @@ def main(argv: list[str] | None = None) -> list[Result]:
         payload = {
             **run_stamp(),
             "device": device,
-            "args": vars(args),
+            "args": {**vars(args), "tool_scenarios": tool_scenarios},
             "results": [asdict(r) for r in results],
-            "tool_scenarios": tool_scenarios,
             "tools": extras,
         }
         Path(args.out).write_text(json.dumps(payload, indent=2))

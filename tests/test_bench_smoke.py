@@ -214,7 +214,7 @@ def test_bench_tools_tiny_cpu_counts_prefill_and_vision_work(tmp_path):
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     payload = json.loads(out.read_text())
-    assert payload["tool_scenarios"] == ["T2", "T4h"]
+    assert payload["args"]["tool_scenarios"] == ["T2", "T4h"]  # RESULTS.md's command line names them
     runs = [(r["scenario"].split()[-1], r["trainer"]) for r in payload["results"]]
     assert runs == [("T2", "vanilla"), ("T2", "ours"), ("T4h", "vanilla"), ("T4h", "ours")]
     tools = payload["tools"]

@@ -309,7 +309,8 @@ class VLMGRPOTrainer(
         """Prefill each unique prompt once and decode its G samples from the shared cache (``share_prefill``).
 
         The turns of TRL's tool loop after a tool result (``num_generations == 1``: each row its own history)
-        share nothing but still decode with ``fast_decode``. Generations the shared path cannot honour (beam
+        continue each rollout's held KV cache, prefilling only the tokens new to it, and decode with ``fast_decode``
+        (:mod:`vlm_grpo.fastpath.turn_cache`). Generations the shared path cannot honour (beam
         search, stop strings, a wrapped ``generate``, ...) go through TRL's path whole; see
         :mod:`vlm_grpo.fastpath.route`.
         """

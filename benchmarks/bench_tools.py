@@ -1,13 +1,16 @@
 """Multi-turn tool rollouts: vanilla ``trl.GRPOTrainer``'s tool loop vs ``VLMGRPOTrainer --tools zoom_in``.
 
-    python benchmarks/bench_tools.py --preset qwen2_5_vl_3b --device cuda --out tools.json
+    python benchmarks/bench_tools.py --preset qwen2_5_vl_3b --device cuda --completion_lengths 128 512 --out tools.json
     python benchmarks/bench_tools.py --preset tiny --device cpu                # smoke test
 
-Scenario: every rollout makes 2 tool rounds (two ``zoom_in`` calls, each returning a 448 px image), then
-answers with ``completion_length`` sampled tokens (forced with ``min_new_tokens``). The two tool calls are
-scripted (random weights never call tools); everything else, tool execution, images in the conversation,
-the log-prob passes and the loss, is each trainer's own path. Same card, model, data and seed for both;
-the table has bench_grpo.py's columns (the vision column counts the tool images too).
+Scenarios (``--tool_scenarios``): ``T2`` / ``T4``: every rollout makes 2 / 4 tool rounds (``zoom_in`` calls, each
+returning a 448 px image), then answers with ``completion_length`` sampled tokens (forced with
+``min_new_tokens``); ``T4h``: half the rollouts answer after the first round, the other half make 4 rounds.
+Random weights never call tools, so a tool turn is scripted: the model decodes as many tokens as the call has,
+and the call's tokens replace them (both trainers alike). Everything else, tool execution, images in the
+conversation, the log-prob passes and the loss, is each trainer's own path. Same card, model, data and seed for
+both. Besides bench_grpo.py's columns: tokens prefilled per step (the language model's embedding calls over more
+than one token; padding counted apart), images the vision tower encodes per step, and generation seconds.
 """
 
 from __future__ import annotations
@@ -38,34 +41,82 @@ from bench_common import (
     parse,
     run_stamp,
     time_vision,
+    timed_fast_decode,
     timed_trainer_class,
     vanilla_dataset,
     write_images,
 )
 
-TOOL_ROUNDS = 2
 CALL = '<tool_call>\n{"name": "zoom_in", "arguments": {"bbox_2d": [8, 8, 40, 40], "image_index": 0}}\n</tool_call>'
+SCENARIOS = ("T2", "T4", "T4h")
 
 
-def scripted(base: type) -> type:
-    """The first turn and the first TOOL_ROUNDS - 1 post-tool turns are tool calls; the last turn is sampled."""
+def rounds_of(name: str) -> tuple[int, bool]:
+    """``T4h`` -> (4, True): tool rounds, and whether half the rollouts answer after the first."""
+    return int(name[1:].rstrip("h")), name.endswith("h")
+
+
+def scripted(base: type, rounds: int, half: bool) -> type:
+    """Turns before round ``rounds`` are tool calls; with ``half``, every other rollout answers after round 1."""
 
     class Scripted(base):
         _round = 0
+        generating = False  # inside _generate: count_work counts only there
+
+        def _generate(self, prompts):
+            Scripted.generating = True
+            try:
+                return super()._generate(prompts)
+            finally:
+                Scripted.generating = False
 
         def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
             self._round = 0 if num_generations > 1 else self._round + 1
-            if self._round < TOOL_ROUNDS:
-                ids = self._tokenizer.encode(CALL + self._tokenizer.eos_token, add_special_tokens=False)
-                return [list(ids) for _ in prompt_ids], None
-            return super()._generate_single_turn(
-                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
-            )
+            call = self._tokenizer.encode(CALL + self._tokenizer.eos_token, add_special_tokens=False)
+            answering = [
+                self._round >= rounds or (half and self._round == 1 and i % 2 == 0) for i in range(len(prompt_ids))
+            ]
+            config = self.generation_config
+            saved = config.max_new_tokens, config.min_new_tokens
+            if not any(answering):  # the model decodes as many tokens as the call has
+                config.max_new_tokens = config.min_new_tokens = len(call)
+            try:
+                ids, _ = super()._generate_single_turn(
+                    prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+                )
+            finally:
+                config.max_new_tokens, config.min_new_tokens = saved
+            return [list(row) if answers else list(call) for row, answers in zip(ids, answering, strict=True)], None
 
     return Scripted
 
 
-def run_one(kind: str, args: Any, scenario: Scenario, workdir: Path, paths: list) -> tuple[Result, dict[str, float]]:
+def count_work(model: torch.nn.Module, module: Any, pad_id: int, timer: PhaseTimer, cls: type) -> None:
+    """Hooks counting, during generation (``cls.generating``), the tokens each prefill embeds (padding apart) and
+    the images the vision tower encodes."""
+    tower = dict(model.named_modules()).get(module.vision_prefixes[0])
+
+    def embedded(_m, args):
+        ids = args[0]
+        if cls.generating and ids.dim() == 2 and ids.size(1) > 1:  # decode steps feed one token a row
+            timer.totals["_prefill_tokens"] += float((ids != pad_id).sum())
+            timer.totals["_prefill_padded"] += float(ids.numel())
+
+    def encoded(_m, args, kwargs):
+        if not cls.generating:
+            return
+        grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
+        pixels = args[0] if args else kwargs.get("pixel_values")
+        timer.totals["_vision_images"] += float(grid.size(0) if grid is not None else pixels.size(0))
+
+    model.get_input_embeddings().register_forward_pre_hook(embedded)
+    if tower is not None:
+        tower.register_forward_pre_hook(encoded, with_kwargs=True)
+
+
+def run_one(
+    kind: str, args: Any, scenario: Scenario, tools_scenario: str, workdir: Path, paths: list
+) -> tuple[Result, dict[str, float]]:
     from trl import GRPOTrainer
 
     from vlm_grpo.tools.rollouts import build_tool_environment, prepare_for_tools
@@ -75,22 +126,24 @@ def run_one(kind: str, args: Any, scenario: Scenario, workdir: Path, paths: list
     model, processor, module = build_policy(args, workdir, kind)
     n_params = sum(p.numel() for p in model.parameters())
     steps = args.warmup + args.steps
-    # Room for the two tool results (text + a 448 px image each) on top of the sampled answer.
-    config = grpo_config(kind, args, scenario, workdir, steps, max_tool_calling_iterations=TOOL_ROUNDS)
-    config.max_completion_length = scenario.completion_length + 2048
+    rounds, half = rounds_of(tools_scenario)
+    # Room for the tool results (text + a 448 px image each) on top of the sampled answer.
+    config = grpo_config(kind, args, scenario, workdir, steps, max_tool_calling_iterations=rounds)
+    config.max_completion_length = scenario.completion_length + 1024 * rounds
     config.generation_kwargs["max_new_tokens"] = scenario.completion_length  # each sampled turn: exactly C tokens
     timer = PhaseTimer(device)
     time_vision(model, module, timer)
     if kind == "vanilla":
         prepare_for_tools(config, processor)  # TRL's parser for the tiny template; same token rules as ours
-        cls = scripted(timed_trainer_class(GRPOTrainer))
+        cls = scripted(timed_trainer_class(GRPOTrainer), rounds, half)
         dataset = vanilla_dataset(paths)
         kwargs = {"environment_factory": build_tool_environment(["zoom_in"])}
     else:
-        cls = scripted(timed_trainer_class(VLMGRPOTrainer))
+        cls = scripted(timed_trainer_class(VLMGRPOTrainer), rounds, half)
         dataset = ours_dataset(paths, workdir, module, processor)
         kwargs = {"vlm_module": module, "tools": ["zoom_in"]}
     cls.timer = timer
+    count_work(model, module, processor.tokenizer.pad_token_id, timer, cls)
     trainer = cls(
         model=model, reward_funcs=[length_reward], args=config, train_dataset=dataset, processing_class=processor,
         callbacks=[OptimizerTimer(timer)], **kwargs,
@@ -98,7 +151,8 @@ def run_one(kind: str, args: Any, scenario: Scenario, workdir: Path, paths: list
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
-    trainer.train()
+    with timed_fast_decode(timer):
+        trainer.train()
     wall = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     measured = timer.per_step[args.warmup : steps] or timer.per_step
@@ -114,10 +168,19 @@ def run_one(kind: str, args: Any, scenario: Scenario, workdir: Path, paths: list
     samples = args.prompts_per_step * args.num_generations
     tokens = median("_prompt_tokens") + median("_completion_tokens")
     logs = [e for e in trainer.state.log_history if "tools/call_frequency" in e]
-    tools = {"tool_calls_per_rollout": logs[-1]["tools/call_frequency"] if logs else 0.0, "train_wall_s": wall}
+    tools = {
+        "tool_calls_per_rollout": logs[-1]["tools/call_frequency"] if logs else 0.0,
+        "train_wall_s": wall,
+        "generation_s": median("generation"),
+        "prefill_tokens_per_step": median("_prefill_tokens"),
+        "prefill_padded_per_step": median("_prefill_padded"),
+        "vision_images_per_step": median("_vision_images"),
+    }
+    decode_ms = 1e3 * median("decode") / median("_decode_tokens") if median("_decode_tokens") else None
     result = Result(
-        kind, scenario.name + f" T{TOOL_ROUNDS}", step_s, samples / step_s, tokens / step_s, peak, mfu,
+        kind, f"{scenario.name} {tools_scenario}", step_s, samples / step_s, tokens / step_s, peak, mfu,
         {p: median(p) for p in PHASES}, int(median("_prompt_tokens")), int(median("_completion_tokens")),
+        decode_ms_per_token=decode_ms,
     )  # fmt: skip
     del trainer, model
     gc.collect()
@@ -127,8 +190,32 @@ def run_one(kind: str, args: Any, scenario: Scenario, workdir: Path, paths: list
 
 
 def main(argv: list[str] | None = None) -> list[Result]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    tool_scenarios = list(SCENARIOS)
+    if "--tool_scenarios" in argv:  # this script's own option; the rest is bench_grpo.py's command line
+        at = argv.index("--tool_scenarios")
+        end = next((i for i in range(at + 1, len(argv)) if argv[i].startswith("--")), len(argv))
+        tool_scenarios, argv = argv[at + 1 : end], argv[:at] + argv[end:]
+    for name in tool_scenarios:
+        if name.rstrip("h")[:1] != "T" or not name.rstrip("h")[1:].isdigit():
+            raise SystemExit(f"error: --tool_scenarios {name}: use T<rounds> or T<rounds>h (e.g. T2 T4 T4h)")
     args = parse(argv, __doc__.split("\n\n")[0])
+    unknown = [k for k in args.trainers if k not in ("vanilla", "ours")]
+    if unknown:
+        raise SystemExit(f"error: --trainers {' '.join(unknown)}: bench_tools.py runs vanilla and ours only")
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     results, extras = [], {}
+
+    def save() -> None:  # after every run: a run cut short by a time limit keeps what it measured
+        payload = {
+            **run_stamp(),
+            "device": device,
+            "args": {**vars(args), "tool_scenarios": tool_scenarios},
+            "results": [asdict(r) for r in results],
+            "tools": extras,
+        }
+        Path(args.out).write_text(json.dumps(payload, indent=2))
+
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.image_sizes:
             for length in args.completion_lengths:
@@ -136,22 +223,17 @@ def main(argv: list[str] | None = None) -> list[Result]:
                 workdir = Path(tmp) / f"{size}_{length}"
                 workdir.mkdir(parents=True)
                 paths = write_images(workdir, scenario, args.prompts_per_step * (args.warmup + args.steps), args.seed)
-                for kind in ("vanilla", "ours"):
-                    result, tools = run_one(kind, args, scenario, workdir, paths)
-                    results.append(result)
-                    extras[f"{result.scenario} {kind}"] = tools
-                    print(f"[bench_tools] {json.dumps(asdict(result) | tools)}", flush=True)
-    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    print(f"\ndevice: {device}; preset: {args.preset}; G={args.num_generations}; {TOOL_ROUNDS} tool rounds per rollout")
+                for tools_scenario in tool_scenarios:
+                    for kind in args.trainers:
+                        result, tools = run_one(kind, args, scenario, tools_scenario, workdir, paths)
+                        results.append(result)
+                        extras[f"{result.scenario} {kind}"] = tools
+                        print(f"[bench_tools] {json.dumps(asdict(result) | tools)}", flush=True)
+                        save()
+    print(f"\ndevice: {device}; preset: {args.preset}; G={args.num_generations}; scenarios {' '.join(tool_scenarios)}")
     print(format_table(results))
-    payload = {
-        **run_stamp(),
-        "device": device,
-        "args": vars(args),
-        "results": [asdict(r) for r in results],
-        "tools": extras,
-    }
-    Path(args.out).write_text(json.dumps(payload, indent=2))
+    for name, tools in extras.items():
+        print(f"{name}: " + ", ".join(f"{k} {v:.1f}" for k, v in tools.items()))
     return results
 
 

@@ -213,9 +213,23 @@ def scale_out_table(data: dict[str, Any]) -> list[str]:
     return out
 
 
+def tools_table(data: dict[str, Any]) -> list[str]:
+    """grpo_table's columns plus what generation did per step: tokens prefilled (padding apart) and images the
+    vision tower encoded (runs recorded before these were counted show "-")."""
+    lines = grpo_table(data)
+    extras = data.get("tools") or {}
+    rows = _labelled(data)
+    out = [lines[0] + " prefill tokens/step | vision images/step |", lines[1] + "---|---|"]
+    for line, r in zip(lines[2:], rows, strict=True):
+        tools = extras.get(f"{r['scenario']} {r['trainer']}", {})
+        prefill, images = tools.get("prefill_tokens_per_step"), tools.get("vision_images_per_step")
+        out.append(f"{line} {_fmt(prefill, 0)} | {_fmt(images, 0)} |")
+    return out
+
+
 TABLES = {
     "grpo": grpo_table,
-    "tools": grpo_table,
+    "tools": tools_table,
     "decode": decode_table,
     "max_fit": max_fit_table,
     "scale_out": scale_out_table,

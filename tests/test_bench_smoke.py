@@ -201,3 +201,31 @@ def test_vary_images_gives_the_vision_tower_segments_of_several_lengths(tmp_path
     assert len(set(sizes)) >= 4 and any(w != h for w, h in sizes), sizes
     same = [Image.open(p).size for row in write_images(tmp_path, scenario, 3, 0) for p in row]
     assert same == [(448, 448)] * 3
+
+
+def test_bench_tools_tiny_cpu_counts_prefill_and_vision_work(tmp_path):
+    """Both trainers on T2 and T4h: the held caches prefill fewer tokens and encode fewer images than TRL's loop, and
+    the half scenario makes half the tool calls of its rounds."""
+    out = tmp_path / "tools.json"
+    cmd = [
+        sys.executable, str(REPO / "benchmarks" / "bench_tools.py"), "--preset", "tiny", "--device", "cpu",
+        "--steps", "1", "--warmup", "0", "--num_generations", "4", "--tool_scenarios", "T2", "T4h", "--out", str(out),
+    ]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    payload = json.loads(out.read_text())
+    assert payload["args"]["tool_scenarios"] == ["T2", "T4h"]  # RESULTS.md's command line names them
+    runs = [(r["scenario"].split()[-1], r["trainer"]) for r in payload["results"]]
+    assert runs == [("T2", "vanilla"), ("T2", "ours"), ("T4h", "vanilla"), ("T4h", "ours")]
+    tools = payload["tools"]
+    for name in ("T2", "T4h"):
+        vanilla, ours = tools[f"56px x1 C8 {name} vanilla"], tools[f"56px x1 C8 {name} ours"]
+        assert 0 < ours["prefill_tokens_per_step"] < vanilla["prefill_tokens_per_step"] / 2
+        assert vanilla["tool_calls_per_rollout"] == ours["tool_calls_per_rollout"]
+    # 2 prompts x G=4: each prompt image once per group, then one new tool image per rollout and round (T2: 2 rounds;
+    # T4h: 8 rollouts in round 1, the 4 that go on in rounds 2-4); TRL's loop encodes every image of every history.
+    assert tools["56px x1 C8 T2 ours"]["vision_images_per_step"] == 2 + 8 * 2
+    assert tools["56px x1 C8 T2 vanilla"]["vision_images_per_step"] == 8 + 8 * 2 + 8 * 3
+    assert tools["56px x1 C8 T4h ours"]["vision_images_per_step"] == 2 + 8 + 4 * 3
+    assert tools["56px x1 C8 T4h ours"]["tool_calls_per_rollout"] == 2.5  # (1 + 4) / 2
+    assert payload["results"][1]["decode_ms_per_token"] > 0

@@ -28,6 +28,7 @@ from vlm_grpo.fastpath.decode import resolve_keep_decode_graphs
 from vlm_grpo.fastpath.process_once import ProcessOnce
 from vlm_grpo.fastpath.route import trl_generation_reason
 from vlm_grpo.fastpath.sharing import packed_logps, shared_prefill_generate
+from vlm_grpo.fastpath.turn_cache import TurnCache, continue_turns, image_pad_id
 from vlm_grpo.fastpath.vision_attention import use_batched_vision_attention
 from vlm_grpo.fastpath.vision_sync import install_vision_sync, needs_vision_sync
 from vlm_grpo.modules import VLMModule
@@ -198,6 +199,11 @@ class VLMGRPOTrainer(
                 if sync is not None:
                     self._vision_syncs.append(sync)
 
+    # The rollouts' held KV caches while a tool generation runs (None outside one, or without fast_decode).
+    _turn_cache: TurnCache | None = None
+    #: What the last tool generation's turns after the first did (:class:`~vlm_grpo.fastpath.turn_cache.TurnStats`).
+    last_turn_stats = None
+
     def _get_train_sampler(self, dataset: Any = None) -> Any:
         """TRL's sampler, reseeded per epoch so that a run resumed in a later epoch sees the same order."""
         return EpochSeededSampler(super()._get_train_sampler(dataset))
@@ -303,7 +309,8 @@ class VLMGRPOTrainer(
         """Prefill each unique prompt once and decode its G samples from the shared cache (``share_prefill``).
 
         The turns of TRL's tool loop after a tool result (``num_generations == 1``: each row its own history)
-        share nothing but still decode with ``fast_decode``. Generations the shared path cannot honour (beam
+        continue each rollout's held KV cache, prefilling only the tokens new to it, and decode with ``fast_decode``
+        (:mod:`vlm_grpo.fastpath.turn_cache`). Generations the shared path cannot honour (beam
         search, stop strings, a wrapped ``generate``, ...) go through TRL's path whole; see
         :mod:`vlm_grpo.fastpath.route`.
         """
@@ -320,6 +327,10 @@ class VLMGRPOTrainer(
             shared_fields = {**multimodal_fields, "mm_token_type_ids": self._mm_token_types(prompt_ids)}
         token_type_ids = has_tool_images and "mm_token_type_ids" not in shared_fields
         if trl_generation_reason(self, own_history, token_type_ids) is None:
+            if own_history and self._turn_cache is not None:
+                completion_ids = continue_turns(self, self._turn_cache, prompt_ids, images, multimodal_fields)
+                if completion_ids is not None:
+                    return completion_ids, None
             completion_ids = shared_prefill_generate(self, prompt_ids, images, shared_fields, own_history)
             if completion_ids is not None:
                 return completion_ids, None
@@ -384,7 +395,14 @@ class VLMGRPOTrainer(
         """TRL's; with tools, each completion handed on (rewards, ``--rollout_log``, the completions table) is the
         rollout as the model wrote and read it (:func:`~vlm_grpo.tools.rollouts.rollout_messages`), rebuilt from
         its tokens: TRL's parsed messages move ``<think>`` and the calls out of the text."""
-        out = super()._generate(prompts)
+        if self.tools and self.args.share_prefill and self.args.fast_decode:
+            # Each rollout's KV cache is held from one turn to the next (see vlm_grpo.fastpath.turn_cache).
+            self._turn_cache = TurnCache(image_pad_id(self._tokenizer), self._tokenizer.pad_token_id)
+        try:
+            out = super()._generate(prompts)
+        finally:
+            self.last_turn_stats = self._turn_cache.stats if self._turn_cache is not None else None
+            self._turn_cache = None
         if self._tool_turns is None or out[2] is None:
             return out
         prompt_ids, completion_ids, tool_mask, completions, *rest = out

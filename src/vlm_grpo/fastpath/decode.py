@@ -359,6 +359,7 @@ def fast_decode(
     fuse: bool = True,
     autocast: AutocastState = None,
     keep: bool | None = False,
+    export: list | None = None,
 ) -> torch.Tensor:
     """Tokens generated after ``input_ids`` (rows expanded by ``index``); their last token is not in the cache.
 
@@ -371,6 +372,8 @@ def fast_decode(
     then replays the graphs instead of capturing them again, as long as the batch's rows, the settings, the
     model's module modes and the addresses of its tensors are the same and the cache is long enough (else it
     makes a new one); None: keep them under a CUDA graph when they take at most ``KEEP_FRACTION`` of the card.
+    ``export``: a list that gets the decode's static cache appended (the prompt's K/V from slot 0, then the fed
+    tokens' from slot ``prompt_len - 1``); read it before the next call, which may reuse it.
     """
     from transformers import LogitsProcessorList
 
@@ -431,10 +434,13 @@ def fast_decode(
         if keep:
             _KEPT[decoder] = ws
         try:
-            return _decode(
+            out = _decode(
                 decoder, head, ws, layers, index, input_ids, attention_mask, next_positions, gc, processors,
                 prefix, steps, windowed, use_graph, compile, autocast, in_step,
             )  # fmt: skip
+            if export is not None:
+                export.append(ws.cache)
+            return out
         except BaseException:
             if keep:
                 _KEPT.pop(decoder, None)  # a step may be half captured

@@ -30,6 +30,7 @@ import torch
 from vlm_grpo.fastpath import decode
 from vlm_grpo.fastpath.block_attention import LAYOUT_KWARG, PackedLayout, packing, use_block_attention, varlen_layout
 from vlm_grpo.fastpath.compiled_layers import compiled_layers
+from vlm_grpo.fastpath.turn_cache import remember_shared
 from vlm_grpo.utils import is_zero3, peft_base, warn_once
 
 logger = logging.getLogger(__name__)
@@ -330,6 +331,7 @@ def shared_prefill_generate(
             unwrapped(input_ids=lead_ids[:, :-1], **decode.cache_kwarg(unwrapped, cache), use_cache=True, **prefill)
         decode_positions = _next_positions(positions, getattr(backbone, "rope_deltas", None))
         reason = _fast_decode_blocker(trainer, unwrapped, decode_positions)
+        exported: list = []  # the decode's cache, held for the rollouts' next turns (turn_cache)
         if reason is None:
             compile_decode = trainer.args.compile_decode
             generated = decode.fast_decode(
@@ -337,7 +339,7 @@ def shared_prefill_generate(
                 trainer.generation_config, use_graph=device.type == "cuda",
                 compile=device.type == "cuda" if compile_decode is None else compile_decode,
                 fuse=trainer.args.fuse_decode_projections, autocast=amp[0],
-                keep=trainer.keep_decode_graphs,
+                keep=trainer.keep_decode_graphs, export=exported,
             )  # fmt: skip
         else:
             if trainer.args.fast_decode:
@@ -360,6 +362,8 @@ def shared_prefill_generate(
     for row, tokens in zip(order, completions, strict=True):
         cut = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
         result[row] = tokens[:cut]
+    prefix = lead_ids.size(1) - 1
+    remember_shared(trainer._turn_cache, exported, order, index, prompt_ids, images, result, prefix, decode_positions)
     return result
 
 

@@ -1,86 +1,255 @@
-"""The packed log-prob pass on multi-turn tool rollouts: parity with TRL's per-row pass, every family.
+"""The packed log-prob pass (``share_prompt``) on multi-turn tool rollouts: parity with TRL's per-row pass.
 
-Batches come from TRL's own tool loop (``_generate_and_score_completions``) with scripted turns: per group, rows
-that answer at once, rows that call ``zoom_in`` once (a tool image in their completion) or twice, and a row whose
-call fails (an error text, no image). So rows differ in turns and in images, and completions hold tool
-observations with image tokens.
+Batches come from TRL's own tool loop (``_generate_and_score_completions``) with scripted turns, then shuffled as
+TRL shuffles them before the loss. Per group (G=3): a rollout that zooms twice (two tool images in its completion,
+3 turns), one that answers at once (1 turn), one whose first call fails (an error text) and whose second zooms
+(one tool image, 3 turns); the two prompts hold one and two images. Every zoom looks at another region of a
+textured image, so every tool image differs from the others.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
-from trl import GRPOTrainer
+from PIL import Image
 
-from test_group_sharing import G, MM_KEYS, assert_parity, make_trainer, rows_file  # noqa: F401
 import vlm_grpo.fastpath.sharing as sharing
+from test_group_sharing import G, assert_parity, interleaved, logps_and_grads, make_trainer
 from vlm_grpo.testing.tiny import FAMILIES
 from vlm_grpo.trainer import VLMGRPOTrainer
 
-BOX = {"qwen2_5_vl": [4, 4, 40, 40], "qwen2_vl": [100, 100, 800, 800], "qwen3_vl": [100, 100, 800, 800]}
-BOX["internvl"] = BOX["qwen2_vl"]
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# Equal-sized regions (so two tool images can trade places), in each family's box frame: Qwen2.5-VL writes pixels
+# of the resized image (56 x 56 here), the others 0-1000.
+BOXES = {
+    "qwen2_5_vl": [[4, 4, 28, 28], [20, 16, 44, 40], [12, 24, 36, 48]],
+    "qwen2_vl": [[100, 100, 500, 500], [450, 350, 850, 750], [250, 500, 650, 900]],
+}
+BOXES["qwen3_vl"] = BOXES["internvl"] = BOXES["qwen2_vl"]
 ANSWER = "<answer>1</answer><|im_end|>"
+PLACEHOLDER = {"internvl": "<IMG_CONTEXT>"}  # the others: <|image_pad|>
+IMAGE_START = {"internvl": "<img>"}  # the others: <|vision_start|>
 
 
-def _turn(tokenizer, text):
-    return tokenizer.encode(text, add_special_tokens=False)
+@pytest.fixture(scope="module")
+def textured_rows(tmp_path_factory):
+    root = tmp_path_factory.mktemp("multiturn")
+    gen = torch.Generator().manual_seed(0)
+    for name, (w, h) in (("a.png", (64, 48)), ("b.png", (56, 90))):
+        pixels = torch.randint(0, 256, (h, w, 3), generator=gen, dtype=torch.uint8).numpy()
+        Image.fromarray(pixels).save(root / name)
+    rows = [
+        {"image": "a.png", "conversations": [{"from": "human", "value": "<image>Red?"}, {"from": "gpt", "value": "1"}]},
+        {
+            "image": ["a.png", "b.png"],
+            "conversations": [
+                {"from": "human", "value": "Compare <image> with <image> and tell which one is larger, please."},
+                {"from": "gpt", "value": "2"},
+            ],
+        },
+    ]
+    path = root / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
 
 
 def scripted_turns(family):
-    """``_generate_single_turn`` of a scripted policy: first turn by row (zoom, answer, bad call, zoom ...); in
-    the next round every other rollout zooms again, the rest answer."""
-    good = {"name": "zoom_in", "arguments": {"bbox_2d": BOX[family], "image_index": 0}}
-    bad = {"name": "zoom_in", "arguments": {"bbox_2d": [50, 50, 10, 10]}}
-    call = "<tool_call>\n{}\n</tool_call><|im_end|>"
-    firsts = [call.format(json.dumps(good)), ANSWER, call.format(json.dumps(bad))]
-    rounds = {"n": 0}
+    """``_generate_single_turn`` of a scripted policy. First turn by row: zoom, answer, bad call (an inverted box:
+    an error text). Next round every rollout still going zooms (again, or after its failed call), each at another
+    region than its group's other zooms. Then every rollout answers."""
+
+    def call(box):
+        arguments = {"bbox_2d": box, "image_index": 0}
+        return f"<tool_call>\n{json.dumps({'name': 'zoom_in', 'arguments': arguments})}\n</tool_call><|im_end|>"
+
+    bad = call([50, 50, 10, 10])
+    boxes = BOXES[family]
+    state = {"round": 0}
 
     def scripted(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        def ids(text):
+            return self._tokenizer.encode(text, add_special_tokens=False)
+
         if num_generations > 1:
-            rounds["n"] = 0
-            return [_turn(self._tokenizer, firsts[i % 3]) for i in range(len(prompt_ids))], None
-        rounds["n"] += 1
-        again = call.format(json.dumps(good)) if rounds["n"] == 1 else ANSWER
-        return [_turn(self._tokenizer, again if i % 2 == 0 else ANSWER) for i in range(len(prompt_ids))], None
+            state["round"] = 0
+            return [ids([call(boxes[(i // G) % 3]), ANSWER, bad][i % 3]) for i in range(len(prompt_ids))], None
+        state["round"] += 1
+        if state["round"] == 1:  # rows 0, 2, 3, 5 (zoomed, failed, zoomed, failed)
+            return [ids(call(boxes[[1, 2, 2, 0][i % 4]])) for i in range(len(prompt_ids))], None
+        return [ids(ANSWER) for _ in prompt_ids], None
 
     return scripted
 
 
-def tool_trainer(family, tiny_models, rows_file, tmp_path, **overrides):  # noqa: F811
+def tool_trainer(family, model_dir, rows, tmp_path, **overrides):
     return make_trainer(
-        tiny_models[family], rows_file, tmp_path, max_completion_length=600, max_tool_calling_iterations=3,
+        model_dir, rows, tmp_path, max_completion_length=600, max_tool_calling_iterations=3,
         trainer_kwargs={"tools": ["zoom_in"], "tool_kwargs": {"zoom_in": {"size": 56}}}, **overrides,
     )  # fmt: skip
 
 
-def tool_batch(trainer, family, monkeypatch):
+def tool_batch(trainer, family):
+    """A multi-turn batch from TRL's tool loop, shuffled as TRL hands it to the loss (groups interleaved)."""
     trainer.model.eval()
-    monkeypatch.setattr(VLMGRPOTrainer, "_generate_single_turn", scripted_turns(family))
-    batch = next(iter(trainer.get_train_dataloader()))
-    return trainer._generate_and_score_completions(batch)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(VLMGRPOTrainer, "_generate_single_turn", scripted_turns(family))
+        batch = next(iter(trainer.get_train_dataloader()))
+        inputs = trainer._generate_and_score_completions(batch)
+    return interleaved(inputs)
 
 
-def describe(batch, trainer):
-    """Turns (assistant runs) and completion images per row: the batch must mix both."""
-    pad = trainer._tokenizer.convert_tokens_to_ids("<IMG_CONTEXT>" if "pixel_values" in batch and
-                                                   batch["pixel_values"].ndim == 4 else "<|image_pad|>")  # fmt: skip
-    mask = batch["tool_mask"] * batch["completion_mask"]
-    turns = [int((m[1:] > m[:-1]).sum() + m[0]) for m in mask]
-    images = (batch["completion_ids"] == pad).any(-1)
-    return turns, images
+def images_per_row(trainer, family, batch):
+    """(prompt images, completion images) per row, counted from the tokens (not by the code under test)."""
+    tokenizer = trainer._tokenizer
+    start = tokenizer.convert_tokens_to_ids(IMAGE_START.get(family, "<|vision_start|>"))
+    prompt = (batch["prompt_ids"] == start).sum(1).tolist()
+    completion = (batch["completion_ids"] == start).sum(1).tolist()
+    return prompt, completion
+
+
+@pytest.fixture(scope="module")
+def batches(tiny_models, textured_rows, tmp_path_factory):
+    """One trainer and one shuffled tool batch per family (built once: TRL's tool loop is the slow part)."""
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            trainer = tool_trainer(family, tiny_models[family], textured_rows, tmp_path_factory.mktemp(family))
+            cache[family] = trainer, tool_batch(trainer, family)
+        return cache[family]
+
+    return get
+
+
+def _count_packed(monkeypatch):
+    calls = []
+    real = sharing._packed_forward
+    monkeypatch.setattr(sharing, "_packed_forward", lambda *a: calls.append(len(a[5])) or real(*a))
+    return calls
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_packed_pass_matches_trl_on_multi_turn_rows(family, tiny_models, rows_file, tmp_path, monkeypatch):  # noqa: F811
-    trainer = tool_trainer(family, tiny_models, rows_file, tmp_path)
-    assert trainer.args.share_prompt
-    batch = tool_batch(trainer, family, monkeypatch)
-    turns, images = describe(batch, trainer)
-    print(turns, images, batch["num_images"])
-    packed = []
-    real = sharing._packed_forward
-    monkeypatch.setattr(sharing, "_packed_forward", lambda *a: packed.append(len(a[5])) or real(*a))
+def test_packed_pass_matches_trl_on_multi_turn_rows(family, batches, monkeypatch):
+    """Log-probs and gradients within 1e-5 of TRL's per-row pass; tool tokens are masked from the loss as TRL
+    masks them; the rows' order is TRL's shuffle."""
+    trainer, batch = batches(family)
+    assert trainer.args.share_prompt, "tool runs keep the packed pass"
+    prompt_images, tool_images = images_per_row(trainer, family, batch)
+    assert sorted(zip(prompt_images, tool_images)) == sorted([(1, 2), (1, 0), (1, 1), (2, 2), (2, 0), (2, 1)])
+    assert batch["num_images"] == [p + t for p, t in zip(prompt_images, tool_images, strict=True)]
+    assert prompt_images != sorted(prompt_images) and prompt_images != sorted(prompt_images, reverse=True)
+    mask = batch["tool_mask"] * batch["completion_mask"]
+    assert (mask.sum(1) < batch["completion_mask"].sum(1)).sum() == 4, "four rows hold tool replies"
+    calls = _count_packed(monkeypatch)
     assert_parity(trainer, batch)
-    assert packed == [2]  # one packed forward over both groups
+    assert calls == [2], "one packed forward over both groups"
+
+
+def _equal_tool_spans(groups, pixels):
+    """Two tool-image spans of different rows of one group, of the same size (a swap keeps the shapes)."""
+    for g in groups:
+        spans = [s for s in (g.tool_rows if pixels else g.tool_ranges) if s is not None]
+        for i, a in enumerate(spans):
+            for b in spans[i + 1 :]:
+                if b[1] - b[0] == a[1] - a[0] and b[0] >= a[1]:
+                    return a, b
+    raise LookupError("no two equal tool images to swap")
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "internvl"])
+def test_the_parity_test_catches_a_tool_image_swapped_between_rows(family, batches, monkeypatch):
+    trainer, batch = batches(family)
+    module = type(trainer.vlm_module)
+    real = module.vision_spans
+
+    def swapped(groups, pixels):
+        spans = real(groups, pixels)
+        a, b = _equal_tool_spans(groups, pixels)
+        i, j = spans.index(a), spans.index(b)
+        spans[i], spans[j] = spans[j], spans[i]
+        return spans
+
+    monkeypatch.setattr(module, "vision_spans", staticmethod(swapped))
+    calls = _count_packed(monkeypatch)
+    with pytest.raises(AssertionError, match="not close|relative L2"):
+        assert_parity(trainer, batch)
+    assert calls == [2], "the control ran the packed pass"
+
+
+@pytest.mark.parametrize("shift", [1, "flat"], ids=["off_by_one", "text_positions"])
+def test_the_parity_test_catches_wrong_tool_image_positions(shift, batches, monkeypatch):
+    """mrope positions of a completion with tool images: one off, or tool images placed as text, must fail."""
+    trainer, batch = batches("qwen2_5_vl")
+    model = trainer.model.model
+    real = model.get_rope_index
+
+    def wrong(input_ids, **kwargs):
+        positions, deltas = real(input_ids, **kwargs)
+        if "attention_mask" in kwargs:  # the prompt's: left as it is
+            return positions, deltas
+        if shift == "flat":
+            return torch.arange(positions.size(-1)).expand_as(positions), deltas
+        return positions + shift, deltas
+
+    monkeypatch.setattr(model, "get_rope_index", wrong)
+    with pytest.raises(AssertionError, match="not close|relative L2"):
+        assert_parity(trainer, batch)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "internvl"])
+def test_each_image_goes_through_the_vision_tower_once_per_pass(family, batches):
+    """One tower call per pass, over each prompt's images once per group and each rollout's tool images once;
+    TRL's pass encodes the prompt images once per row."""
+    trainer, batch = batches(family)
+    grid = batch.get("image_grid_thw")
+    units = grid.prod(-1).tolist() if grid is not None else [1] * sum(batch["num_images"])  # InternVL: 1 tile each
+    prompt_images, _ = images_per_row(trainer, family, batch)
+    expected, seen_prompts, start = 0, set(), 0
+    for row, n in enumerate(batch["num_images"]):
+        own = units[start : start + n]
+        key = tuple(batch["prompt_ids"][row][batch["prompt_mask"][row].bool()].tolist())
+        if key not in seen_prompts:
+            seen_prompts.add(key)
+            expected += sum(own[: prompt_images[row]])
+        expected += sum(own[prompt_images[row] :])
+        start += n
+    assert len(seen_prompts) == 2 and expected < sum(units)
+
+    tower = dict(trainer.model.named_modules())[trainer.vlm_module.vision_prefixes[0]]
+    calls = []
+    handle = tower.register_forward_hook(
+        lambda m, args, kwargs, out: calls.append((args[0] if args else kwargs["pixel_values"]).shape[0]),
+        with_kwargs=True,
+    )
+    try:
+        for _ in range(2):  # e.g. the old and the reference pass: each its own single call
+            with torch.no_grad():
+                logps_and_grads_no_backward(trainer, batch)
+    finally:
+        handle.remove()
+    assert calls == [expected, expected], (calls, expected, sum(units))
+
+
+def logps_and_grads_no_backward(trainer, batch):
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    keys = ("pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids", "token_type_ids")
+    mm = {k: batch[k] for k in keys if batch.get(k) is not None}
+    return trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, mask, batch["completion_ids"].size(1), **mm)
+
+
+def test_a_family_that_cannot_place_tool_images_goes_through_trl_with_one_info_line(batches, monkeypatch, caplog):
+    """An adapter without per-image pixel counts: the batch takes TRL's pass (still TRL's numbers), said once."""
+    trainer, batch = batches("qwen2_vl")
+    monkeypatch.setattr(type(trainer.vlm_module), "units_per_image", lambda self, mm: None)
+    calls = _count_packed(monkeypatch)
+    with caplog.at_level(logging.INFO, logger="vlm_grpo.fastpath.sharing"):
+        assert_parity(trainer, batch)
+        logps_and_grads(trainer, batch, VLMGRPOTrainer._get_per_token_logps_and_entropies, 1.0)
+    assert calls == []
+    lines = [r.message for r in caplog.records if "per-row pass" in r.message]
+    assert len(lines) == 1 and "pixel rows of each tool image are not known (Qwen2VLModule)" in lines[0], lines

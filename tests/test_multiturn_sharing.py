@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 
 import pytest
 import torch
@@ -149,35 +150,37 @@ def test_packed_pass_matches_trl_on_multi_turn_rows(family, batches, monkeypatch
     assert calls == [2], "one packed forward over both groups"
 
 
-def _equal_tool_spans(groups, pixels):
-    """Two tool-image spans of different rows of one group, of the same size (a swap keeps the shapes)."""
-    for g in groups:
-        spans = [s for s in (g.tool_rows if pixels else g.tool_ranges) if s is not None]
-        for i, a in enumerate(spans):
-            for b in spans[i + 1 :]:
-                if b[1] - b[0] == a[1] - a[0] and b[0] >= a[1]:
-                    return a, b
-    raise LookupError("no two equal tool images to swap")
-
-
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "internvl"])
 def test_the_parity_test_catches_a_tool_image_swapped_between_rows(family, batches, monkeypatch):
+    """Two rollouts of a group trade a tool image (same size, other region) in the packed pass: parity must fail."""
     trainer, batch = batches(family)
     module = type(trainer.vlm_module)
-    real = module.vision_spans
+    real = module.group_vision_inputs
+    grid = batch.get("image_grid_thw")
+    swaps = []
 
-    def swapped(groups, pixels):
-        spans = real(groups, pixels)
-        a, b = _equal_tool_spans(groups, pixels)
-        i, j = spans.index(a), spans.index(b)
-        spans[i], spans[j] = spans[j], spans[i]
-        return spans
+    def swapped(self, groups, mm):
+        inputs = real(self, groups, mm)
+        images = [i for a, b in self.vision_spans(groups, pixels=False) for i in range(a, b)]  # in pack order
+        sizes = [tuple(grid[i].tolist()) if grid is not None else (1,) for i in images]
+        starts = [sum(math.prod(x) for x in sizes[:k]) for k in range(len(sizes))]
+        g = groups[0]
+        mine = [(row, i) for row, r in zip(g.rows, g.tool_ranges, strict=True) if r for i in range(*r)]
+        a, b = next((x, y) for x in mine for y in mine if x[0] != y[0] and sizes[images.index(x[1])] ==
+                    sizes[images.index(y[1])])  # fmt: skip
+        ka, kb = images.index(a[1]), images.index(b[1])
+        n = math.prod(sizes[ka])
+        pixels = inputs["pixel_values"].clone()
+        pixels[starts[ka] : starts[ka] + n] = inputs["pixel_values"][starts[kb] : starts[kb] + n]
+        pixels[starts[kb] : starts[kb] + n] = inputs["pixel_values"][starts[ka] : starts[ka] + n]
+        assert not torch.equal(pixels, inputs["pixel_values"]), "the two tool images are the same"
+        swaps.append((a, b))
+        return {**inputs, "pixel_values": pixels}
 
-    monkeypatch.setattr(module, "vision_spans", staticmethod(swapped))
-    calls = _count_packed(monkeypatch)
+    monkeypatch.setattr(module, "group_vision_inputs", swapped)
     with pytest.raises(AssertionError, match="not close|relative L2"):
         assert_parity(trainer, batch)
-    assert calls == [2], "the control ran the packed pass"
+    assert len(swaps) == 1, "the control ran the packed pass"
 
 
 @pytest.mark.parametrize("shift", [1, "flat"], ids=["off_by_one", "text_positions"])

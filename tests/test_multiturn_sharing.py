@@ -34,6 +34,7 @@ BOXES["qwen3_vl"] = BOXES["internvl"] = BOXES["qwen2_vl"]
 ANSWER = "<answer>1</answer><|im_end|>"
 PLACEHOLDER = {"internvl": "<IMG_CONTEXT>"}  # the others: <|image_pad|>
 IMAGE_START = {"internvl": "<img>"}  # the others: <|vision_start|>
+PARITY_FAILED = r"not close|relative L2"  # what assert_parity says when the numbers differ
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +141,8 @@ def test_packed_pass_matches_trl_on_multi_turn_rows(family, batches, monkeypatch
     trainer, batch = batches(family)
     assert trainer.args.share_prompt, "tool runs keep the packed pass"
     prompt_images, tool_images = images_per_row(trainer, family, batch)
-    assert sorted(zip(prompt_images, tool_images)) == sorted([(1, 2), (1, 0), (1, 1), (2, 2), (2, 0), (2, 1)])
+    mix = sorted(zip(prompt_images, tool_images, strict=True))
+    assert mix == [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)], "per prompt: 0, 1 and 2 tool images"
     assert batch["num_images"] == [p + t for p, t in zip(prompt_images, tool_images, strict=True)]
     assert prompt_images != sorted(prompt_images) and prompt_images != sorted(prompt_images, reverse=True)
     mask = batch["tool_mask"] * batch["completion_mask"]
@@ -178,7 +180,7 @@ def test_the_parity_test_catches_a_tool_image_swapped_between_rows(family, batch
         return {**inputs, "pixel_values": pixels}
 
     monkeypatch.setattr(module, "group_vision_inputs", swapped)
-    with pytest.raises(AssertionError, match="not close|relative L2"):
+    with pytest.raises(AssertionError, match=PARITY_FAILED):
         assert_parity(trainer, batch)
     assert len(swaps) == 1, "the control ran the packed pass"
 
@@ -199,7 +201,7 @@ def test_the_parity_test_catches_wrong_tool_image_positions(shift, batches, monk
         return positions + shift, deltas
 
     monkeypatch.setattr(model, "get_rope_index", wrong)
-    with pytest.raises(AssertionError, match="not close|relative L2"):
+    with pytest.raises(AssertionError, match=PARITY_FAILED):
         assert_parity(trainer, batch)
 
 
@@ -231,18 +233,19 @@ def test_each_image_goes_through_the_vision_tower_once_per_pass(family, batches)
     try:
         for _ in range(2):  # e.g. the old and the reference pass: each its own single call
             with torch.no_grad():
-                logps_and_grads_no_backward(trainer, batch)
+                our_logps(trainer, batch)
     finally:
         handle.remove()
     assert calls == [expected, expected], (calls, expected, sum(units))
 
 
-def logps_and_grads_no_backward(trainer, batch):
+def our_logps(trainer, batch):
     input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
     keys = ("pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids", "token_type_ids")
     mm = {k: batch[k] for k in keys if batch.get(k) is not None}
-    return trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, mask, batch["completion_ids"].size(1), **mm)
+    width = batch["completion_ids"].size(1)
+    return trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, mask, width, **mm)
 
 
 def test_a_family_that_cannot_place_tool_images_goes_through_trl_with_one_info_line(batches, monkeypatch, caplog):

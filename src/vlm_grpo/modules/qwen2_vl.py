@@ -111,7 +111,7 @@ class Qwen2VLModule(VLMModule):
         after an image starts past the image's extent, as in the row's whole sequence)."""
         prompt = group.prompt[None]
         device = prompt.device
-        blocks, completion_len = completions.shape
+        completion_len = completions.size(1)
         if group.image_range is None:
             prompt_pos = torch.arange(prompt.size(1), device=device).expand(3, 1, -1)
         else:

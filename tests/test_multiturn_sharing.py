@@ -127,6 +127,21 @@ def batches(tiny_models, textured_rows, tmp_path_factory):
     return get
 
 
+@pytest.mark.parametrize(
+    ("family", "options"),
+    [("qwen2_vl", {"attn": "eager"}), ("qwen3_vl", {"packed_attention": "dense"}), ("internvl", {"lora": True})],
+)
+def test_packed_multi_turn_pass_matches_trl_with_other_kernels_and_lora(
+    family, options, batches, tiny_models, textured_rows, tmp_path, monkeypatch
+):
+    """The dense block mask (eager, or sdpa with packed_attention=dense) and LoRA layers see the same layout."""
+    _, batch = batches(family)
+    trainer = tool_trainer(family, tiny_models[family], textured_rows, tmp_path, **options)
+    calls = _count_packed(monkeypatch)
+    assert_parity(trainer, batch)
+    assert calls == [2]
+
+
 def _count_packed(monkeypatch):
     calls = []
     real = sharing._packed_forward

@@ -35,11 +35,11 @@ def write_rows(root: Path) -> Path:
     gen = torch.Generator().manual_seed(0)
     for name, (w, h) in (("a.png", (64, 48)), ("b.png", (56, 90))):
         Image.fromarray(torch.randint(0, 256, (h, w, 3), generator=gen, dtype=torch.uint8).numpy()).save(root / name)
-    question = "Compare <image> with <image> and tell which one is larger, please."
-    rows = [
-        {"image": "a.png", "conversations": [{"from": "human", "value": "<image>Red?"}, {"from": "gpt", "value": "1"}]},
-        {"image": ["a.png", "b.png"], "conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": "2"}]},
-    ]  # fmt: skip
+
+    def row(images, question):
+        return {"image": images, "conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": "1"}]}
+
+    rows = [row("a.png", "<image>Red?"), row(["a.png", "b.png"], "Compare <image> with <image>: which is larger?")]
     (root / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return root / "rows.jsonl"
 
@@ -88,7 +88,7 @@ def make_batch(family: str, root: Path, G: int, view: int):
     return trainer, batch
 
 
-def one_pass(trainer, batch, share: bool, grad: bool, counts: dict) -> float:
+def one_pass(trainer, batch, share: bool, grad: bool) -> float:
     trainer.args.share_prompt = share
     input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
@@ -118,7 +118,8 @@ def measure(family: str, root: Path, G: int, view: int, repeats: int) -> dict:
         embeds = kwargs.get("inputs_embeds")
         counts["decoder_tokens"] += embeds.shape[0] * embeds.shape[1]
 
-    hooks = [tower.register_forward_hook(vision, with_kwargs=True), decoder.register_forward_hook(text, with_kwargs=True)]
+    hooks = [tower.register_forward_hook(vision, with_kwargs=True)]
+    hooks.append(decoder.register_forward_hook(text, with_kwargs=True))
     result = {
         "family": family, "G": G, "rows": batch["completion_ids"].size(0), "view_px": view,
         "prompt_width": batch["prompt_ids"].size(1), "completion_width": batch["completion_ids"].size(1),
@@ -127,9 +128,9 @@ def measure(family: str, root: Path, G: int, view: int, repeats: int) -> dict:
     for share in (False, True):
         name = "packed" if share else "trl"
         for grad in (False, True):
-            one_pass(trainer, batch, share, grad, counts)  # warm-up
+            one_pass(trainer, batch, share, grad)  # warm-up
             counts.update(vision_rows=0, decoder_tokens=0)
-            times = [one_pass(trainer, batch, share, grad, counts) for _ in range(repeats)]
+            times = [one_pass(trainer, batch, share, grad) for _ in range(repeats)]
             kind = "train" if grad else "nograd"
             result[f"{name}_{kind}_ms"] = round(1000 * statistics.median(times), 1)
             result[f"{name}_vision_rows"] = counts["vision_rows"] // repeats

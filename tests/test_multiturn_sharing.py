@@ -274,3 +274,54 @@ def test_a_family_that_cannot_place_tool_images_goes_through_trl_with_one_info_l
     assert calls == []
     lines = [r.message for r in caplog.records if "per-row pass" in r.message]
     assert len(lines) == 1 and "pixel rows of each tool image are not known (Qwen2VLModule)" in lines[0], lines
+
+
+DRAW_TOOL = '''
+from PIL import Image
+
+
+def draw(env, shade: int) -> list:
+    """Draw a picture.
+
+    Args:
+        shade: how light the picture is
+    """
+    image = Image.new("RGB", (40, 40), (shade, 255 - shade, (7 * shade) % 256))
+    image.paste((255 - shade, shade, 0), (shade % 20, 5, shade % 20 + 12, 30))
+    return [{"type": "text", "text": "Here:"}, {"type": "image", "image": image}]
+'''
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "internvl"])
+def test_text_prompts_whose_tools_return_images_match_trl(family, tiny_models, tmp_path):
+    """Prompts without images, tool replies with images: every image of the batch is a rollout's own."""
+    (tmp_path / "draw_tool.py").write_text(DRAW_TOOL)
+    rows = [{"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": "1"}]}
+            for q in ("Draw?", "Draw something with many colours for me, please.")]  # fmt: skip
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def scripted(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        def ids(text):
+            return self._tokenizer.encode(text, add_special_tokens=False)
+
+        def call(shade):
+            action = json.dumps({"name": "draw", "arguments": {"shade": shade}})
+            return ids(f"<tool_call>\n{action}\n</tool_call><|im_end|>")
+
+        if num_generations > 1:  # every third rollout answers at once, the others draw (each its own picture)
+            return [call(40 * i + 10) if i % 3 else ids(ANSWER) for i in range(len(prompt_ids))], None
+        return [ids(ANSWER) for _ in prompt_ids], None
+
+    trainer = make_trainer(
+        tiny_models[family], tmp_path / "rows.jsonl", tmp_path, max_completion_length=400,
+        max_tool_calling_iterations=2, trainer_kwargs={"tools": [f"{tmp_path / 'draw_tool.py'}:draw"]},
+    )  # fmt: skip
+    trainer.model.eval()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(VLMGRPOTrainer, "_generate_single_turn", scripted)
+        batch = interleaved(trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader()))))
+    assert sorted(batch["num_images"]) == [0, 0, 1, 1, 1, 1]
+    with pytest.MonkeyPatch.context() as mp:
+        calls = _count_packed(mp)
+        assert_parity(trainer, batch)
+    assert calls == [2]

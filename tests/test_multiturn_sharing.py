@@ -264,16 +264,16 @@ def our_logps(trainer, batch):
 
 
 def test_a_family_that_cannot_place_tool_images_goes_through_trl_with_one_info_line(batches, monkeypatch, caplog):
-    """An adapter without per-image pixel counts: the batch takes TRL's pass (still TRL's numbers), said once."""
+    """An adapter that cannot count an image's pixel rows: the batch takes TRL's pass (TRL's numbers), said once."""
     trainer, batch = batches("qwen2_vl")
-    monkeypatch.setattr(type(trainer.vlm_module), "units_per_image", lambda self, mm: None)
+    monkeypatch.setattr(type(trainer.vlm_module), "image_units", lambda self, model, placeholders: None)
     calls = _count_packed(monkeypatch)
     with caplog.at_level(logging.INFO, logger="vlm_grpo.fastpath.sharing"):
         assert_parity(trainer, batch)
         logps_and_grads(trainer, batch, VLMGRPOTrainer._get_per_token_logps_and_entropies, 1.0)
     assert calls == []
     lines = [r.message for r in caplog.records if "per-row pass" in r.message]
-    assert len(lines) == 1 and "pixel rows of each tool image are not known (Qwen2VLModule)" in lines[0], lines
+    assert len(lines) == 1 and "image placeholders do not match its images (Qwen2VLModule)" in lines[0], lines
 
 
 DRAW_TOOL = '''
@@ -321,6 +321,19 @@ def test_text_prompts_whose_tools_return_images_match_trl(family, tiny_models, t
         mp.setattr(VLMGRPOTrainer, "_generate_single_turn", scripted)
         batch = interleaved(trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader()))))
     assert sorted(batch["num_images"]) == [0, 0, 1, 1, 1, 1]
+    with pytest.MonkeyPatch.context() as mp:
+        calls = _count_packed(mp)
+        assert_parity(trainer, batch)
+    assert calls == [2]
+
+
+def test_internvl_images_of_several_tiles_in_prompts_and_tool_replies(tiny_models, textured_rows, tmp_path):
+    """``--max_anyres_num``: prompt and tool images cut into tiles, counted per row (``num_tiles``) only."""
+    trainer = tool_trainer("internvl", tiny_models["internvl"], textured_rows, tmp_path, max_anyres_num=4)
+    batch = tool_batch(trainer, "internvl")
+    assert batch.get("num_tiles") and sum(batch["num_tiles"]) > sum(batch["num_images"])
+    _, tool_images = images_per_row(trainer, "internvl", batch)
+    assert sorted(tool_images) == [0, 0, 1, 1, 2, 2]
     with pytest.MonkeyPatch.context() as mp:
         calls = _count_packed(mp)
         assert_parity(trainer, batch)

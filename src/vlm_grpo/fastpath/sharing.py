@@ -199,31 +199,29 @@ def completion_images(
     """(images each row's prompt holds, pixel units per image) when completions hold images (tool images), else
     ``(None, None)``; a reason when the rows' images cannot be told apart.
 
-    A row's images come in the order of its placeholder tokens (TRL appends a rollout's tool images to its prompt
-    images): the prompt's are the first ones whose tokens fill the prompt's placeholders.
+    Every image is one run of placeholder tokens (the chat template wraps each one), in the order of the row's
+    images (TRL appends a rollout's tool images to its prompt images): the runs before the completion are the
+    prompt's. The adapter turns a run's length into the image's pixel units (:meth:`image_units`); each row's
+    units must add up to what it owns in ``pixel_values``.
     """
     num_images = mm.get("num_images")
     token = getattr(model.config, "image_token_id", None)
     if mm.get("pixel_values") is None or not num_images or token is None:
         return None, None
     placeholders = input_ids == token
-    in_prompt = placeholders[:, :-C].sum(1).tolist()
-    in_completion = placeholders[:, -C:].sum(1).tolist()
-    if not any(in_completion):
+    if not placeholders[:, -C:].any():
         return None, None
-    tokens, units = module.image_token_counts(model, mm), module.units_per_image(mm)
-    if tokens is None or units is None:
-        return f"the pixel rows of each tool image are not known ({type(module).__name__})"
-    counts, start = [], 0
+    per_sample = module.units_per_sample(mm)
+    counts, units = [], []
     for row, n in enumerate(num_images):
-        own = tokens[start : start + n]
-        k, filled = 0, 0
-        while k < n and filled < in_prompt[row]:
-            filled, k = filled + own[k], k + 1
-        if filled != in_prompt[row] or sum(own) != in_prompt[row] + in_completion[row]:
-            return "a row's image placeholders do not match its images"
-        counts.append(k)
-        start += n
+        where = placeholders[row].nonzero()[:, 0]
+        cuts = (where.diff() != 1).nonzero()[:, 0] + 1
+        runs = [(int(r[0]), r.numel()) for r in where.tensor_split(cuts.tolist())] if where.numel() else []
+        own = [module.image_units(model, length) for _, length in runs]
+        if len(runs) != n or None in own or per_sample is None or sum(own) != per_sample[row]:
+            return f"a row's image placeholders do not match its images ({type(module).__name__})"
+        counts.append(sum(1 for first, _ in runs if first < input_ids.size(1) - C))
+        units += own
     return counts, units
 
 

@@ -59,12 +59,8 @@ class GroupSharingMixin:
         """Rows of ``pixel_values`` each sample owns (None: no images in the batch)."""
         return None
 
-    def units_per_image(self, mm: dict[str, Any]) -> list[int] | None:
-        """Rows of ``pixel_values`` each image owns, in batch order (None: not known)."""
-        return None
-
-    def image_token_counts(self, model: Any, mm: dict[str, Any]) -> list[int] | None:
-        """Placeholder tokens (``config.image_token_id``) each image fills, in batch order (None: not known)."""
+    def image_units(self, model: Any, placeholders: int) -> int | None:
+        """Rows of ``pixel_values`` an image owns whose features fill ``placeholders`` tokens (None: not known)."""
         return None
 
     @staticmethod

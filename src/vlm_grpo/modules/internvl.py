@@ -41,16 +41,10 @@ class InternVLModule(VLMModule):
         (``num_tiles``), and leaves them out when every image is one tile."""
         return mm.get("num_tiles") or mm.get("num_images")
 
-    def units_per_image(self, mm: dict[str, Any]) -> list[int] | None:
-        """One tile per image when ``pixel_values`` holds one per image (TRL's tool-image pass); else not known."""
-        pixels, num_images = mm.get("pixel_values"), mm.get("num_images")
-        if pixels is not None and num_images and pixels.size(0) == sum(num_images):
-            return [1] * pixels.size(0)
-        return None
-
-    def image_token_counts(self, model: Any, mm: dict[str, Any]) -> list[int] | None:
-        units = self.units_per_image(mm)
-        return None if units is None else [u * model.config.image_seq_length for u in units]
+    def image_units(self, model: Any, placeholders: int) -> int | None:
+        """Tiles: each fills ``image_seq_length`` placeholders."""
+        tiles, rest = divmod(placeholders, model.config.image_seq_length)
+        return None if rest else tiles
 
     def dummy_image_inputs(self, backbone: torch.nn.Module, device: Any) -> dict[str, Any]:
         """One blank tile at the vision tower's input size."""

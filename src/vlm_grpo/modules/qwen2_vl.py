@@ -87,14 +87,9 @@ class Qwen2VLModule(VLMModule):
             return None
         return [int(s.sum()) for s in grid.prod(dim=-1).split(num_images)]
 
-    def units_per_image(self, mm: dict[str, Any]) -> list[int] | None:
-        grid = mm.get("image_grid_thw")
-        return None if grid is None else grid.prod(dim=-1).tolist()
-
-    def image_token_counts(self, model: Any, mm: dict[str, Any]) -> list[int] | None:
-        units = self.units_per_image(mm)
-        merge = model.config.vision_config.spatial_merge_size
-        return None if units is None else [u // merge**2 for u in units]
+    def image_units(self, model: Any, placeholders: int) -> int | None:
+        """Patches: each placeholder is one ``merge x merge`` group of them."""
+        return placeholders * model.config.vision_config.spatial_merge_size**2
 
     def group_vision_inputs(self, groups: list[Any], mm: dict[str, Any]) -> dict[str, Any]:
         inputs = super().group_vision_inputs(groups, mm)

@@ -208,7 +208,7 @@ def completion_images(
     token = getattr(model.config, "image_token_id", None)
     if mm.get("pixel_values") is None or not num_images or token is None:
         return None, None
-    placeholders = input_ids == token
+    placeholders = (input_ids == token).cpu()  # one copy to the host, rather than a sync per row below
     if not placeholders[:, -C:].any():
         return None, None
     per_sample = module.units_per_sample(mm)

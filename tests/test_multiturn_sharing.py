@@ -221,9 +221,10 @@ def test_the_parity_test_catches_wrong_tool_image_positions(shift, batches, monk
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "internvl"])
-def test_each_image_goes_through_the_vision_tower_once_per_pass(family, batches):
-    """One tower call per pass, over each prompt's images once per group and each rollout's tool images once;
-    TRL's pass encodes the prompt images once per row."""
+def test_each_image_and_prompt_goes_through_the_model_once_per_pass(family, batches):
+    """One tower call per pass, over each prompt's images once per group and each rollout's tool images once (TRL's
+    pass encodes the prompt images once per row); the decoder reads each prompt once, then every row's
+    ``1 + C`` block."""
     trainer, batch = batches(family)
     grid = batch.get("image_grid_thw")
     units = grid.prod(-1).tolist() if grid is not None else [1] * sum(batch["num_images"])  # InternVL: 1 tile each
@@ -239,19 +240,29 @@ def test_each_image_goes_through_the_vision_tower_once_per_pass(family, batches)
         start += n
     assert len(seen_prompts) == 2 and expected < sum(units)
 
+    C = batch["completion_ids"].size(1)
+    lengths = {len(key) - 1 + G * (C + 1) for key in seen_prompts}  # one packed sequence per group
+
     tower = dict(trainer.model.named_modules())[trainer.vlm_module.vision_prefixes[0]]
-    calls = []
-    handle = tower.register_forward_hook(
-        lambda m, args, kwargs, out: calls.append((args[0] if args else kwargs["pixel_values"]).shape[0]),
-        with_kwargs=True,
-    )
+    calls, decoded = [], []
+    handles = [
+        tower.register_forward_hook(
+            lambda m, args, kwargs, out: calls.append((args[0] if args else kwargs["pixel_values"]).shape[0]),
+            with_kwargs=True,
+        ),
+        trainer.model.get_decoder().register_forward_hook(
+            lambda m, args, kwargs, out: decoded.append(tuple(kwargs["inputs_embeds"].shape[:2])), with_kwargs=True
+        ),
+    ]
     try:
         for _ in range(2):  # e.g. the old and the reference pass: each its own single call
             with torch.no_grad():
                 our_logps(trainer, batch)
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
     assert calls == [expected, expected], (calls, expected, sum(units))
+    assert decoded == [(2, max(lengths))] * 2, (decoded, lengths)
 
 
 def our_logps(trainer, batch):

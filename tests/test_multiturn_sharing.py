@@ -349,3 +349,26 @@ def test_internvl_images_of_several_tiles_in_prompts_and_tool_replies(tiny_model
         calls = _count_packed(mp)
         assert_parity(trainer, batch)
     assert calls == [2]
+
+
+def test_the_loss_of_a_multi_turn_batch_is_trls(batches, monkeypatch):
+    """TRL's loss (tool tokens masked by ``tool_mask``) and its gradients, with the packed pass and without."""
+    trainer, batch = batches("qwen2_5_vl")
+    calls = _count_packed(monkeypatch)
+    batch = {**batch, "advantages": torch.linspace(-1, 1, batch["advantages"].numel())}
+    results = []
+    for share in (False, True):
+        trainer.args.share_prompt = share
+        trainer.model.zero_grad(set_to_none=True)
+        loss = trainer.compute_loss(trainer.model, batch)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+        results.append((loss.detach(), grads))
+    trainer.args.share_prompt = True
+    (trl_loss, trl_grads), (our_loss, our_grads) = results
+    assert calls == [2], "the second loss came from the packed pass"
+    assert trl_loss.abs() > 1e-4
+    torch.testing.assert_close(our_loss, trl_loss, rtol=0, atol=1e-5)
+    assert trl_grads.keys() == our_grads.keys()
+    for name, g in trl_grads.items():
+        assert (our_grads[name] - g).norm() <= 1e-5 * g.norm().clamp_min(1e-12), name

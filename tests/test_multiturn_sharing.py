@@ -129,14 +129,26 @@ def batches(tiny_models, textured_rows, tmp_path_factory):
 
 @pytest.mark.parametrize(
     ("family", "options"),
-    [("qwen2_vl", {"attn": "eager"}), ("qwen3_vl", {"packed_attention": "dense"}), ("internvl", {"lora": True})],
+    [
+        ("qwen2_vl", {"attn": "eager"}),
+        ("qwen3_vl", {"packed_attention": "dense"}),
+        ("internvl", {"lora": True}),
+        ("qwen2_5_vl", {"checkpointing": True}),
+    ],
 )
 def test_packed_multi_turn_pass_matches_trl_with_other_kernels_and_lora(
     family, options, batches, tiny_models, textured_rows, tmp_path, monkeypatch
 ):
-    """The dense block mask (eager, or sdpa with packed_attention=dense) and LoRA layers see the same layout."""
+    """The dense block mask (eager, or sdpa with packed_attention=dense), LoRA layers and the recomputation of
+    gradient checkpointing see the same layout."""
     _, batch = batches(family)
+    options = dict(options)
+    checkpointing = options.pop("checkpointing", False)
     trainer = tool_trainer(family, tiny_models[family], textured_rows, tmp_path, **options)
+    if checkpointing:
+        trainer.model.gradient_checkpointing_enable({"use_reentrant": False})
+        trainer.model.train()
+        assert trainer.model.is_activation_checkpointing
     calls = _count_packed(monkeypatch)
     assert_parity(trainer, batch)
     assert calls == [2]

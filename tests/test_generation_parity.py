@@ -135,16 +135,16 @@ def look_alike_rows(tmp_path_factory):
 
 
 def _by_prompt_tokens_alone(real):
-    def plan(prompt_ids, prompt_mask, pixel_values, num_images, units):
-        return real(prompt_ids, prompt_mask, None, num_images, units)  # the pixels are never compared
+    def plan(prompt_ids, prompt_mask, pixel_values, num_images, units, *split):
+        return real(prompt_ids, prompt_mask, None, num_images, units, *split)  # the pixels are never compared
 
     return plan
 
 
 def _by_pixels_alone(real):
-    def plan(prompt_ids, prompt_mask, pixel_values, num_images, units):
+    def plan(prompt_ids, prompt_mask, pixel_values, num_images, units, *split):
         merged = []
-        for group in real(prompt_ids, prompt_mask, pixel_values, num_images, units):
+        for group in real(prompt_ids, prompt_mask, pixel_values, num_images, units, *split):
             same = next(
                 (m for m in merged if m.image_rows and group.image_rows
                  and torch.equal(pixel_values[slice(*m.image_rows)], pixel_values[slice(*group.image_rows)])),
@@ -154,6 +154,8 @@ def _by_pixels_alone(real):
                 merged.append(group)
             else:
                 same.rows.extend(group.rows)
+                same.tool_rows.extend(group.tool_rows)
+                same.tool_ranges.extend(group.tool_ranges)
         return merged
 
     return plan

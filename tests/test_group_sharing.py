@@ -23,7 +23,7 @@ from vlm_grpo.testing.tiny import FAMILIES
 from vlm_grpo.trainer import VLMGRPOTrainer
 
 G = 3
-MM_KEYS = ("pixel_values", "image_grid_thw", "num_images", "num_tiles", "mm_token_type_ids")
+MM_KEYS = ("pixel_values", "image_grid_thw", "num_images", "num_tiles", "mm_token_type_ids", "token_type_ids")
 
 
 def _reward(completions, **kwargs):
@@ -156,8 +156,8 @@ def test_the_parity_test_catches_1d_positions(tiny_models, rows_file, tmp_path, 
     inputs = real_batch(trainer)
     one_d = GroupSharingMixin.packed_position_ids
 
-    def wrong(self, model, group, mm, c, blocks, total):
-        return one_d(self, model, group, mm, c, blocks, total).expand(3, 1, -1)
+    def wrong(self, model, group, mm, completions, total):
+        return one_d(self, model, group, mm, completions, total).expand(3, 1, -1)
 
     monkeypatch.setattr(type(trainer.vlm_module), "packed_position_ids", wrong)
     with pytest.raises(AssertionError):

@@ -285,7 +285,8 @@ class VLMGRPOConfig(GRPOConfig):
         default=True,
         metadata={
             "help": "Compute log-probs (old, reference, policy) of each GRPO group in one forward over "
-            "[prompt | c1 | ... | cG]: the prompt and its images are processed once instead of G times. "
+            "[prompt | c1 | ... | cG]: the prompt and its images are processed once instead of G times (with tools, "
+            "each block holds one rollout's turns, tool replies and tool images). "
             "Same numbers as TRL's per-row pass (parity-tested); turn off to use TRL's path."
         },
     )

@@ -245,6 +245,8 @@ class VLMGRPOTrainer(
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Rows that share a prompt share one forward (``share_prompt``); see :mod:`vlm_grpo.fastpath.sharing`."""
         extra = {k for k, v in mm.items() if v is not None} - self._SHARED_MM_KEYS
+        if "token_type_ids" not in self._forward_parameters():
+            extra.discard("token_type_ids")  # TRL's tool-image pass adds it for families whose forward ignores it
         if self.args.share_prompt:  # every rank asks: ranks decide together
             usable = not compute_aux_loss and not extra
             result = packed_logps(

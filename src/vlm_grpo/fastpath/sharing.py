@@ -15,13 +15,19 @@ causally to itself, never to another block. Positions are explicit (mrope for Qw
 the model cannot infer them from a packed layout. Log-probs come from TRL's fused LM head via
 ``shift_labels`` and are scattered back to the ``(rows, C)`` layout TRL expects, so old, reference
 and policy log-probs all go through the same path.
+
+Multi-turn tool rollouts fit the same layout: a completion ``c_g`` is the rollout's whole tail (its turns, the
+tool observations between them, their images), so each block holds one rollout's history after the shared
+prompt. The vision tower sees the group's prompt images once and each rollout's tool images once, in the order
+their placeholder tokens appear in the pack; a block's positions continue the prompt's as the rollout's own
+sequence has them (mrope for tool images included).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -43,20 +49,40 @@ class Group:
     pad_offset: int  # left padding of the leader's prompt in the batch layout
     image_rows: tuple[int, int] | None  # leader's slice of pixel_values (rows or tiles)
     image_range: tuple[int, int] | None  # leader's slice of per-image tensors (image_grid_thw)
+    # Per row of ``rows``: its slices of the images in its completion (tool images), or None.
+    tool_rows: list[tuple[int, int] | None] = field(default_factory=list)
+    tool_ranges: list[tuple[int, int] | None] = field(default_factory=list)
 
 
-def _image_slices(num_images: list[int] | None, units_per_sample: list[int] | None, n_rows: int):
-    """Per row: (start, end) of its pixel units and of its images; None when it has none."""
+Span = tuple[int, int] | None
+
+
+def _image_slices(
+    num_images: list[int] | None,
+    units_per_sample: list[int] | None,
+    n_rows: int,
+    prompt_images: list[int] | None = None,
+    units_per_image: list[int] | None = None,
+) -> tuple[list[Span], list[Span], list[Span], list[Span]]:
+    """Per row: (start, end) of its prompt images' pixel units and of those images, then the same for the images
+    after its prompt (``prompt_images``: how many of a row's images its prompt holds; None: all of them)."""
+    none: list[Span] = [None] * n_rows
     if not num_images or units_per_sample is None:
-        return [None] * n_rows, [None] * n_rows
-    units, images = [], []
+        return none, none, none, none
+    if prompt_images is None or prompt_images == list(num_images):
+        prompt_images, units_per_image = list(num_images), None
+    units, images, tool_units, tool_images = [], [], [], []
     unit_start, image_start = 0, 0
-    for count, n_units in zip(num_images, units_per_sample, strict=True):
-        units.append((unit_start, unit_start + n_units) if count else None)
-        images.append((image_start, image_start + count) if count else None)
+    for row, (count, n_units) in enumerate(zip(num_images, units_per_sample, strict=True)):
+        first = prompt_images[row]
+        head = n_units if units_per_image is None else sum(units_per_image[image_start : image_start + first])
+        units.append((unit_start, unit_start + head) if first else None)
+        images.append((image_start, image_start + first) if first else None)
+        tool_units.append((unit_start + head, unit_start + n_units) if count > first else None)
+        tool_images.append((image_start + first, image_start + count) if count > first else None)
         unit_start += n_units
         image_start += count
-    return units, images
+    return units, images, tool_units, tool_images
 
 
 def plan_groups(
@@ -65,9 +91,17 @@ def plan_groups(
     pixel_values: torch.Tensor | None,
     num_images: list[int] | None,
     units_per_sample: list[int] | None,
+    prompt_images: list[int] | None = None,
+    units_per_image: list[int] | None = None,
 ) -> list[Group]:
-    """Rows that share prompt tokens and pixels form one group (whatever their order in the batch)."""
-    unit_slices, image_slices = _image_slices(num_images, units_per_sample, prompt_ids.size(0))
+    """Rows that share prompt tokens and pixels form one group (whatever their order in the batch).
+
+    ``prompt_images`` (with ``units_per_image``): how many of each row's images are its prompt's; the others are
+    its completion's (tool images), which each row keeps for itself (None: every image is the prompt's).
+    """
+    unit_slices, image_slices, tool_units, tool_images = _image_slices(
+        num_images, units_per_sample, prompt_ids.size(0), prompt_images, units_per_image
+    )
     groups: list[Group] = []
     by_key: dict[tuple, list[Group]] = {}
     for row in range(prompt_ids.size(0)):
@@ -89,6 +123,8 @@ def plan_groups(
             by_key.setdefault(key, []).append(match)
             groups.append(match)
         match.rows.append(row)
+        match.tool_rows.append(tool_units[row])
+        match.tool_ranges.append(tool_images[row])
     return groups
 
 
@@ -135,8 +171,14 @@ def packed_logps(
     module = trainer.vlm_module
     groups = None
     if usable:
-        units = module.units_per_sample(mm)
-        groups = plan_groups(prompt_ids, prompt_mask, mm.get("pixel_values"), mm.get("num_images"), units)
+        inner = peft_base(trainer.accelerator.unwrap_model(model))
+        split = completion_images(module, inner, input_ids, C, mm)
+        if isinstance(split, str):
+            warn_once(logger, f"share_prompt: batches where {split} go through TRL's per-row pass", logging.INFO)
+        else:
+            units = module.units_per_sample(mm)
+            pixels, num_images = mm.get("pixel_values"), mm.get("num_images")
+            groups = plan_groups(prompt_ids, prompt_mask, pixels, num_images, units, *split)
     if not _all_ranks_agree(trainer, groups is not None and len(groups) < input_ids.size(0)):
         return None
     chunks: list[list[Group]] = [[]]
@@ -150,6 +192,38 @@ def packed_logps(
     logps = torch.cat([p[0] for p in parts])[order]
     entropies = torch.cat([p[1] for p in parts])[order] if compute_entropy else None
     return logps, entropies
+
+
+def completion_images(
+    module: Any, model: Any, input_ids: torch.Tensor, C: int, mm: dict[str, Any]
+) -> tuple[list[int] | None, list[int] | None] | str:
+    """(images each row's prompt holds, pixel units per image) when completions hold images (tool images), else
+    ``(None, None)``; a reason when the rows' images cannot be told apart.
+
+    Every image is one run of placeholder tokens (the chat template wraps each one), in the order of the row's
+    images (TRL appends a rollout's tool images to its prompt images): the runs before the completion are the
+    prompt's. The adapter turns a run's length into the image's pixel units (:meth:`image_units`); each row's
+    units must add up to what it owns in ``pixel_values``.
+    """
+    num_images = mm.get("num_images")
+    token = getattr(model.config, "image_token_id", None)
+    if mm.get("pixel_values") is None or not num_images or token is None:
+        return None, None
+    placeholders = (input_ids == token).cpu()  # one copy to the host, rather than a sync per row below
+    if not placeholders[:, -C:].any():
+        return None, None
+    per_sample = module.units_per_sample(mm)
+    counts, units = [], []
+    for row, n in enumerate(num_images):
+        where = placeholders[row].nonzero()[:, 0]
+        cuts = (where.diff() != 1).nonzero()[:, 0] + 1
+        runs = [(int(r[0]), r.numel()) for r in where.tensor_split(cuts.tolist())] if where.numel() else []
+        own = [module.image_units(model, length) for _, length in runs]
+        if len(runs) != n or None in own or per_sample is None or sum(own) != per_sample[row]:
+            return f"a row's image placeholders do not match its images ({type(module).__name__})"
+        counts.append(sum(1 for first, _ in runs if first < input_ids.size(1) - C))
+        units += own
+    return counts, units
 
 
 def _packed_forward(
@@ -181,7 +255,7 @@ def _packed_forward(
             packed[i, start + 1 : start + block] = completion_ids[row]
             labels[i, start : start + C] = completion_ids[row].masked_fill(completion_mask[row] == 0, -100)
             gather.append(i * total + start)
-        positions.append(module.packed_position_ids(inner, g, mm, C, len(g.rows), total))
+        positions.append(module.packed_position_ids(inner, g, mm, completion_ids[g.rows], total))
 
     inputs: dict[str, Any] = {
         "input_ids": packed,

@@ -59,18 +59,37 @@ class GroupSharingMixin:
         """Rows of ``pixel_values`` each sample owns (None: no images in the batch)."""
         return None
 
+    def image_units(self, model: Any, placeholders: int) -> int | None:
+        """Rows of ``pixel_values`` an image owns whose features fill ``placeholders`` tokens (None: not known)."""
+        return None
+
+    @staticmethod
+    def vision_spans(groups: list[Any], pixels: bool) -> list[tuple[int, int]]:
+        """Slices of the per-unit (``pixels``) or per-image tensors, in the order the packed pass places them: a
+        group's prompt images (its leader's, once), then each row's own tool images."""
+        spans = []
+        for g in groups:
+            spans.append(g.image_rows if pixels else g.image_range)
+            spans.extend(g.tool_rows if pixels else g.tool_ranges)
+        return [s for s in spans if s is not None]
+
     def group_vision_inputs(self, groups: list[Any], mm: dict[str, Any]) -> dict[str, Any]:
-        """Vision inputs of the group leaders only: each unique image is encoded once."""
+        """Vision inputs of the group leaders' prompts and of each row's tool images: each unique image is encoded
+        once."""
         pixel_values = mm.get("pixel_values")
-        slices = [g.image_rows for g in groups if g.image_rows is not None]
+        slices = self.vision_spans(groups, pixels=True)
         if pixel_values is None or not slices:
             return {}
         return {"pixel_values": torch.cat([pixel_values[a:b] for a, b in slices])}
 
     def packed_position_ids(
-        self, model: Any, group: Any, mm: dict[str, Any], completion_len: int, blocks: int, total: int
+        self, model: Any, group: Any, mm: dict[str, Any], completions: torch.Tensor, total: int
     ) -> torch.Tensor:
-        """1-D positions as the naive left-padded pass has them (prompt token i at its padded index)."""
+        """1-D positions as the naive left-padded pass has them (prompt token i at its padded index).
+
+        ``completions``: the completion ids of the group's rows, ``(blocks, C)``.
+        """
+        blocks, completion_len = completions.shape
         prompt_len = group.prompt.numel()
         start = group.pad_offset
         device = group.prompt.device

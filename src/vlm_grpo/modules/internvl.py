@@ -41,6 +41,11 @@ class InternVLModule(VLMModule):
         (``num_tiles``), and leaves them out when every image is one tile."""
         return mm.get("num_tiles") or mm.get("num_images")
 
+    def image_units(self, model: Any, placeholders: int) -> int | None:
+        """Tiles: each fills ``image_seq_length`` placeholders."""
+        tiles, rest = divmod(placeholders, model.config.image_seq_length)
+        return None if rest else tiles
+
     def dummy_image_inputs(self, backbone: torch.nn.Module, device: Any) -> dict[str, Any]:
         """One blank tile at the vision tower's input size."""
         vision = backbone.config.vision_config

@@ -87,19 +87,26 @@ class Qwen2VLModule(VLMModule):
             return None
         return [int(s.sum()) for s in grid.prod(dim=-1).split(num_images)]
 
+    def image_units(self, model: Any, placeholders: int) -> int | None:
+        """Patches: each placeholder is one ``merge x merge`` group of them."""
+        return placeholders * model.config.vision_config.spatial_merge_size**2
+
     def group_vision_inputs(self, groups: list[Any], mm: dict[str, Any]) -> dict[str, Any]:
         inputs = super().group_vision_inputs(groups, mm)
-        ranges = [g.image_range for g in groups if g.image_range is not None]
+        ranges = self.vision_spans(groups, pixels=False)
         if inputs and ranges:
             inputs["image_grid_thw"] = torch.cat([mm["image_grid_thw"][a:b] for a, b in ranges])
         return inputs
 
     def packed_position_ids(
-        self, model: Any, group: Any, mm: dict[str, Any], completion_len: int, blocks: int, total: int
+        self, model: Any, group: Any, mm: dict[str, Any], completions: torch.Tensor, total: int
     ) -> torch.Tensor:
-        """mrope positions: the prompt's from ``get_rope_index``; completion token j at last + 1 + j (all axes)."""
+        """mrope positions: the prompt's from ``get_rope_index``; a completion continues from the last prompt
+        position + 1 as its own sequence would (``get_rope_index`` over its tokens and tool images, shifted: text
+        after an image starts past the image's extent, as in the row's whole sequence)."""
         prompt = group.prompt[None]
         device = prompt.device
+        completion_len = completions.size(1)
         if group.image_range is None:
             prompt_pos = torch.arange(prompt.size(1), device=device).expand(3, 1, -1)
         else:
@@ -113,7 +120,16 @@ class Qwen2VLModule(VLMModule):
                 attention_mask=torch.ones_like(prompt),
             )
         last = prompt_pos[:, :, -1:]
-        completion = last + 1 + torch.arange(completion_len, device=device).view(1, 1, -1)
-        block = torch.cat([last, completion], dim=-1)
-        used = torch.cat([prompt_pos[:, :, :-1], block.repeat(1, 1, blocks)], dim=-1)
+        text = torch.arange(completion_len, device=device).view(1, 1, -1).expand(3, 1, -1)
+        parts = [prompt_pos[:, :, :-1]]
+        for row, tools, ids in zip(group.rows, group.tool_ranges, completions, strict=True):
+            relative = text
+            if tools is not None:
+                relative, _ = model.model.get_rope_index(
+                    ids[None],
+                    mm_token_type_ids=mm["mm_token_type_ids"][row, -completion_len:][None],
+                    image_grid_thw=mm["image_grid_thw"][tools[0] : tools[1]],
+                )
+            parts += [last, last + 1 + relative]
+        used = torch.cat(parts, dim=-1)
         return torch.nn.functional.pad(used, (0, total - used.size(-1)))

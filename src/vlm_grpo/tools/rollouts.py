@@ -34,9 +34,6 @@ from vlm_grpo.tools.templates import family_tool_template
 
 logger = logging.getLogger(__name__)
 
-# The packed log-prob pass shares one prompt per group; after a tool turn every rollout's prefix is its own.
-# (Generation keeps share_prefill / fast_decode: the first turn shares its prompt, later turns decode fast.)
-_SPEED_FEATURES = ("share_prompt",)
 _VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 _VISION_TOKENS += ("<IMG_CONTEXT>", "<img>", "</img>", "<video>")
 
@@ -140,11 +137,11 @@ def tool_turns(
 
 
 def prepare_for_tools(args: Any, processing_class: Any) -> None:
-    """Set the tool-call parser when the checkpoint has none, and turn the packed log-prob pass off.
+    """Set the tool-call parser when the checkpoint has none, and keep the model from writing image placeholders.
 
-    ``share_prompt`` packs one prompt per group; tool turns make every rollout's prefix its own, so the
-    log-prob passes are TRL's per-row ones. Generation keeps the speed path: the first turn prefills each
-    prompt once for its group, and every turn decodes with ``fast_decode`` (``VLMGRPOTrainer._generate_single_turn``).
+    The speed path stays on: the first turn prefills each prompt once for its group, every turn decodes with
+    ``fast_decode`` (``VLMGRPOTrainer._generate_single_turn``), and the packed log-prob pass (``share_prompt``)
+    holds each rollout's turns, tool replies and tool images in its block after the shared prompt.
     """
     tokenizer = getattr(processing_class, "tokenizer", processing_class)
     from trl.chat_template_utils import supports_tool_calling
@@ -169,13 +166,6 @@ def prepare_for_tools(args: Any, processing_class: Any) -> None:
         kwargs = dict(args.generation_kwargs or {})
         kwargs["suppress_tokens"] = sorted(set(kwargs.get("suppress_tokens") or []) | set(placeholders))
         args.generation_kwargs = kwargs
-    on = [name for name in _SPEED_FEATURES if getattr(args, name, False)]
-    if on:
-        logger.info(
-            "Tool rollouts are multi-turn: %s turned off for this run (TRL's per-row log-prob passes)", ", ".join(on)
-        )
-        for name in on:
-            setattr(args, name, False)
 
 
 _EXECUTOR: ThreadPoolExecutor | None = None

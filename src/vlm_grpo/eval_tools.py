@@ -28,6 +28,7 @@ from vlm_grpo.tools.rollouts import ProtocolParser, build_tool_environment, prep
 
 logger = logging.getLogger("vlm_grpo")
 
+
 @dataclass
 class ToolRollout:
     """One evaluated rollout: the completion messages (as rewards receive them) and its counts."""

@@ -213,4 +213,3 @@ zoom_in.setup = lambda options: _check_options("zoom_in", options)  # type: igno
 crop.setup = lambda options: _check_options("crop", options)  # type: ignore[attr-defined]
 rotate.setup = lambda options: _check_options("rotate", options)  # type: ignore[attr-defined]
 image_zoom_in_tool.setup = lambda options: _check_options("image_zoom_in_tool", options)  # type: ignore[attr-defined]
-image_zoom_in_tool.protocol = "deepeyes"  # type: ignore[attr-defined]

@@ -42,7 +42,7 @@ TOOL_PROTOCOL_HELP = (
     "schemas in the system prompt), 'pyvision' (```python / <code> blocks run in the python tool, <interpreter> "
     "replies; a turn ends at </code>) or 'deepeyes' (DeepEyes' <tool_call> and reply text, in the version set by "
     "image_zoom_in_tool's 'version' option: v2, the default, or v5). Default: the protocol the tools name "
-    "(DeepEyes' image_zoom_in_tool: deepeyes), else hermes. A turn with <answer>...</answer> always ends the "
+    "(a plugin tool's 'protocol' attribute), else hermes. A turn with <answer>...</answer> always ends the "
     "rollout; its tool calls are not run."
 )
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -301,7 +301,7 @@ PROTOCOLS.register("deepeyes", DeepEyesProtocol())
 
 def resolve_protocol(name: str | None, tools: list[Any] | tuple[Any, ...] = ()) -> ToolProtocol:
     """The protocol named by ``--tool_protocol``; unset, the one the tools name (a tool function's ``protocol``
-    attribute, e.g. DeepEyes' ``image_zoom_in_tool``), else ``hermes``."""
+    attribute, e.g. a plugin's), else ``hermes``."""
     if name:
         return PROTOCOLS.get(name)
     named = {getattr(t, "protocol", None) for t in tools} - {None}

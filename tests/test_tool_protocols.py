@@ -303,7 +303,7 @@ def test_per_turn_and_context_budgets_cut_each_turn():
     assert [len(r) for r in ids] == [1]
 
 
-def test_flags_parse_and_sft_refuses_tool_flags(tmp_path):
+def test_flags_parse_and_sft_refuses_the_budgets(tmp_path):
     from vlm_grpo.cli_errors import UserError
     from vlm_grpo.grpo_jsonl import parse_args
     from vlm_grpo.sft_jsonl import build_trainer
@@ -318,9 +318,9 @@ def test_flags_parse_and_sft_refuses_tool_flags(tmp_path):
     assert (script.tool_protocol, script.max_turn_tokens, script.max_tool_images) == ("pyvision", 64, 3)
     assert script.max_context_tokens == 4096
     argv = ["--model_name_or_path", str(tmp_path / "never-loaded"), "--output_dir", str(tmp_path / "out")]
-    with pytest.raises(UserError, match="--tools: vlm-grpo-sft does not run tools"):
-        build_trainer(*sft_args([*argv, "--tools", "zoom_in"]))
-    with pytest.raises(UserError, match="--tool_protocol"):
+    with pytest.raises(UserError, match="--max_context_tokens: vlm-grpo-sft generates nothing"):
+        build_trainer(*sft_args([*argv, "--tools", "zoom_in", "--max_context_tokens", "64"]))
+    with pytest.raises(UserError, match="--tool_protocol without --tools"):
         build_trainer(*sft_args([*argv, "--tool_protocol", "hermes"]))
 
 

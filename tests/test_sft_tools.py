@@ -11,6 +11,7 @@ from e2e_utils import make_dataset
 from test_tool_protocols_e2e import ANSWER, first_turns, run
 from vlm_grpo.eval_tools import ToolLoop
 from vlm_grpo.sft_tools import ToolRolloutCollator, ToolRolloutTransform
+from vlm_grpo.testing.tiny import FAMILIES
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -20,9 +21,12 @@ def data(tmp_path_factory):
     return make_dataset(tmp_path_factory.mktemp("sft_tools"), kinds=("single",))
 
 
-@pytest.mark.parametrize("protocol", ["hermes", "pyvision", "deepeyes"])
-def test_sft_trains_the_tokens_grpo_builds(protocol, tiny_models, data, tmp_path):
-    trainer, seen = run(protocol, "qwen2_5_vl", tiny_models, data, tmp_path / "grpo", stage="_generate_turn")
+CASES = [("hermes", "qwen2_5_vl"), ("pyvision", "qwen2_5_vl")] + [("deepeyes", f) for f in FAMILIES]
+
+
+@pytest.mark.parametrize(("protocol", "family"), CASES)
+def test_sft_trains_the_tokens_grpo_builds(protocol, family, tiny_models, data, tmp_path):
+    trainer, seen = run(protocol, family, tiny_models, data, tmp_path / "grpo", stage="_generate_turn")
     batch = seen["batches"][0]
     processor = trainer.processing_class
     tools = ["python"] if protocol == "pyvision" else ["zoom_in"]
@@ -32,7 +36,7 @@ def test_sft_trains_the_tokens_grpo_builds(protocol, tiny_models, data, tmp_path
     for i in range(batch["completion_ids"].size(0)):
         image = trainer.environments[i].images[0].tobytes()
         row = next(r for r in rows if r["images"][0].tobytes() == image)
-        turns = [first_turns(protocol, "qwen2_5_vl")[i % 2].removesuffix("<|im_end|>"), ANSWER]
+        turns = [first_turns(protocol, family)[i % 2].removesuffix("<|im_end|>"), ANSWER]
         encoded = ToolRolloutTransform(trainer.vlm_module, loop, processor).encode({**row, "assistant_turns": turns})
         prompt = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()].tolist()
         kept = batch["completion_mask"][i].bool()
@@ -55,24 +59,38 @@ def sft_argv(tiny_models, path, out, *extra):
     ]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def trajectories(data, tmp_path_factory):
+def write_trajectories(data, folder, box=(4, 4, 44, 44)):
+    """The test rows with ``assistant_turns``: a zoom on ``box`` (in the family's frame), then the answer."""
     path, _ = data
-    out = tmp_path_factory.mktemp("trajectories") / "train.jsonl"
-    call = '<tool_call>\n{"name": "zoom_in", "arguments": {"bbox_2d": [4, 4, 44, 44]}}\n</tool_call>'
+    out = folder / "train.jsonl"
+    call = json.dumps({"name": "zoom_in", "arguments": {"bbox_2d": list(box)}})
     rows = [json.loads(line) for line in path.read_text().splitlines()]
-    out.write_text("".join(json.dumps({**r, "assistant_turns": [call, ANSWER]}) + "\n" for r in rows))
-    (out.parent / "images").symlink_to(path.parent / "images")
+    turns = [f"<tool_call>\n{call}\n</tool_call>", ANSWER]
+    out.write_text("".join(json.dumps({**r, "assistant_turns": turns}) + "\n" for r in rows))
+    (folder / "images").symlink_to(path.parent / "images")
     return out
 
 
-def test_sft_with_tools_runs_and_learns_from_the_turns(tiny_models, trajectories, tmp_path):
+@pytest.fixture(scope="module")
+def trajectories(data, tmp_path_factory):
+    return write_trajectories(data, tmp_path_factory.mktemp("trajectories"))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sft_with_tools_runs_and_learns_from_the_turns(family, tiny_models, data, tmp_path):
+    from test_tool_protocols_e2e import BOX
     from vlm_grpo.sft_jsonl import main, parse_args
 
-    trainer = main(*parse_args(sft_argv(tiny_models, trajectories, tmp_path / "out", "--tools", "zoom_in")))
+    (tmp_path / "rows").mkdir()
+    path = write_trajectories(data, tmp_path / "rows", BOX[family])
+    argv = sft_argv(tiny_models, path, tmp_path / "out", "--tools", "zoom_in")
+    argv[1] = str(tiny_models[family])
+    trainer = main(*parse_args(argv))
     assert trainer.state.global_step == 1 and trainer.state.log_history[0]["loss"] > 0
     batch = trainer.data_collator([trainer.train_dataset[0], trainer.train_dataset[1]])
-    assert batch["pixel_values"].size(0) > 0 and batch["image_grid_thw"].size(0) == 4  # prompt + zoom, per row
+    assert batch["pixel_values"].size(0) > 0
+    if "image_grid_thw" in batch:  # the Qwen families: two images per row, their tokens typed as images
+        assert batch["image_grid_thw"].size(0) == 4 and trainer.train_dataset[0]["types"].count(1) > 0
     assert (batch["labels"] != -100).sum() < batch["attention_mask"].sum()  # the prompt and replies are masked
 
 

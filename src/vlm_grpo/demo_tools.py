@@ -90,7 +90,6 @@ def sft_tools_argv(a: argparse.Namespace, model: Path, out: Path, rows: str, ste
         "--tools", *TOOLS,
         "--tool_kwargs", tool_kwargs(),
         "--max_grad_norm", "0",
-        "--logging_steps", "10",
     ]  # fmt: skip
 
 

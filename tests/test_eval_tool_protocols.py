@@ -152,7 +152,7 @@ def test_eval_command_takes_the_protocol(tiny_models, data, tmp_path):
         "--max_new_tokens", "6", "--device", "cpu", "--progress", "false",
     ]  # fmt: skip
     summary = main(argv)
-    assert summary["tools"]["rollouts"] == summary["count"]
+    assert summary["tools"]["rollouts"] == summary["count"] and summary["tools"]["protocol"] == "deepeyes"
     with pytest.raises(KeyError, match="no_such"):
         main([*argv[:-8], "--tool_protocol", "no_such", "--device", "cpu", "--progress", "false"])
     with pytest.raises(ValueError, match="--tool_protocol needs --tools"):

@@ -329,7 +329,7 @@ def evaluate(args: EvalArguments) -> dict[str, Any]:
             "max_new_tokens": args.max_new_tokens,
         },
         **summarise(predictions, names, args.num_samples, args.pass_threshold),
-        **({"tools": tool_summary(predictions)} if loop is not None else {}),
+        **({"tools": {**tool_summary(predictions), "protocol": loop.protocol}} if loop is not None else {}),
         "failures": {
             "bad_rows": len(bad),
             "generation": generation_failures,

@@ -199,6 +199,13 @@ class ToolLoop:
         stop string), each tool reply suffix. Supervised fine-tuning on these segments trains exactly the tokens
         the loop shows and samples."""
         env, shown, tools, images, text = self._start(row)
+        try:
+            return self._replay(env, shown, tools, images, text, turns)
+        finally:
+            env._close_state()  # the rollout's interpreter goes back now, not when the environment is collected
+
+    def _replay(self, env: Any, shown: list[Any], tools: dict[str, Any], images: list[Any], text: str,
+                turns: Sequence[str]) -> list[tuple[str, list[Any], bool]]:  # fmt: skip
         segments = [(text, images, False)]
         eos = self.tokenizer.eos_token
         for i, turn in enumerate(turns):
@@ -219,6 +226,13 @@ class ToolLoop:
     def run(self, row: dict[str, Any]) -> ToolRollout:
         """One rollout of ``row`` (a dataset row: ``prompt``, ``images``, ``coord_sizes``, ...)."""
         env, shown, tools, images, text = self._start(row)
+        try:
+            return self._run(row, env, shown, tools, images, text)
+        finally:
+            env._close_state()
+
+    def _run(self, row: dict[str, Any], env: Any, shown: list[Any], tools: dict[str, Any], images: list[Any],
+             text: str) -> ToolRollout:  # fmt: skip
         self.turns.reset_counts()
         out = ToolRollout()
         rounds = 0

@@ -100,6 +100,8 @@ def test_sft_with_tools_runs_and_learns_from_the_turns(family, tiny_models, data
         (["--tools", "zoom_in", "--max_turn_tokens", "8"], "--max_turn_tokens: vlm-grpo-sft generates nothing"),
         (["--tool_protocol", "pyvision"], "--tool_protocol without --tools"),
         (["--tools", "zoom_in", "--tool_protocol", "nope"], "nope"),
+        (["--tools", "zoom_in", "--max_length", "64"], "--max_length with --tools"),
+        (["--tools", "zoom_in", "--assistant_only_loss", "false"], "--assistant_only_loss false with --tools"),
     ],
 )
 def test_flags_it_cannot_honour_are_errors(tiny_models, trajectories, tmp_path, extra, message):

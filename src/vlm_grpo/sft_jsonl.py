@@ -145,14 +145,29 @@ def check_tool_flags(script_args: GRPOScriptArguments) -> None:
         check_run_tool_flags(script_args)  # unknown tool or protocol, a bad option: before any model loads
 
 
-def build_tool_trainer(script_args, training_args, model_args, module, processor, train_dataset, eval_dataset):
+def build_tool_trainer(
+    script_args: GRPOScriptArguments,
+    training_args: VLMSFTConfig,
+    model_args: VLMModelConfig,
+    module: Any,
+    processor: Any,
+    train_dataset: Any,
+    eval_dataset: Any,
+) -> VLMSFTTrainer:
     """The trainer for ``--tools``: rows replayed as the GRPO run's tool rollouts (:mod:`vlm_grpo.sft_tools`)."""
     from trl import get_peft_config
 
+    from vlm_grpo.cli_errors import UserError
     from vlm_grpo.recipe import load_model
     from vlm_grpo.sft_tools import ToolRolloutCollator, tool_rollout_dataset, type_key
     from vlm_grpo.sft_trainer import VLMSFTTrainer
 
+    if training_args.max_length is not None or not training_args.assistant_only_loss:
+        given = "--max_length" if training_args.max_length is not None else "--assistant_only_loss false"
+        raise UserError(
+            f"{given} with --tools: a tool rollout is trained whole (its images' tokens cannot be cut) with the loss "
+            "on the model's turns only; drop the flag, or shorten the rows' assistant_turns"
+        )
     train = tool_rollout_dataset(train_dataset, script_args, module, processor)
     evaluation = tool_rollout_dataset(eval_dataset, script_args, module, processor) if eval_dataset else None
     train[0]  # the first row has its turns, and they replay (calls parse and run), before the model loads

@@ -14,6 +14,7 @@ import torch
 
 from e2e_utils import make_dataset
 from test_eval_tools import ScriptedPolicy
+from test_sft_tools import assert_sft_trains_grpo_tokens
 from test_tool_protocols_e2e import ANSWER, first_turns, run
 from vlm_grpo.eval_tools import ToolLoop
 
@@ -120,9 +121,10 @@ def collapse(text: str) -> str:
 
 
 @pytest.mark.parametrize("protocol", ["hermes", "pyvision", "deepeyes"])
-def test_eval_and_grpo_build_the_same_rollout(protocol, tiny_models, data, setup, tmp_path):
+def test_eval_sft_and_grpo_build_the_same_rollout(protocol, tiny_models, data, setup, tmp_path):
     """One GRPO step with scripted turns (a good call, a bad one; then the answer), and the evaluation loop on
-    the same row with the same turns: each rollout's tokens, prompt to answer, are the same text."""
+    the same row with the same turns: each rollout's tokens, prompt to answer, are the same text; and SFT
+    (``vlm-grpo-sft --tools``) encodes the same trajectory as the same tokens, trained where GRPO trains."""
     trainer, seen = run(protocol, "qwen2_5_vl", tiny_models, data, tmp_path / "grpo", stage="_generate_turn")
     batch = seen["batches"][0]
     tokenizer = trainer._tokenizer
@@ -139,6 +141,7 @@ def test_eval_and_grpo_build_the_same_rollout(protocol, tiny_models, data, setup
         assert out.turns == 2
         evaluated = context(policy, 1) + ANSWER + "<|im_end|>"
         assert evaluated == prompt + collapse(grpo)
+    assert_sft_trains_grpo_tokens(trainer, seen, protocol, "qwen2_5_vl")
 
 
 def test_eval_command_takes_the_protocol(tiny_models, data, tmp_path):

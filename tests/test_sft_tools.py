@@ -21,32 +21,39 @@ def data(tmp_path_factory):
     return make_dataset(tmp_path_factory.mktemp("sft_tools"), kinds=("single",))
 
 
-CASES = [("hermes", "qwen2_5_vl"), ("pyvision", "qwen2_5_vl")] + [("deepeyes", f) for f in FAMILIES]
-
-
-@pytest.mark.parametrize(("protocol", "family"), CASES)
-def test_sft_trains_the_tokens_grpo_builds(protocol, family, tiny_models, data, tmp_path):
-    trainer, seen = run(protocol, family, tiny_models, data, tmp_path / "grpo", stage="_generate_turn")
+def assert_sft_trains_grpo_tokens(trainer, seen, protocol, family):
+    """Each rollout of a scripted GRPO step (:func:`test_tool_protocols_e2e.run`), replayed as SFT encodes it:
+    the same tokens, prompt to answer (image tokens included), and labels exactly on the tokens the loss of GRPO
+    keeps (the model's turns; prompt and tool replies masked)."""
     batch = seen["batches"][0]
     processor = trainer.processing_class
     tools = ["python"] if protocol == "pyvision" else ["zoom_in"]
     options = '{"python": {"timeout": 20, "pool_size": 1}}' if protocol == "pyvision" else None
     loop = ToolLoop(None, processor, trainer.vlm_module, tools, options, protocol=protocol)
+    transform = ToolRolloutTransform(trainer.vlm_module, loop, processor)
     rows = list(trainer.train_dataset)
     for i in range(batch["completion_ids"].size(0)):
         image = trainer.environments[i].images[0].tobytes()
         row = next(r for r in rows if r["images"][0].tobytes() == image)
         turns = [first_turns(protocol, family)[i % 2].removesuffix("<|im_end|>"), ANSWER]
-        encoded = ToolRolloutTransform(trainer.vlm_module, loop, processor).encode({**row, "assistant_turns": turns})
+        encoded = transform.encode({**row, "assistant_turns": turns})
         prompt = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()].tolist()
         kept = batch["completion_mask"][i].bool()
         completion = batch["completion_ids"][i][kept].tolist()
         assert encoded["input_ids"] == prompt + completion  # the same tokens, image tokens included
         trained = [label != -100 for label in encoded["labels"]]
-        assert trained == [False] * len(prompt) + [bool(m) for m in batch["tool_mask"][i][kept].tolist()]
+        model_tokens = [bool(m) for m in batch["tool_mask"][i][kept].tolist()]
+        assert trained == [False] * len(prompt) + model_tokens
         assert [t for t, keep in zip(encoded["labels"], trained, strict=True) if keep] == [
-            t for t, m in zip(completion, batch["tool_mask"][i][kept].tolist(), strict=True) if m
+            t for t, m in zip(completion, model_tokens, strict=True) if m
         ]
+
+
+# Qwen2.5-VL's three protocols are checked with the evaluation loop (test_eval_tool_protocols.py, one GRPO run)
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "qwen2_5_vl"])
+def test_sft_trains_the_tokens_grpo_builds(family, tiny_models, data, tmp_path):
+    trainer, seen = run("deepeyes", family, tiny_models, data, tmp_path / "grpo", stage="_generate_turn")
+    assert_sft_trains_grpo_tokens(trainer, seen, "deepeyes", family)
 
 
 def sft_argv(tiny_models, path, out, *extra):

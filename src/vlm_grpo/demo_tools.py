@@ -7,10 +7,9 @@ the small object inside the grey frame?" on a 112-px canvas cluttered with squar
 trajectories call ``zoom_in`` on the frame, read the tool's zoomed view and answer in ``<answer>`` tags.
 
 1. build a tiny random Qwen2.5-VL (:mod:`vlm_grpo.testing.tiny`, seeded);
-2. supervised fine-tuning on the tool trajectories with ``vlm-grpo-sft --tools`` (each row's
-   ``assistant_turns`` replayed as the GRPO run's tool rollout: the prompt with the tool schemas, the call, the
-   tool's real reply with its image, the answer; loss on the model's turns only): first with true answers, then
-   with a weak
+2. supervised fine-tuning on the tool trajectories, replayed through the tool loop
+   (:meth:`vlm_grpo.eval_tools.ToolLoop.replay`: the prompt with the tool schemas, the call, the tool's real
+   reply with its image, the answer; loss on the model's turns only): first with true answers, then with a weak
    labeller's that calls 3 in 5 red objects yellow and 3 in 5 blue ones green -- the policy calls the tool but
    answers red and blue objects wrongly when greedy, while the right answer is still sampled;
 3. agentic evaluation on the held-out ``val.jsonl`` (:func:`vlm_grpo.evaluate.evaluate` with ``tools``: greedy
@@ -26,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import random
 import shlex
 import shutil
 import sys
@@ -79,31 +79,54 @@ def held_out(model_dir: Path, a: argparse.Namespace, out_dir: Path) -> tuple[flo
 
 
 # ------------------------------------------------------------------------------------------------ SFT
-def sft_tools_argv(a: argparse.Namespace, model: Path, out: Path, rows: str, steps: int) -> list[str]:
-    """``vlm-grpo-sft --tools``'s flags: the rows' ``assistant_turns`` replayed as the GRPO run's tool rollouts
-    (the prompt with the tool schemas, the call, the tool's real reply and image, the answer; loss on the model's
-    turns only), constant learning rates, no gradient clipping."""
-    from vlm_grpo.demo import sft_argv
+def sft_on_trajectories(
+    model_dir: Path, trajectories: Path, images: Path, out: Path, steps: int, a: argparse.Namespace
+) -> float:
+    """Fine-tune ``model_dir`` on replayed tool trajectories; saves to ``out``; returns the last loss.
 
-    return [
-        *sft_argv(a, model, out, rows, steps),
-        "--tools", *TOOLS,
-        "--tool_kwargs", tool_kwargs(),
-        "--max_grad_norm", "0",
-    ]  # fmt: skip
+    The rows are replayed and encoded as ``vlm-grpo-sft --tools`` does it (:mod:`vlm_grpo.sft_tools`: the GRPO
+    run's tokens, loss on the model's turns); the demo trains them with its own short loop (AdamW, constant LR,
+    the vision tower at its own LR, its own draw of batches), the loop its measured numbers come from."""
+    import torch
 
+    from vlm_grpo.eval_tools import ToolLoop
+    from vlm_grpo.merge_lora import load_model_and_processor
+    from vlm_grpo.sft_tools import ToolRolloutCollator, encode_rollout, type_key
 
-def sft_on_trajectories(model_dir: Path, rows: str, out: Path, steps: int, a: argparse.Namespace) -> None:
-    """Fine-tune ``model_dir`` on the tool trajectories of ``a.data / rows`` with ``vlm-grpo-sft --tools``; the
-    model goes to ``out``."""
-    from vlm_grpo import sft_jsonl
-
-    if steps < 1:  # no SFT stage (the trainer would read 0 steps as "train by epochs")
-        shutil.copytree(model_dir, out)
-        return
-    argv = sft_tools_argv(a, model_dir, out, rows, steps)
-    print("demo-tools: vlm-grpo-sft " + shlex.join(argv), flush=True)
-    sft_jsonl.main(*sft_jsonl.parse_args(argv))
+    model, processor, module = load_model_and_processor(str(model_dir))
+    loop = ToolLoop(model, processor, module, TOOLS, tool_kwargs(), max_iterations=2)
+    turns = {}
+    for line in trajectories.read_text().splitlines():
+        row = json.loads(line)
+        turns[row["id"]] = row["assistant_turns"]
+    dataset = _dataset(trajectories, images, module, processor)
+    examples = [encode_rollout(processor, loop.replay(row, turns[row["id"]])) for row in dataset]
+    collate = ToolRolloutCollator(getattr(processor, "tokenizer", processor).pad_token_id, type_key(model))
+    vision = [p for n, p in model.named_parameters() if "visual" in n]
+    rest = [p for n, p in model.named_parameters() if "visual" not in n]
+    optimizer = torch.optim.AdamW(
+        [{"params": rest, "lr": a.sft_lr}, {"params": vision, "lr": a.sft_vision_lr}], weight_decay=0.0
+    )
+    rng = random.Random(a.seed)
+    torch.manual_seed(a.seed)
+    order: list[int] = []
+    model.train()
+    loss_value = float("nan")
+    for step in range(steps):
+        if len(order) < a.sft_batch:
+            order += rng.sample(range(len(examples)), len(examples))
+        batch, order = [examples[i] for i in order[: a.sft_batch]], order[a.sft_batch :]
+        loss = model(**collate(batch)).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_value = float(loss.detach())
+        if step % 10 == 0 or step == steps - 1:
+            logger.info("sft %s step %d: loss %.4f", out.name, step, loss_value)
+    model.eval()
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    return loss_value
 
 
 def _dataset(path: Path, images: Path, module: Any, processor: Any) -> Any:
@@ -160,10 +183,11 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         if (out / name).is_dir():
             shutil.rmtree(out / name)
     out.mkdir(parents=True, exist_ok=True)
+    images = a.data / "images"
     t0 = time.monotonic()
     model = build_tiny_model("qwen2_5_vl", out / "model", seed=a.seed)
-    sft_on_trajectories(model, "sft_true.jsonl", out / "sft_true", a.sft_true_steps, a)
-    sft_on_trajectories(out / "sft_true", "sft.jsonl", out / "sft", a.sft_steps, a)
+    sft_on_trajectories(model, a.data / "sft_true.jsonl", images, out / "sft_true", a.sft_true_steps, a)
+    sft_on_trajectories(out / "sft_true", a.data / "sft.jsonl", images, out / "sft", a.sft_steps, a)
     a0, r0 = held_out(out / "sft", a, out / "eval_sft")
     print(f"demo-tools: after SFT: held-out accuracy {a0:.3f}, tool-call rate {r0:.3f}", flush=True)
     t_sft = time.monotonic()

@@ -243,3 +243,22 @@ def test_v5_box_rules(box, crop):
 def test_an_unknown_version_is_refused_when_the_run_starts():
     with pytest.raises(ValueError, match="version must be one of v2, v5"):
         make_environment_factory([TOOLS.get("image_zoom_in_tool")], {"image_zoom_in_tool": {"version": "v3"}})
+
+
+def test_v5_runs_the_first_three_calls_and_v2_the_last():
+    from vlm_grpo.tools.protocols import DEEPEYES_TURN_PROMPT_V5, DeepEyesProtocol
+
+    blocks = [f'<tool_call>{{"name": "image_zoom_in_tool", "arguments": {{"bbox_2d": [{i}, 0, 40, 40]}}}}</tool_call>'
+              for i in range(4)]  # fmt: skip
+    v2, v5 = DeepEyesProtocol("v2"), DeepEyesProtocol("v5")
+    assert [c["function"]["arguments"]["bbox_2d"][0] for c in v5.parse("".join(blocks)).calls] == [0, 1, 2]
+    assert [c["function"]["arguments"]["bbox_2d"][0] for c in v2.parse("".join(blocks)).calls] == [3]
+    bad = blocks[0] + "<tool_call>{oops}</tool_call>"
+    assert v5.parse(bad).calls == [] and v5.parse(bad).error.startswith("Expecting property name")
+    assert v2.parse(bad).error.startswith("Invalid tool call format: {oops}. Error: Expecting property name")
+    # the turn prompt once after the replies; none after errors alone
+    image = Image.new("RGB", (4, 4))
+    joined = v5.join([v5.reply([{"type": "image", "image": image}], 1), v5.error("boom", False)])
+    assert [b.get("text") for b in joined] == ["<tool_response>\n", None, "\n</tool_response>\n", "Error: boom",
+                                              DEEPEYES_TURN_PROMPT_V5]  # fmt: skip
+    assert [b["text"] for b in v5.join([v5.error("boom", False)])] == ["Error: boom"]

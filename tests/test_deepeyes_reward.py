@@ -117,15 +117,17 @@ def gradient(width=200, height=100):
     return image
 
 
-def environment(image, coord_sizes=None):
-    env = make_environment_factory([TOOLS.get("image_zoom_in_tool")])()
+def environment(image, coord_sizes=None, version="v5"):
+    """The tool in DeepEyes' tool box ``version`` (the geometry tests below are v5's; v2's table follows)."""
+    options = {} if version is None else {"image_zoom_in_tool": {"version": version}}
+    env = make_environment_factory([TOOLS.get("image_zoom_in_tool")], options)()
     env.reset(images=[image], **({"coord_sizes": coord_sizes} if coord_sizes else {}))
     return env
 
 
-def crop_of(result):
+def crop_of(result, prompt=DEEPEYES_TURN_PROMPT):
     image, text = result
-    assert text == {"type": "text", "text": DEEPEYES_TURN_PROMPT}
+    assert text == {"type": "text", "text": prompt}
     return image["image"]
 
 
@@ -183,3 +185,80 @@ def test_an_aspect_of_exactly_100_is_accepted():
     # 200 x 2 grows by 28/2 = 14 on both sides (the aspect stays): half sides 1400 and 14 around (100, 1)
     region = crop_of(environment(gradient()).image_zoom_in_tool(bbox_2d=[0, 0, 200, 2]))
     assert region.size == (2800, 28)
+
+
+# DeepEyes' visual_toolbox_v2 (the default: DeepEyes' README trains on its data): clamp to the image, then refuse a
+# box that is empty, inverted, over 100:1, or whose shorter side is 30 px or less; never grow. Boxes in pixels of a
+# 200 x 100 image; expected crops worked out by hand from that rule.
+V2_TABLE = [
+    ([20, 10, 80, 70], (20, 10, 80, 70)),  # inside, 60 x 60
+    ([0, 0, 31, 31], (0, 0, 31, 31)),  # just over 30 on both sides
+    ([0, 0, 30, 40], None),  # 30 wide: refused (needs > 30)
+    ([0, 0, 40, 30], None),
+    ([150, -40, 260, 60], (150, 0, 200, 60)),  # clamped: 50 x 60
+    ([170, 0, 260, 60], None),  # clamped to 30 wide: refused
+    ([169, 0, 260, 60], (169, 0, 200, 60)),  # clamped to 31 wide
+    ([100, 40, 110, 60], None),  # 10 x 20: v5 grows it, v2 refuses it
+    ([50, 50, 40, 60], None),  # inverted
+    ([0, 0, 200, 2], None),  # aspect 100 but 2 high
+]
+
+
+@pytest.mark.parametrize(("box", "crop"), V2_TABLE)
+@pytest.mark.parametrize("version", ["v2", None])  # None: no option, the default is v2
+def test_v2_box_rules(box, crop, version):
+    from vlm_grpo.tools.protocols import DEEPEYES_USER_PROMPT
+
+    image = gradient()
+    env = environment(image, version=version)
+    if crop is None:
+        with pytest.raises(ToolError, match="ZOOM IN ARGUMENTS ARE INVALID"):
+            env.image_zoom_in_tool(bbox_2d=box)
+        return
+    region = crop_of(env.image_zoom_in_tool(bbox_2d=box), DEEPEYES_USER_PROMPT)
+    assert region.tobytes() == image.crop(crop).tobytes()
+
+
+# v5 on the same boxes: clamp, grow a side under 28 around the centre, refuse only empty / inverted / over 100:1.
+V5_TABLE = [
+    ([0, 0, 30, 40], (0, 0, 30, 40)),
+    ([170, 0, 260, 60], (170, 0, 200, 60)),
+    ([100, 40, 110, 60], (91, 22, 119, 78)),  # 10 x 20 -> ratio 2.8, halves 14 and 28 around (105, 50)
+    ([0, 0, 27, 28], (-1, -1, 28, 29)),  # ratio 28/27: halves ceil(14) and ceil(14.52) around (13.5, 14)
+    ([50, 50, 40, 60], None),
+]
+
+
+@pytest.mark.parametrize(("box", "crop"), V5_TABLE)
+def test_v5_box_rules(box, crop):
+    image = gradient()
+    env = environment(image, version="v5")
+    if crop is None:
+        with pytest.raises(ToolError, match="ZOOM IN ARGUMENTS ARE INVALID"):
+            env.image_zoom_in_tool(bbox_2d=box)
+        return
+    assert crop_of(env.image_zoom_in_tool(bbox_2d=box)).tobytes() == image.crop(crop).tobytes()
+
+
+def test_an_unknown_version_is_refused_when_the_run_starts():
+    with pytest.raises(ValueError, match="version must be one of v2, v5"):
+        make_environment_factory([TOOLS.get("image_zoom_in_tool")], {"image_zoom_in_tool": {"version": "v3"}})
+
+
+def test_v5_runs_the_first_three_calls_and_v2_the_last():
+    from vlm_grpo.tools.protocols import DEEPEYES_TURN_PROMPT_V5, DeepEyesProtocol
+
+    blocks = [f'<tool_call>{{"name": "image_zoom_in_tool", "arguments": {{"bbox_2d": [{i}, 0, 40, 40]}}}}</tool_call>'
+              for i in range(4)]  # fmt: skip
+    v2, v5 = DeepEyesProtocol("v2"), DeepEyesProtocol("v5")
+    assert [c["function"]["arguments"]["bbox_2d"][0] for c in v5.parse("".join(blocks)).calls] == [0, 1, 2]
+    assert [c["function"]["arguments"]["bbox_2d"][0] for c in v2.parse("".join(blocks)).calls] == [3]
+    bad = blocks[0] + "<tool_call>{oops}</tool_call>"
+    assert v5.parse(bad).calls == [] and v5.parse(bad).error.startswith("Expecting property name")
+    assert v2.parse(bad).error.startswith("Invalid tool call format: {oops}. Error: Expecting property name")
+    # the turn prompt once after the replies; none after errors alone
+    image = Image.new("RGB", (4, 4))
+    joined = v5.join([v5.reply([{"type": "image", "image": image}], 1), v5.error("boom", False)])
+    assert [b.get("text") for b in joined] == ["<tool_response>\n", None, "\n</tool_response>\n", "Error: boom",
+                                              DEEPEYES_TURN_PROMPT_V5]  # fmt: skip
+    assert [b["text"] for b in v5.join([v5.error("boom", False)])] == ["Error: boom"]

@@ -68,25 +68,25 @@ def test_the_demo_prints_what_vlm_grpo_eval_gives(tmp_path, capsys):
 
 
 def test_sft_sees_the_prompt_the_loop_shows(tiny_models):
-    """The replayed trajectory, as SFT encodes it, gives the model the same view of the prompt as a tool rollout
-    (image token types included: without them the 3D positions differ and SFT trains another context)."""
+    """The replayed trajectory, as ``vlm-grpo-sft --tools`` encodes and collates it, gives the model the same view
+    of the prompt as a tool rollout (image token types included: without them the 3D positions differ and SFT
+    trains another context)."""
     import torch
 
-    from vlm_grpo.demo_tools import TOOLS, _collate, _dataset, _encode, tool_kwargs
+    from vlm_grpo.demo_tools import TOOLS, _dataset, tool_kwargs
     from vlm_grpo.eval_tools import ToolLoop
     from vlm_grpo.merge_lora import load_model_and_processor
+    from vlm_grpo.sft_tools import ToolRolloutCollator, encode_rollout, type_key
 
     model, processor, module = load_model_and_processor(str(tiny_models["qwen2_5_vl"]))
     loop = ToolLoop(model, processor, module, TOOLS, tool_kwargs(), max_iterations=2)
     row = _dataset(DATA / "val.jsonl", DATA / "images", module, processor)[0]
-    env = loop.environment()
-    env.reset(**row)
-    text = loop._render(list(row["prompt"]), [getattr(env, n) for n in TOOLS], generation_prompt=True)
+    text = loop._start(row)[-1]
     shown = processor(text=[text], images=row["images"], return_tensors="pt")
-    encoded = _encode(processor, loop.replay(row, [zoom_call(), "<answer>red</answer>"]))
-    batch = _collate([encoded], processor.tokenizer.pad_token_id)
+    encoded = encode_rollout(processor, loop.replay(row, [zoom_call(), "<answer>red</answer>"]))
+    batch = ToolRolloutCollator(processor.tokenizer.pad_token_id, type_key(model))([encoded])
     n = shown["input_ids"].shape[1]
-    assert encoded["ids"][:n] == shown["input_ids"][0].tolist()
+    assert encoded["input_ids"][:n] == shown["input_ids"][0].tolist()
     with torch.no_grad():
         trained = model(**batch).logits[0, n - 1]
         generated = model(**shown).logits[0, -1]

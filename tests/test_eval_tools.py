@@ -72,7 +72,7 @@ def test_a_call_runs_the_tool_and_its_image_comes_back(setup):
     [
         ('<tool_call>\n{"name": "zoom_in", "arguments": {"box": [1, 2, 3, 4]}}\n</tool_call>', "bad arguments"),
         ('<tool_call>\n{"name": "zoom_in", "arguments": {"bbox_2d": [0, 0, 500, 40]}}\n</tool_call>', "outside"),
-        ('<tool_call>\n{"name": "magnify", "arguments": {}}\n</tool_call>', "unknown tool"),
+        ('<tool_call>\n{"name": "magnify", "arguments": {}}\n</tool_call>', "there is no tool named 'magnify'"),
         ('<tool_call>\n{"name": "zoom_in", "arguments": [1}\n</tool_call>', "could not be read"),
     ],
 )

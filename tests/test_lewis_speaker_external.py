@@ -167,3 +167,24 @@ def test_the_seeds_trainer_flag_line_parses_as_it_means(perva, tmp_path):
     assert model.max_pixels == 401408 and training.save_only_model is True
     check_dataset_name(script, training.output_dir, training.seed)
     assert script.data_file_paths.endswith(f"{PERVA}_games.jsonl")
+
+
+@pytest.mark.parametrize(("n", "kept"), [(7, 7), (8, 8), (9, 8), (30, 8)])  # under, at and over the 8 images
+def test_a_subset_suffix_keeps_that_many_games(perva, tmp_path, caplog, n, kept):
+    import logging
+
+    every = perva_games(perva.rename(tmp_path / "PerVA_all_test_subset_seed_23_K_3"))
+    folder = (tmp_path / "PerVA_all_test_subset_seed_23_K_3").rename(tmp_path / f"{PERVA[: -len('30')]}{n}")
+    with caplog.at_level(logging.INFO, logger="vlm_grpo.serve.lewis"):
+        games = perva_games(folder)
+    assert len(games) == kept and len({g["image"] for g in games}) == kept
+    strip = [json.dumps(g).replace(folder.name, "X") for g in games]
+    assert set(strip) <= {json.dumps(g).replace("PerVA_all_test_subset_seed_23_K_3", "X") for g in every}
+    assert perva_games(folder) == games  # drawn with the name's seed: the same subset every time
+    assert f"_subset_{n}" in caplog.text
+
+
+def test_a_subset_of_zero_is_an_error(perva, tmp_path):
+    folder = perva.rename(tmp_path / "PerVA_seed_23_K_3_subset_0")
+    with pytest.raises(ValueError, match="_subset_0 asks for no games"):
+        perva_games(folder)

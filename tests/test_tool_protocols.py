@@ -51,7 +51,7 @@ def test_deepeyes_runs_the_last_call_and_words_bad_json_as_deepeyes_does():
     calls, error, _ = calls_of("deepeyes", "<tool_call>{not json}</tool_call>")
     assert calls == [] and error.startswith("Invalid tool call format: {not json}. Error: Expecting property name")
     _, error, _ = calls_of("deepeyes", '<tool_call>{"name": "zoom_in"}</tool_call>')
-    assert error == 'Invalid tool call format: {"name": "zoom_in"}. Error: \'arguments\''
+    assert error == "'arguments'"  # DeepEyes: a KeyError after the JSON parsed is worded "Error: {e}"
     assert calls_of("deepeyes", ZOOM + "<answer>3</answer>") == ([], None, True)
 
 
@@ -270,11 +270,16 @@ class Budgeted:
 
     def __init__(self, max_turn_tokens=None, max_context_tokens=None, in_loop=False):
         self.max_turn_tokens = max_turn_tokens
-        self._tool_turns = SimpleNamespace(max_context_tokens=max_context_tokens)
+        self._tool_turns = SimpleNamespace(max_context_tokens=max_context_tokens, protocol=SimpleNamespace(stop=()))
         self.max_completion_length = 50
         self.generation_config = SimpleNamespace(max_new_tokens=50)
         self._in_tool_loop = in_loop
         self.asked = None
+
+    def _generate_within_budgets(self, *args):
+        from vlm_grpo.trainer import VLMGRPOTrainer
+
+        return VLMGRPOTrainer._generate_within_budgets(self, *args)
 
     def _generate_turn(self, prompt_ids, images, fields, num_generations, has_tool_images=False):
         self.asked = self.generation_config.max_new_tokens
@@ -298,7 +303,7 @@ def test_per_turn_and_context_budgets_cut_each_turn():
     assert [len(r) for r in ids] == [1]
 
 
-def test_flags_parse_and_sft_refuses_tool_flags(tmp_path):
+def test_flags_parse_and_sft_refuses_the_budgets(tmp_path):
     from vlm_grpo.cli_errors import UserError
     from vlm_grpo.grpo_jsonl import parse_args
     from vlm_grpo.sft_jsonl import build_trainer
@@ -313,9 +318,9 @@ def test_flags_parse_and_sft_refuses_tool_flags(tmp_path):
     assert (script.tool_protocol, script.max_turn_tokens, script.max_tool_images) == ("pyvision", 64, 3)
     assert script.max_context_tokens == 4096
     argv = ["--model_name_or_path", str(tmp_path / "never-loaded"), "--output_dir", str(tmp_path / "out")]
-    with pytest.raises(UserError, match="--tools: vlm-grpo-sft does not run tools"):
-        build_trainer(*sft_args([*argv, "--tools", "zoom_in"]))
-    with pytest.raises(UserError, match="--tool_protocol"):
+    with pytest.raises(UserError, match="--max_context_tokens: vlm-grpo-sft generates nothing"):
+        build_trainer(*sft_args([*argv, "--tools", "zoom_in", "--max_context_tokens", "64"]))
+    with pytest.raises(UserError, match="--tool_protocol without --tools"):
         build_trainer(*sft_args([*argv, "--tool_protocol", "hermes"]))
 
 

@@ -73,8 +73,9 @@ def dataset(tmp_path_factory):
     return make_dataset(tmp_path_factory.mktemp("protocol_data"), kinds=("single",))
 
 
-def run(protocol, family, tiny_models, dataset, out, first=None, extra=()):
-    """One GRPO step with scripted turns; returns the trainer, the scored batch and the completions rewards got."""
+def run(protocol, family, tiny_models, dataset, out, first=None, extra=(), stage="_generate_single_turn"):
+    """One GRPO step with scripted turns; returns the trainer, the scored batch and the completions rewards got.
+    ``stage``: the trainer method the script replaces (``_generate_turn``: the turns pass the protocol's stop)."""
     data, plugin = dataset
     texts = first or first_turns(protocol, family)
     seen = {"batches": [], "completions": [], "rounds": 0}
@@ -100,7 +101,7 @@ def run(protocol, family, tiny_models, dataset, out, first=None, extra=()):
     if protocol == "pyvision":
         argv += ["--tool_kwargs", '{"python": {"timeout": 20, "pool_size": 1}}']
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(VLMGRPOTrainer, "_generate_single_turn", scripted)
+        mp.setattr(VLMGRPOTrainer, stage, scripted)
         mp.setattr(VLMGRPOTrainer, "_generate_and_score_completions", keep_batch)
         mp.setattr(VLMGRPOTrainer, "_calculate_rewards", keep_completions)
         trainer = main(*parse_args(argv))

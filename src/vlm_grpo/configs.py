@@ -15,6 +15,7 @@ import torch
 from trl import GRPOConfig, ModelConfig, ScriptArguments
 
 from vlm_grpo.advantages import check_estimator
+from vlm_grpo.tools.protocols import TOOL_PROTOCOL_HELP
 
 
 def batch_vision_attention_field() -> Any:
@@ -216,13 +217,7 @@ class GRPOScriptArguments(ScriptArguments):
     )
     tool_protocol: str | None = field(
         default=None,
-        metadata={
-            "help": "How the model calls tools and reads their replies: 'hermes' (<tool_call> JSON, <tool_response> "
-            "replies, tool schemas in the system prompt), 'pyvision' (```python / <code> blocks run in the python "
-            "tool, <interpreter> replies) or 'deepeyes' (DeepEyes' <tool_call> and reply text). Default: the "
-            "protocol the tools name (DeepEyes' image_zoom_in_tool: deepeyes), else hermes. A turn with "
-            "<answer>...</answer> always ends the rollout; its tool calls are not run."
-        },
+        metadata={"help": TOOL_PROTOCOL_HELP},
     )
     max_turn_tokens: int | None = field(
         default=None,

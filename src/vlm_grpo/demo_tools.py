@@ -79,62 +79,19 @@ def held_out(model_dir: Path, a: argparse.Namespace, out_dir: Path) -> tuple[flo
 
 
 # ------------------------------------------------------------------------------------------------ SFT
-def _encode(processor: Any, segments: list[tuple[str, list[Any], bool]]) -> dict[str, Any]:
-    """One replayed rollout as token ids, labels (the model's turns only) and its images' pixel fields."""
-    tokenizer = getattr(processor, "tokenizer", processor)
-    ids: list[int] = []
-    labels: list[int] = []
-    types: list[int] = []  # 1 for an image token: the model's 3D positions need them
-    pixels, grids = [], []
-    for text, images, written in segments:
-        if images:
-            encoded = processor(text=[text], images=images, return_tensors="pt")
-            piece = encoded["input_ids"][0].tolist()
-            types += encoded["mm_token_type_ids"][0].tolist()
-            pixels.append(encoded["pixel_values"])
-            grids.append(encoded["image_grid_thw"])
-        else:
-            piece = tokenizer(text, add_special_tokens=False)["input_ids"]
-            types += [0] * len(piece)
-        ids += piece
-        labels += piece if written else [-100] * len(piece)
-    return {"ids": ids, "labels": labels, "types": types, "pixels": pixels, "grids": grids}
-
-
-def _collate(examples: list[dict[str, Any]], pad_id: int) -> dict[str, Any]:
-    import torch
-
-    width = max(len(e["ids"]) for e in examples)
-    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(examples), width), -100, dtype=torch.long)
-    mask = torch.zeros((len(examples), width), dtype=torch.long)
-    types = torch.zeros((len(examples), width), dtype=torch.long)
-    for i, e in enumerate(examples):
-        n = len(e["ids"])
-        ids[i, :n], labels[i, :n], mask[i, :n] = torch.tensor(e["ids"]), torch.tensor(e["labels"]), 1
-        types[i, :n] = torch.tensor(e["types"])
-    return {
-        "input_ids": ids,
-        "attention_mask": mask,
-        "mm_token_type_ids": types,
-        "labels": labels,
-        "pixel_values": torch.cat([p for e in examples for p in e["pixels"]]),
-        "image_grid_thw": torch.cat([g for e in examples for g in e["grids"]]),
-    }
-
-
 def sft_on_trajectories(
     model_dir: Path, trajectories: Path, images: Path, out: Path, steps: int, a: argparse.Namespace
 ) -> float:
     """Fine-tune ``model_dir`` on replayed tool trajectories; saves to ``out``; returns the last loss.
 
-    The recipe's SFT trains one assistant answer per row: these rows are whole tool rollouts, so this stage
-    replays them through the evaluation's tool loop and trains on the model's turns (AdamW, constant LR; the
-    vision tower at its own LR)."""
+    The rows are replayed and encoded as ``vlm-grpo-sft --tools`` does it (:mod:`vlm_grpo.sft_tools`: the GRPO
+    run's tokens, loss on the model's turns); the demo trains them with its own short loop (AdamW, constant LR,
+    the vision tower at its own LR, its own draw of batches), the loop its measured numbers come from."""
     import torch
 
     from vlm_grpo.eval_tools import ToolLoop
     from vlm_grpo.merge_lora import load_model_and_processor
+    from vlm_grpo.sft_tools import ToolRolloutCollator, encode_rollout, type_key
 
     model, processor, module = load_model_and_processor(str(model_dir))
     loop = ToolLoop(model, processor, module, TOOLS, tool_kwargs(), max_iterations=2)
@@ -143,7 +100,8 @@ def sft_on_trajectories(
         row = json.loads(line)
         turns[row["id"]] = row["assistant_turns"]
     dataset = _dataset(trajectories, images, module, processor)
-    examples = [_encode(processor, loop.replay(row, turns[row["id"]])) for row in dataset]
+    examples = [encode_rollout(processor, loop.replay(row, turns[row["id"]])) for row in dataset]
+    collate = ToolRolloutCollator(getattr(processor, "tokenizer", processor).pad_token_id, type_key(model))
     vision = [p for n, p in model.named_parameters() if "visual" in n]
     rest = [p for n, p in model.named_parameters() if "visual" not in n]
     optimizer = torch.optim.AdamW(
@@ -152,14 +110,13 @@ def sft_on_trajectories(
     rng = random.Random(a.seed)
     torch.manual_seed(a.seed)
     order: list[int] = []
-    pad = getattr(processor, "tokenizer", processor).pad_token_id
     model.train()
     loss_value = float("nan")
     for step in range(steps):
         if len(order) < a.sft_batch:
             order += rng.sample(range(len(examples)), len(examples))
         batch, order = [examples[i] for i in order[: a.sft_batch]], order[a.sft_batch :]
-        loss = model(**_collate(batch, pad)).loss
+        loss = model(**collate(batch)).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

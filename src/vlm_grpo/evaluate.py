@@ -14,10 +14,10 @@ Writes ``predictions.jsonl`` (one line per row: completions and each reward's sc
 ``--model_name_or_path`` may be a full checkpoint or a LoRA adapter folder (its base is read from
 ``adapter_config.json`` or ``--base_model``).
 
-With ``--tools`` (and ``--max_tool_calling_iterations``, ``--tool_kwargs``) each sample is a multi-turn tool
-rollout (:mod:`vlm_grpo.eval_tools`); rewards receive its messages as in GRPO, ``predictions.jsonl`` logs every
-rollout's turns, calls, errors and conversation, and ``summary.json`` adds ``tools`` (tool-call rate, calls,
-errors, images and turns per sample).
+With ``--tools`` (and ``--max_tool_calling_iterations``, ``--tool_kwargs``, ``--tool_protocol``) each sample is a
+multi-turn tool rollout (:mod:`vlm_grpo.eval_tools`); rewards receive its messages as in GRPO,
+``predictions.jsonl`` logs every rollout's turns, calls, errors and conversation, and ``summary.json`` adds
+``tools`` (tool-call rate, calls, errors, images and turns per sample).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from vlm_grpo.cli_errors import run_cli
+from vlm_grpo.tools.protocols import TOOL_PROTOCOL_HELP
 
 logger = logging.getLogger("vlm_grpo")
 
@@ -101,6 +102,7 @@ class EvalArguments:
         default=None,
         metadata={"help": "With --tools: most rounds of tool calls per rollout (default: until max_new_tokens)."},
     )
+    tool_protocol: str | None = field(default=None, metadata={"help": TOOL_PROTOCOL_HELP})
 
 
 def parse_args(argv: Sequence[str] | None = None) -> EvalArguments:
@@ -210,6 +212,12 @@ def evaluate(args: EvalArguments) -> dict[str, Any]:
         raise ValueError("--max_tool_calling_iterations needs --tools")
     if args.tool_kwargs and not args.tools:
         raise ValueError("--tool_kwargs needs --tools")
+    if args.tool_protocol and not args.tools:
+        raise ValueError("--tool_protocol needs --tools")
+    if args.tools:  # an unknown tool or protocol, a bad tool option: said before the model loads
+        from vlm_grpo.tools.rollouts import build_tool_environment, tool_turns
+
+        tool_turns([], build_tool_environment(args.tools, args.tool_kwargs), None, args.tool_protocol)
     if args.num_samples > 1 and not args.do_sample:
         logger.info("--num_samples %d: sampling (greedy decoding would repeat one completion)", args.num_samples)
     torch.manual_seed(args.seed)
@@ -256,6 +264,7 @@ def evaluate(args: EvalArguments) -> dict[str, Any]:
             args.max_tool_calling_iterations,
             args.max_new_tokens,
             sampling,
+            args.tool_protocol,
         )
     if args.max_samples is not None:
         keep = {r["source"] for r in rows[: args.max_samples]}
@@ -320,7 +329,7 @@ def evaluate(args: EvalArguments) -> dict[str, Any]:
             "max_new_tokens": args.max_new_tokens,
         },
         **summarise(predictions, names, args.num_samples, args.pass_threshold),
-        **({"tools": tool_summary(predictions)} if loop is not None else {}),
+        **({"tools": {**tool_summary(predictions), "protocol": loop.protocol}} if loop is not None else {}),
         "failures": {
             "bad_rows": len(bad),
             "generation": generation_failures,

@@ -86,7 +86,7 @@ def build_trainer(
     from vlm_grpo.recipe import evaluates, load_datasets, load_model, pick_module, preflight, resolve_run
     from vlm_grpo.sft_trainer import SFTTransform, VLMSFTTrainer, assistant_masks_supported
 
-    refuse_tool_flags(script_args)
+    check_tool_flags(script_args)
     refuse_reward_flags(script_args)
     preflight(script_args, training_args)
     resume = resolve_run(script_args, training_args)
@@ -95,6 +95,9 @@ def build_trainer(
     train_dataset, eval_dataset = load_datasets(
         script_args, module, processor, training_args.seed, evaluates(training_args)
     )
+    if script_args.tools:
+        return build_tool_trainer(script_args, training_args, model_args, module, processor, train_dataset,
+                                  eval_dataset), resume  # fmt: skip
 
     # Loss on the assistant's tokens: from the template's generation markers, or else prompt/completion rows.
     prompt_completion = training_args.assistant_only_loss and not assistant_masks_supported(processor)
@@ -124,20 +127,73 @@ def build_trainer(
     return trainer, resume
 
 
-def refuse_tool_flags(script_args: GRPOScriptArguments) -> None:
-    """SFT trains on the rows' own turns and renders no tool schemas: tool flags would be ignored, so say so."""
-    given = [f"--{name}" for name in _TOOL_FLAGS if getattr(script_args, name) not in (None, [], "")]
-    if given:
-        from vlm_grpo.cli_errors import UserError
+def check_tool_flags(script_args: GRPOScriptArguments) -> None:
+    """``--tools`` (with ``--tool_kwargs``, ``--tool_protocol``) trains on whole tool rollouts; the generation
+    budgets of GRPO's tool loop mean nothing without generation, and tool flags need ``--tools``: errors."""
+    from vlm_grpo.cli_errors import UserError
 
+    budgets = [f"--{name}" for name in _TOOL_BUDGETS if getattr(script_args, name) is not None]
+    if budgets:
         raise UserError(
-            f"{', '.join(given)}: vlm-grpo-sft does not run tools or render tool schemas. Write the tool calls and "
-            "tool replies into the rows' messages (assistant turns with the calls, tool turns with the replies) "
-            "and drop these flags"
+            f"{', '.join(budgets)}: vlm-grpo-sft generates nothing, so the tool loop's generation budgets do not "
+            "apply; drop these flags (the rows' assistant_turns are trained as written)"
         )
+    given = [f"--{name}" for name in ("tool_kwargs", "tool_protocol") if getattr(script_args, name) not in (None, "")]
+    if given and not script_args.tools:
+        raise UserError(f"{', '.join(given)} without --tools: name the tools the rows call, e.g. --tools zoom_in")
+    if script_args.tools:
+        from vlm_grpo.tools.rollouts import check_tool_flags as check_run_tool_flags
+
+        check_run_tool_flags(script_args)  # unknown tool or protocol, a bad option: before any model loads
 
 
-_TOOL_FLAGS = ("tools", "tool_kwargs", "tool_protocol", "max_turn_tokens", "max_tool_images", "max_context_tokens")
+def build_tool_trainer(
+    script_args: GRPOScriptArguments,
+    training_args: VLMSFTConfig,
+    model_args: VLMModelConfig,
+    module: Any,
+    processor: Any,
+    train_dataset: Any,
+    eval_dataset: Any,
+) -> VLMSFTTrainer:
+    """The trainer for ``--tools``: rows replayed as the GRPO run's tool rollouts (:mod:`vlm_grpo.sft_tools`)."""
+    from trl import get_peft_config
+
+    from vlm_grpo.cli_errors import UserError
+    from vlm_grpo.recipe import load_model
+    from vlm_grpo.sft_tools import ToolRolloutCollator, tool_rollout_dataset, type_key
+    from vlm_grpo.sft_trainer import VLMSFTTrainer
+
+    if training_args.max_length is not None or not training_args.assistant_only_loss:
+        given = "--max_length" if training_args.max_length is not None else "--assistant_only_loss false"
+        raise UserError(
+            f"{given} with --tools: a tool rollout is trained whole (its images' tokens cannot be cut) with the loss "
+            "on the model's turns only; drop the flag, or shorten the rows' assistant_turns"
+        )
+    train = tool_rollout_dataset(train_dataset, script_args, module, processor)
+    evaluation = tool_rollout_dataset(eval_dataset, script_args, module, processor) if eval_dataset else None
+    train[0]  # the first row has its turns, and they replay (calls parse and run), before the model loads
+    logger.info("Data: %d tool rollouts for training, %d for evaluation", len(train), len(evaluation or []))
+    # The collator renders and masks; TRL's own preparation and assistant masks are not used.
+    training_args.dataset_kwargs = {**(training_args.dataset_kwargs or {}), "skip_prepare_dataset": True}
+    training_args.assistant_only_loss = training_args.completion_only_loss = False
+    model = load_model(module, model_args, training_args.trust_remote_code)
+    tokenizer = getattr(processor, "tokenizer", processor)
+    return VLMSFTTrainer(
+        model=model,
+        args=training_args,
+        vlm_module=module,
+        freeze_vision_modules=model_args.freeze_vision_modules,
+        lora_include_vision=model_args.lora_include_vision,
+        processing_class=processor,
+        peft_config=get_peft_config(model_args),
+        train_dataset=train,
+        eval_dataset=evaluation,
+        data_collator=ToolRolloutCollator(tokenizer.pad_token_id, type_key(model)),
+    )
+
+
+_TOOL_BUDGETS = ("max_turn_tokens", "max_tool_images", "max_context_tokens")
 _REWARD_FLAGS = (
     "reward_funcs",
     "reward_kwargs",

@@ -39,7 +39,6 @@ from vlm_grpo.tools.rollouts import (
     ToolBatch,
     ToolTurns,
     build_tool_environment,
-    malformed_call_tool,
     parse_with_protocol,
     prepare_for_tools,
     rollout_messages,
@@ -282,7 +281,21 @@ class VLMGRPOTrainer(
         self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False
     ) -> tuple[list[list[int]], Any]:
         """One turn of every row (:meth:`_generate_turn`) within the tool budgets: ``max_turn_tokens`` new tokens
-        a turn, and a row's whole context (prompt, turns, tool replies) within ``max_context_tokens``."""
+        a turn, and a row's whole context (prompt, turns, tool replies) within ``max_context_tokens``; each turn
+        ends at the tool protocol's stop string (:meth:`~vlm_grpo.tools.rollouts.ToolTurns.cut`)."""
+        ids, logprobs = self._generate_within_budgets(
+            prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+        )
+        if self._tool_turns is None or not self._tool_turns.protocol.stop:
+            return ids, logprobs
+        ids = [self._tool_turns.cut(row) for row in ids]
+        if logprobs is not None:
+            logprobs = [row[: len(kept)] for row, kept in zip(logprobs, ids, strict=True)]
+        return ids, logprobs
+
+    def _generate_within_budgets(
+        self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False
+    ) -> tuple[list[list[int]], Any]:
         limit = self.max_turn_tokens
         budget = self._tool_turns.max_context_tokens if self._tool_turns is not None else None
         if limit is None and budget is None:
@@ -359,12 +372,8 @@ class VLMGRPOTrainer(
         environments = self.environments or []
         for i, rollout in enumerate(completions):
             env = environments[i] if i < len(environments) else None
-            tools = self._sync_tool_dicts[i]
-            tools[MALFORMED_CALL] = malformed_call_tool(env)
-            counts = {"images": 0}
             prompt_images = len(images[i] or []) if images is not None else 0
-            for name, fn in list(tools.items()):
-                tools[name] = turns.wrap(fn, env, prompt_images, counts)
+            tools = turns.tools_for(self._sync_tool_dicts[i], env, prompt_images)
             rollout[-1] = turns.read(rollout[-1], completion_ids[i], len(prompt_ids[i]), tools)
         multimodal_fields = tile_fields(
             getattr(self.processing_class, "image_processor", None), images, multimodal_fields
@@ -417,12 +426,8 @@ class VLMGRPOTrainer(
 
     def _get_tool_suffix_ids(self, tool_messages):
         """A protocol that words its own replies (PyVision, DeepEyes) has them rendered as one user turn."""
-        if self._tool_turns is not None and self._tool_turns.protocol.user_replies:
-            content = []
-            for message in tool_messages:
-                body = message.get("content")
-                content += body if isinstance(body, list) else [{"type": "text", "text": str(body)}]
-            tool_messages = [{"role": "user", "name": tool_messages[0].get("name"), "content": content}]
+        if self._tool_turns is not None:
+            tool_messages = self._tool_turns.reply_messages(tool_messages)
         return super()._get_tool_suffix_ids(tool_messages)
 
     def _order_tools(self, order: Sequence[str]) -> None:

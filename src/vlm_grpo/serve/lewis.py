@@ -24,20 +24,24 @@ suffix).
 Training's ``--dataset_name DIR`` (the Lewis seed's ``share_data/PerVA_all_test_subset_seed_23_K_3_subset_30``)
 builds PerVA games from a concept folder ``DIR/<concept>/<image>`` (:func:`dataset_name_source`): every image is
 the target of one game whose ``K`` candidates (``_K_<k>`` in the folder's name, else 3) are it and images of other
-concepts, drawn with the name's ``_seed_<s>`` (else ``--seed``); paths are absolute. A saved dataset or a data
-file given as ``--dataset_name`` is read as ``--data_file_paths`` would read it.
+concepts, drawn with the name's ``_seed_<s>`` (else ``--seed``); ``_subset_<n>`` in the name keeps ``n`` of those
+games, drawn with the same seed (all, with a log line, when the folder has fewer images); paths are absolute. A
+saved dataset or a data file given as ``--dataset_name`` is read as ``--data_file_paths`` would read it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import random
 import re
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 SPEAKER_PROMPT = (
     "<image>You are the speaker in a reference game. A listener will see this image among similar ones and must "
@@ -179,19 +183,37 @@ def is_concept_tree(folder: str | Path) -> bool:
 
 def perva_games(folder: str | Path, seed: int = 0) -> list[dict]:
     """One game per image of a concept folder: the image among ``K - 1`` images of other concepts; ``K`` and the
-    seed from the folder's name (``..._seed_23_K_3...``) when it says, else 3 and ``seed``. Paths are absolute."""
+    seed from the folder's name (``..._seed_23_K_3...``) when it says, else 3 and ``seed``; with ``_subset_<N>``
+    in the name, N of those games drawn with that seed (all of them, said in a log line, when there are fewer).
+    Paths are absolute."""
     folder = Path(folder).resolve()
     k_match, seed_match = re.search(r"_K_(\d+)", folder.name), re.search(r"_seed_(\d+)", folder.name)
+    subset = re.search(r"_subset_(\d+)(?=_|$)", folder.name)
     k = int(k_match.group(1)) if k_match else 3
     seed = int(seed_match.group(1)) if seed_match else seed
     items = read_concepts(folder)
     games = make_concept_games(items, rows=len(items), k=k, seed=seed, distractors="other_concepts")
+    if subset:
+        games = _subset(games, int(subset.group(1)), seed, folder)
     for game in games:
         answer = json.loads(game["conversations"][1]["value"])
         answer["candidates"] = [str(folder / c) for c in answer["candidates"]]
         game["conversations"][1]["value"] = json.dumps(answer)
         game["image"] = str(folder / game["image"])
     return games
+
+
+def _subset(games: list[dict], n: int, seed: int, folder: Path) -> list[dict]:
+    """``n`` of ``games`` (their order kept), drawn with ``seed``: what a ``_subset_<n>`` folder name asks for."""
+    if n < 1:
+        raise ValueError(f"{folder}: the name's _subset_{n} asks for no games; name a positive number of games")
+    if n >= len(games):
+        logger.info("%s: _subset_%d in the name, the folder holds %d images: all %d are games", folder.name, n,
+                    len(games), len(games))  # fmt: skip
+        return games
+    keep = sorted(random.Random(seed).sample(range(len(games)), n))
+    logger.info("%s: _subset_%d in the name: %d of its %d games (seed %d)", folder.name, n, n, len(games), seed)
+    return [games[i] for i in keep]
 
 
 def dataset_name_source(name: str, output_dir: str | Path, seed: int = 0) -> str:

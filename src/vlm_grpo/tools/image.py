@@ -12,12 +12,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from vlm_grpo.tools.base import ToolEnvironment, ToolError
+from vlm_grpo.tools.protocols import DEEPEYES_TURN_PROMPT_V5, DEEPEYES_USER_PROMPT, DEEPEYES_VERSIONS
 
 #: Smallest side (pixels) of a region that can be cut out: below it the vision encoder sees almost nothing.
 MIN_REGION = 4
 #: ``--tool_kwargs`` options of each image tool: ``zoom_in``'s longer side of the returned view, and whether a
 #: larger region is left at its size (True) or scaled down to it.
 OPTIONS: dict[str, dict[str, type]] = {"zoom_in": {"size": int, "upscale_only": bool}, "crop": {}, "rotate": {}}
+OPTIONS["image_zoom_in_tool"] = {"version": str}
 
 
 def _check_options(tool: str, options: dict[str, Any]) -> None:
@@ -29,6 +31,13 @@ def _check_options(tool: str, options: dict[str, Any]) -> None:
         raise ValueError(f"--tool_kwargs: unknown {tool} tool option(s) {unknown}; {takes}")
     for name, value in options.items():
         kind = known[name]
+        if name == "version":
+            if value not in DEEPEYES_VERSIONS:
+                raise ValueError(
+                    f"--tool_kwargs: {tool} tool option version must be one of {', '.join(DEEPEYES_VERSIONS)} "
+                    f"(DeepEyes' visual_toolbox_v2 / _v5), got {value!r}"
+                )
+            continue
         if type(value) is not kind or (kind is int and value <= 0):
             what = "a positive integer" if kind is int else "true or false"
             raise ValueError(f"--tool_kwargs: {tool} tool option {name} must be {what}, got {value!r}")
@@ -118,35 +127,37 @@ def rotate(env: ToolEnvironment, angle: float, image_index: int = 0) -> list:
     return _result(env, rotated, f"Image {int(image_index)} rotated by {degrees:g} degrees")
 
 
-#: DeepEyes' smallest crop side (pixels): a box with a shorter side is grown around its centre to this size.
+#: DeepEyes' smallest crop side (pixels), v5: a box with a shorter side is grown around its centre to this size.
 DEEPEYES_MIN_SIDE = 28
+#: DeepEyes' v2 refuses a box (after clamping) whose shorter side is not over this many pixels.
+DEEPEYES_V2_MIN_SIDE = 30
 #: DeepEyes' largest aspect ratio (longer side / shorter side) of a box it crops.
 DEEPEYES_MAX_ASPECT = 100
-#: What DeepEyes tells the model after each tool result (its multi-image turn prompt).
-DEEPEYES_TURN_PROMPT = (
-    "\nThink in the mind first, and then decide whether to call tools one or more times OR provide final answer. "
-    "Format strictly as: <think>...</think> <tool_call>...</tool_call> <tool_call>...</tool_call> "
-    "(if any tools needed) OR <answer>...</answer> (if no tools needed)."
-)
+#: What DeepEyes tells the model after a tool result, per tool box version.
+DEEPEYES_PROMPTS = {"v2": DEEPEYES_USER_PROMPT, "v5": DEEPEYES_TURN_PROMPT_V5}
+DEEPEYES_TURN_PROMPT = DEEPEYES_TURN_PROMPT_V5
 
 
-def _deepeyes_valid(left: float, top: float, right: float, bottom: float) -> str | None:
-    """Why DeepEyes would refuse this box, or None."""
+def _deepeyes_valid(left: float, top: float, right: float, bottom: float, version: str) -> str | None:
+    """Why DeepEyes (tool box ``version``) would refuse this box, or None."""
     if not (left < right and top < bottom):
         return f"the box [{left:g}, {top:g}, {right:g}, {bottom:g}] is empty or inverted (needs x1 < x2, y1 < y2)"
     width, height = right - left, bottom - top
     if max(width, height) / min(width, height) > DEEPEYES_MAX_ASPECT:
         return f"the box is {width:g}x{height:g} pixels: longer side over {DEEPEYES_MAX_ASPECT}x the shorter"
+    if version == "v2" and min(width, height) <= DEEPEYES_V2_MIN_SIDE:
+        return f"the box is {width:g}x{height:g} pixels: both sides must be over {DEEPEYES_V2_MIN_SIDE}"
     return None
 
 
-def deepeyes_box(box: Sequence[float], width: int, height: int) -> list[float]:
-    """DeepEyes' rule for a zoom box in image pixels: clamp it to the image, then grow a box with a side under
-    28 px around its centre so that its shorter side is >= 28 (the grown box may reach past the image: the crop
-    pads it). Raises ToolError for an empty, inverted or over-thin box."""
+def deepeyes_box(box: Sequence[float], width: int, height: int, version: str = "v2") -> list[float]:
+    """DeepEyes' rule for a zoom box in image pixels: clamp it to the image, then check it. ``v2`` refuses a box
+    whose shorter side is 30 px or less; ``v5`` grows a box with a side under 28 px around its centre so that its
+    shorter side is >= 28 (the grown box may reach past the image: the crop pads it). Both refuse an empty,
+    inverted or over-thin (aspect over 100) box with a ToolError."""
     left, top = max(0.0, float(box[0])), max(0.0, float(box[1]))
     right, bottom = min(float(width), float(box[2])), min(float(height), float(box[3]))
-    problem = _deepeyes_valid(left, top, right, bottom)
+    problem = _deepeyes_valid(left, top, right, bottom, version)
     if problem:
         raise ToolError(f"ZOOM IN ARGUMENTS ARE INVALID: {problem} after clamping to the {width}x{height} image")
     box_w, box_h = right - left, bottom - top
@@ -161,7 +172,7 @@ def deepeyes_box(box: Sequence[float], width: int, height: int) -> list[float]:
         math.ceil(centre_x + half_w),
         math.ceil(centre_y + half_h),
     ]
-    problem = _deepeyes_valid(*grown)
+    problem = _deepeyes_valid(*grown, version)
     if problem:
         raise ToolError(f"ZOOM IN ARGUMENTS ARE INVALID: {problem} after growing it to {DEEPEYES_MIN_SIDE} px")
     return [float(v) for v in grown]
@@ -177,13 +188,14 @@ def image_zoom_in_tool(env: ToolEnvironment, bbox_2d: list[float], label: str | 
         raise ToolError(f"bbox_2d must hold 4 numbers, got {bbox_2d!r}") from None
     if not all(math.isfinite(v) for v in values):
         raise ToolError(f"bbox_2d must hold 4 finite numbers, got {bbox_2d!r}")
+    version = env._tool_options("image_zoom_in_tool").get("version", "v2")
     frame_w, frame_h = env.coord_sizes[0]
     width, height = image.size
     sx, sy = width / frame_w, height / frame_h  # the model's frame -> the image's pixels (1:1 for Qwen2.5-VL)
-    box = deepeyes_box([values[0] * sx, values[1] * sy, values[2] * sx, values[3] * sy], width, height)
+    box = deepeyes_box([values[0] * sx, values[1] * sy, values[2] * sx, values[3] * sy], width, height, version)
     region = image.crop(tuple(box))
     env._add_image(region)
-    return [{"type": "image", "image": region}, {"type": "text", "text": DEEPEYES_TURN_PROMPT}]
+    return [{"type": "image", "image": region}, {"type": "text", "text": DEEPEYES_PROMPTS[version]}]
 
 
 # DeepEyes' tool description, word for word: the schema the chat template shows the model (lines kept under 120).
@@ -200,3 +212,4 @@ image_zoom_in_tool.__doc__ = (
 zoom_in.setup = lambda options: _check_options("zoom_in", options)  # type: ignore[attr-defined]
 crop.setup = lambda options: _check_options("crop", options)  # type: ignore[attr-defined]
 rotate.setup = lambda options: _check_options("rotate", options)  # type: ignore[attr-defined]
+image_zoom_in_tool.setup = lambda options: _check_options("image_zoom_in_tool", options)  # type: ignore[attr-defined]

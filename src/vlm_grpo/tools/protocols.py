@@ -6,13 +6,21 @@ A checkpoint trained on one protocol only calls tools in that syntax and expects
   Hermes), any number a turn; replies are ``tool`` turns rendered by the chat template (``<tool_response>``
   blocks of one user turn), the tool schemas are in the system prompt.
 * ``pyvision`` (PyVision): Python in ``<code>```python ... ```</code>``, or a bare ```` ```python ```` fence, or
-  ``<code>...</code>``; the last block of the turn runs in the ``python`` tool. The reply is a user turn
+  ``<code>...</code>``; the last block of the turn runs in the ``python`` tool. As in PyVision (its stop string
+  ``</code>``), a turn ends at the first ``</code>``: what the model writes after it is cut off, neither kept nor
+  run, and the interpreter's reply follows at once. The reply is a user turn
   ``<tool_response>\\n<interpreter>...</interpreter>\\n\\n</tool_response>`` holding ``Text Result:`` and
   ``Image Result:`` with each image between ``<image_clue_i>`` tags (``i``: its index in the conversation,
   the name it has in later cells). A turn with neither code nor answer is told so and the rollout goes on.
-* ``deepeyes`` (DeepEyes): the last ``<tool_call>`` JSON block of the turn is run; the reply is a user turn
-  ``<tool_response>`` + the image + DeepEyes' instruction + ``</tool_response>``; an error is a user turn
-  ``Error: ...``. A turn with no call and no answer ends the rollout.
+* ``deepeyes`` (DeepEyes), in the version of DeepEyes' tool box set by ``image_zoom_in_tool``'s ``version``
+  option (``v2``, the default: what DeepEyes' README training uses; or ``v5``):
+
+  - ``v2``: the last ``<tool_call>`` JSON block of the turn is run; the reply is a user turn ``<tool_response>`` +
+    the image + ``USER_PROMPT_V2`` + ``</tool_response>``;
+  - ``v5``: the first three ``<tool_call>`` blocks are run; the reply is a user turn with
+    ``<tool_response>\n`` + image + ``\n</tool_response>\n`` per image, then ``TURN_PROMPT_V5``.
+
+  An error is a user turn ``Error: ...``. A turn with no call and no answer ends the rollout.
 
 In every protocol a turn holding ``<answer>...</answer>`` ends the rollout: its tool calls are not run. PyVision's
 and DeepEyes' prompts describe their tools themselves (their datasets carry them), so with those protocols the
@@ -28,6 +36,15 @@ from typing import Any
 
 from vlm_grpo.registry import Registry
 
+#: The help of ``--tool_protocol`` (training, SFT and evaluation share the flag).
+TOOL_PROTOCOL_HELP = (
+    "How the model calls tools and reads their replies: 'hermes' (<tool_call> JSON, <tool_response> replies, tool "
+    "schemas in the system prompt), 'pyvision' (```python / <code> blocks run in the python tool, <interpreter> "
+    "replies; a turn ends at </code>) or 'deepeyes' (DeepEyes' <tool_call> and reply text, in the version set by "
+    "image_zoom_in_tool's 'version' option: v2, the default, or v5). Default: the protocol the tools name "
+    "(a plugin tool's 'protocol' attribute), else hermes. A turn with <answer>...</answer> always ends the "
+    "rollout; its tool calls are not run."
+)
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _FENCED_CODE = re.compile(r"<code>\s*```python\s*(.*?)\s*```\s*</code>", re.DOTALL)
@@ -42,6 +59,16 @@ DEEPEYES_USER_PROMPT = (
     "\nThink first, call **image_zoom_in_tool** if needed, then answer. Format strictly as:  <think>...</think>  "
     "<tool_call>...</tool_call> (if tools needed)  <answer>...</answer> "
 )
+#: DeepEyes' instruction after the tool responses of a turn, tool box v5 (its ``TURN_PROMPT_V5``).
+DEEPEYES_TURN_PROMPT_V5 = (
+    "\nThink in the mind first, and then decide whether to call tools one or more times OR provide final answer. "
+    "Format strictly as: <think>...</think> <tool_call>...</tool_call> <tool_call>...</tool_call> "
+    "(if any tools needed) OR <answer>...</answer> (if no tools needed)."
+)
+#: DeepEyes' tool box versions: ``v2`` (the default, what its README training uses) and ``v5``.
+DEEPEYES_VERSIONS = ("v2", "v5")
+#: The most calls a v5 turn runs (DeepEyes' ``max_action_per_turn``).
+DEEPEYES_V5_CALLS = 3
 #: What the model reads after a ``<tool_call>`` block that does not parse (``hermes``).
 HERMES_MALFORMED = (
     'the <tool_call> block could not be read: write <tool_call>{"name": "<tool name>", "arguments": {...}}'
@@ -87,14 +114,29 @@ class ToolProtocol:
     """One protocol: parse a turn (:meth:`parse`) and word the replies (:meth:`reply`, :meth:`error`).
 
     ``show_tools``: the chat template renders the tool schemas in the system prompt. ``user_replies``: replies are
-    rendered as one user turn of the protocol's own text (else as the chat template's ``tool`` turns, and errors
-    as TRL words them). ``tool_names``: the tools the protocol calls by itself (``pyvision``: ``python``).
+    rendered as one user turn of the protocol's own text (:meth:`join`; else as the chat template's ``tool`` turns,
+    and errors as TRL words them). ``tool_names``: the tools the protocol calls by itself (``pyvision``:
+    ``python``). ``stop``: strings that end a turn (the turn is cut after the first one, see
+    :meth:`~vlm_grpo.tools.rollouts.ToolTurns.cut`).
     """
 
     name = ""
     show_tools = True
     user_replies = False
     tool_names: tuple[str, ...] = ()
+    stop: tuple[str, ...] = ()
+
+    def configured(self, options: dict[str, dict[str, Any]]) -> ToolProtocol:
+        """The protocol for a run whose tools have these ``--tool_kwargs`` options (a protocol version a tool
+        option picks); by default itself."""
+        return self
+
+    def join(self, contents: list[Any]) -> list[dict[str, Any]]:
+        """The user turn holding a turn's replies (``user_replies``): their content blocks in order."""
+        out: list[dict[str, Any]] = []
+        for content in contents:
+            out += content if isinstance(content, list) else [{"type": "text", "text": str(content)}]
+        return out
 
     def parse(self, text: str, message: dict[str, Any] | None = None) -> ParsedTurn:
         """``text``: the turn as decoded; ``message``: TRL's parse of it (its ``tool_calls``), where it has one."""
@@ -131,18 +173,43 @@ class DeepEyesProtocol(ToolProtocol):
     show_tools = False
     user_replies = True
 
+    def __init__(self, version: str = "v2") -> None:
+        if version not in DEEPEYES_VERSIONS:
+            raise ValueError(f"DeepEyes version must be one of {', '.join(DEEPEYES_VERSIONS)}, got {version!r}")
+        self.version = version
+
+    def configured(self, options: dict[str, dict[str, Any]]) -> ToolProtocol:
+        version = (options.get("image_zoom_in_tool") or {}).get("version", "v2")
+        return self if version == self.version else DeepEyesProtocol(version)
+
     def parse(self, text: str, message: dict[str, Any] | None = None) -> ParsedTurn:
         if has_answer(text):
             return ParsedTurn(answered=True)
-        blocks = _TOOL_CALL.findall(text)
+        blocks = [b.strip() for b in _TOOL_CALL.findall(text)]
         if not blocks:
             return ParsedTurn()
-        action = blocks[-1].strip()
+        if self.version == "v2":
+            return self._read(blocks[-1], wording=True)
+        calls = []
+        for action in blocks[:DEEPEYES_V5_CALLS]:  # v5: any block that does not read fails the turn
+            turn = self._read(action, wording=False)
+            if turn.error is not None:
+                return turn
+            calls += turn.calls
+        return ParsedTurn(calls=calls)
+
+    @staticmethod
+    def _read(action: str, wording: bool) -> ParsedTurn:
+        """One block as a call; ``wording``: v2's ``Invalid tool call format`` message for JSON that does not
+        parse (v5 answers with the exception alone)."""
         try:
             call = json.loads(action)
-            name, arguments = call["name"], call["arguments"]
         except Exception as exc:  # whatever the model wrote: the model reads why
-            return ParsedTurn(error=f"Invalid tool call format: {action}. Error: {exc}")
+            return ParsedTurn(error=f"Invalid tool call format: {action}. Error: {exc}" if wording else str(exc))
+        try:
+            name, arguments = call["name"], call["arguments"]
+        except Exception as exc:
+            return ParsedTurn(error=str(exc))
         if not isinstance(name, str) or not isinstance(arguments, dict):
             return ParsedTurn(
                 error=f"Invalid tool call format: {action}. Error: name must be a string, arguments an object"
@@ -151,6 +218,14 @@ class DeepEyesProtocol(ToolProtocol):
 
     def reply(self, result: Any, first_image: int) -> Any:
         images = images_of(result)
+        if self.version == "v5":
+            if not images:
+                return [{"type": "text", "text": f"<tool_response>\n{text_of(result)}\n</tool_response>\n"}]
+            out: list[dict[str, Any]] = []
+            for image in images:
+                out += [{"type": "text", "text": "<tool_response>\n"}, {"type": "image", "image": image}]
+                out.append({"type": "text", "text": "\n</tool_response>\n"})
+            return out
         if not images:
             return [{"type": "text", "text": f"<tool_response>{text_of(result)}{DEEPEYES_USER_PROMPT}</tool_response>"}]
         return [
@@ -162,12 +237,20 @@ class DeepEyesProtocol(ToolProtocol):
     def error(self, message: str, malformed: bool) -> Any:
         return [{"type": "text", "text": f"Error: {message}"}]
 
+    def join(self, contents: list[Any]) -> list[dict[str, Any]]:
+        """v5: the turn prompt once, after the turn's tool responses."""
+        out = super().join(contents)
+        if self.version == "v5" and any(b.get("text", "").startswith("<tool_response>") for b in out):
+            out.append({"type": "text", "text": DEEPEYES_TURN_PROMPT_V5})
+        return out
+
 
 class PyVisionProtocol(ToolProtocol):
     name = "pyvision"
     show_tools = False
     user_replies = True
     tool_names = ("python",)
+    stop = ("</code>",)
 
     def parse(self, text: str, message: dict[str, Any] | None = None) -> ParsedTurn:
         if has_answer(text):
@@ -218,7 +301,7 @@ PROTOCOLS.register("deepeyes", DeepEyesProtocol())
 
 def resolve_protocol(name: str | None, tools: list[Any] | tuple[Any, ...] = ()) -> ToolProtocol:
     """The protocol named by ``--tool_protocol``; unset, the one the tools name (a tool function's ``protocol``
-    attribute, e.g. DeepEyes' ``image_zoom_in_tool``), else ``hermes``."""
+    attribute, e.g. a plugin's), else ``hermes``."""
     if name:
         return PROTOCOLS.get(name)
     named = {getattr(t, "protocol", None) for t in tools} - {None}

@@ -125,6 +125,7 @@ def tool_turns(
         raise ValueError(
             f"--tool_protocol {protocol_name}: {protocol!r} is not a ToolProtocol (vlm_grpo.tools.protocols)"
         )
+    protocol = protocol.configured(dict(getattr(factory, "_options", None) or {}))
     available = {getattr(f, "__name__", None) for f in functions if f is not None}
     missing = [name for name in protocol.tool_names if name not in available]
     if missing:
@@ -277,6 +278,59 @@ class ToolTurns:
 
     def reset_counts(self) -> None:
         self.calls_after_answer = self.context_stops = self.image_refusals = 0
+
+    def cut(self, ids: Sequence[int]) -> list[int]:
+        """A generated turn ended where the protocol's stop string ends (PyVision: ``</code>``): the tokens up to
+        the one that completes it; what was written after it is dropped (as a stop string in generation drops it:
+        sampling after the stop does not change the tokens before it)."""
+        ids = list(ids)
+        stops = self.protocol.stop
+        if not stops or not ids:
+            return ids
+
+        def stopped(n: int) -> bool:
+            text = self.tokenizer.decode(ids[:n], skip_special_tokens=False)
+            return any(stop in text for stop in stops)
+
+        if not stopped(len(ids)):
+            return ids
+        low, high = 1, len(ids)  # the shortest prefix that holds a stop string
+        while low < high:
+            middle = (low + high) // 2
+            if stopped(middle):
+                high = middle
+            else:
+                low = middle + 1
+        return ids[:low]
+
+    def ended(self, ids: Sequence[int]) -> bool:
+        """The (cut) turn ended by itself: its end-of-turn token, or the protocol's stop string completed by its
+        last token; not at a token budget."""
+        ids = list(ids)
+        if ids[-1:] == [self.tokenizer.eos_token_id]:
+            return True
+        if not self.protocol.stop or not ids:
+            return False
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        before = self.tokenizer.decode(ids[:-1], skip_special_tokens=False)
+        return any(stop in text and stop not in before for stop in self.protocol.stop)
+
+    def tools_for(self, tools: dict[str, Any], environment: Any, prompt_images: int) -> dict[str, Any]:
+        """One rollout's tools (name -> callable, TRL's per-rollout tool dict), in place: the hidden
+        :data:`MALFORMED_CALL` tool added, every tool answering in the protocol's words within the image budget."""
+        tools[MALFORMED_CALL] = malformed_call_tool(environment)
+        counts = {"images": 0}
+        for name, fn in list(tools.items()):
+            tools[name] = self.wrap(fn, environment, prompt_images, counts)
+        return tools
+
+    def reply_messages(self, tool_messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The messages rendered after a turn for its tool messages: the chat template's ``tool`` turns, or one
+        user turn of the protocol's own words (``user_replies``: PyVision, DeepEyes)."""
+        if not self.protocol.user_replies:
+            return tool_messages
+        content = self.protocol.join([message.get("content") for message in tool_messages])
+        return [{"role": "user", "name": tool_messages[0].get("name"), "content": content}]
 
     def read(self, message: dict[str, Any], ids: Sequence[int], context: int, tools: Any) -> dict[str, Any]:
         """The assistant message for one turn (``ids``; ``context``: tokens before it), with the calls to run:

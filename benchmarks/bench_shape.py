@@ -1,0 +1,198 @@
+"""EasyR1-shaped GRPO steps for ``bench_grpo.py --shape NAME[:key=value,...]``.
+
+EasyR1's geo3k recipe (``examples/config.yaml``) generates 512 prompts x n=5 per rollout over 8 GPUs, i.e. 64
+prompts x 5 = 320 samples per GPU, at ``min_pixels`` 512², up to 2,048 response tokens, and updates on 128 prompts
+at a time (4 optimizer steps per rollout) in micro-batches of ``micro_batch_size_per_device_for_update`` = 4 rows.
+In TRL's terms, per GPU: ``per_device_train_batch_size`` 4 (the micro-batch), ``gradient_accumulation_steps`` 20
+(80 rows per optimizer step), ``steps_per_generation`` 80 (320 rows per generation). One *cycle* is one generation
+and its 4 optimizer steps; the benchmark reports per cycle.
+
+Completion lengths are the model's own: the LM head gets a bias on the EOS token, calibrated on the random-weight
+model so that every sampled token is EOS with probability ``1 / mean_completion``: lengths are geometric with that
+mean (median ~0.69 x mean), cut at ``max_completion``; rows finish at different steps, as real rollouts do, and
+both trainers sample from the same distribution (no logits processor: nothing either trainer has to honour). The
+realised lengths are recorded with every result.
+
+Throughput is counted as EasyR1 counts it (``perf/throughput``): prompt + response tokens of the valid positions
+(image tokens included, padding excluded) per second per GPU, over the whole cycle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+TOKENS_NOTE = (
+    "tokens/s/GPU counted as EasyR1 counts them: prompt + response tokens (valid positions, image tokens included) "
+    "per second of a whole cycle (generation, log-probs, 4 optimizer steps) per GPU"
+)
+# EasyR1's math/geo3k format prompt (its examples/format_prompt/math.jinja), after the problem.
+FORMAT = (
+    " You FIRST think about the reasoning process as an internal monologue and then provide the final answer. "
+    "The reasoning process MUST BE enclosed within <think> </think> tags. The final answer MUST BE put in \\boxed{}."
+)
+# Geometry3K-like problem sentences: a problem is 1-4 of them (about 10-60 words).
+CLAUSES = (
+    "Find x.",
+    "Find the area of the figure. Round to the nearest tenth if necessary.",
+    "In the circle shown, chord AB is parallel to chord CD and the measure of arc AC is 40 degrees.",
+    "Find the measure of angle 2 if the measure of angle 1 is 3x + 12 and the measure of angle 3 is 5x - 20.",
+    "Quadrilateral WXYZ is a rectangle with diagonals that meet at point P.",
+    "Use parallelogram ABCD to find the length of segment AD.",
+    "Triangle LMN is isosceles with LM = LN and the altitude from L is 8 units long.",
+    "Each pair of polygons is similar.",
+)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Per-GPU sizes of one EasyR1-shaped cycle (override any field with ``--shape name:field=value``)."""
+
+    name: str
+    prompts: int = 64  # prompts per generation per GPU (rollout_batch_size / GPUs)
+    generations: int = 5  # n
+    image_size: int = 512  # min_pixels 512²
+    vary_images: int = 0  # > 0: image sizes vary (see bench_common.write_images), the varied-size variant
+    max_completion: int = 2048  # max_response_length
+    mean_completion: int = 500  # mean of the geometric completion lengths
+    micro_batch: int = 4  # micro_batch_size_per_device_for_update (rows)
+    updates: int = 4  # optimizer steps per generation (rollout_batch_size / global_batch_size)
+
+    @property
+    def rows(self) -> int:
+        return self.prompts * self.generations
+
+    def check(self) -> None:
+        per_update, rest = divmod(self.rows, self.updates)
+        if rest or per_update % self.micro_batch:
+            raise SystemExit(
+                f"error: --shape {self.name}: {self.rows} rows per generation must split into {self.updates} updates "
+                f"of whole micro-batches of {self.micro_batch} rows; change prompts, generations, updates or "
+                "micro_batch"
+            )
+
+
+SHAPES = {
+    "easyr1_geo3k": Shape("easyr1_geo3k"),
+    "easyr1_geo3k_32x8": Shape("easyr1_geo3k_32x8", prompts=32, generations=8),
+    # EasyR1's pixel range starts at 512²: images of 532-1008 px a side, each prompt's its own size.
+    "easyr1_geo3k_varied": Shape("easyr1_geo3k_varied", image_size=1008, vary_images=17),
+}
+
+
+def parse_shape(spec: str) -> Shape:
+    """``name`` or ``name:field=value,...`` -> the shape (values converted to the field's type)."""
+    name, _, rest = spec.partition(":")
+    if name not in SHAPES:
+        raise SystemExit(f"error: --shape {name!r} is not known; choose one of {', '.join(SHAPES)}")
+    shape = SHAPES[name]
+    changes: dict[str, Any] = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        if key not in {f.name for f in dataclasses.fields(Shape)} - {"name"}:
+            raise SystemExit(f"error: --shape {spec!r}: {key!r} is not a shape field")
+        changes[key] = int(value)
+    shape = dataclasses.replace(shape, **changes)
+    shape.check()
+    return shape
+
+
+def apply_shape(args: Any) -> Shape:
+    """Set the run's sizes from ``args.shape``: one scenario, the shape's prompts x G per cycle."""
+    shape = parse_shape(args.shape)
+    args.prompts_per_step, args.num_generations = shape.prompts, shape.generations
+    args.image_sizes, args.images_per_prompt, args.completion_lengths = [shape.image_size], [1], [shape.max_completion]
+    args.vary_images = shape.vary_images
+    return shape
+
+
+def config_fields(shape: Shape) -> dict[str, Any]:
+    """The GRPOConfig fields of the shape (both trainers): micro-batches, accumulation, one generation per cycle,
+    and no forced length (the EOS bias ends the rows)."""
+    return {
+        "per_device_train_batch_size": shape.micro_batch,
+        "gradient_accumulation_steps": shape.rows // shape.updates // shape.micro_batch,
+        "steps_per_generation": shape.rows // shape.micro_batch,
+        "max_completion_length": shape.max_completion,
+        "generation_kwargs": {},
+    }
+
+
+def geo3k_questions(n: int, seed: int) -> list[str]:
+    """``n`` problem texts of Geometry3K-like lengths, each followed by EasyR1's format prompt."""
+    rng = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        k = int(torch.randint(1, 5, (1,), generator=rng))
+        picks = torch.randint(0, len(CLAUSES), (k,), generator=rng).tolist()
+        out.append(" ".join(CLAUSES[i] for i in picks) + FORMAT)
+    return out
+
+
+@torch.no_grad()
+def install_eos_bias(model: Any, eos_id: int, mean: int, seed: int = 0) -> float:
+    """Give the LM head a bias on ``eos_id`` so that a sampled token (temperature 1) is EOS with probability about
+    ``1 / mean``. Calibrated on random token ids through the model's own decoder: the bias is the wanted log-odds
+    minus the median log-odds of EOS without it. The head keeps its (possibly tied) weight; the bias does not train.
+    Returns the bias."""
+    from vlm_grpo.utils import peft_base
+
+    base = peft_base(model)
+    head, decoder = base.get_output_embeddings(), base.get_decoder()
+    vocab = head.weight.size(0)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    ids = torch.randint(0, vocab, (4, 128), generator=gen).to(head.weight.device)
+    hidden = decoder(input_ids=ids).last_hidden_state[:, 16:].float()
+    logits = hidden @ head.weight.float().T
+    eos = logits[..., eos_id].clone()
+    logits[..., eos_id] = -math.inf
+    log_odds = eos - torch.logsumexp(logits, dim=-1)
+    p = 1.0 / mean
+    bias_value = math.log(p / (1 - p)) - float(log_odds.median())
+    biased = torch.nn.Linear(head.in_features, head.out_features, bias=True, device=head.weight.device)
+    biased.weight = head.weight  # the same Parameter: a tie with the input embedding stays a tie
+    biased.bias = torch.nn.Parameter(torch.zeros(vocab, dtype=head.weight.dtype, device=head.weight.device))
+    biased.bias[eos_id] = bias_value
+    biased.bias.requires_grad_(False)
+    base.set_output_embeddings(biased)
+    return bias_value
+
+
+def length_stats(lengths: list[float]) -> dict[str, float]:
+    """Mean, quantiles and maximum of the realised completion lengths (tokens)."""
+    if not lengths:
+        return {}
+    t = torch.tensor(lengths, dtype=torch.float64)
+    q = torch.quantile(t, torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64)).tolist()
+    return {"n": len(lengths), "mean": float(t.mean()), "p50": q[0], "p90": q[1], "p99": q[2], "max": float(t.max())}
+
+
+def cycles(per_step: list[dict[str, float]], updates: int) -> list[dict[str, float]]:
+    """Optimizer steps summed in consecutive runs of ``updates``: one entry per generation cycle (complete ones)."""
+    out = []
+    for start in range(0, len(per_step) - updates + 1, updates):
+        total: dict[str, float] = {}
+        for step in per_step[start : start + updates]:
+            for key, value in step.items():
+                total[key] = total.get(key, 0.0) + value
+        out.append(total)
+    return out
+
+
+class CyclePrinter(TrainerCallback):
+    """Prints each cycle's wall time as it ends (a run cut short by a time limit still shows its progress)."""
+
+    def __init__(self, label: str, updates: int) -> None:
+        self.label, self.updates, self.start = label, updates, time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % self.updates == 0:
+            now = time.perf_counter()
+            print(f"[cycle] {self.label} {state.global_step // self.updates}: {now - self.start:.1f} s", flush=True)
+            self.start = now

@@ -23,6 +23,7 @@ from vlm_grpo.advantages import AdvantageEstimatorMixin
 from vlm_grpo.configs import VLMGRPOConfig
 from vlm_grpo.dynamic_sampling import DynamicSamplingMixin
 from vlm_grpo.fastpath.block_attention import use_block_attention
+from vlm_grpo.fastpath.compile_cache import use_compile_cache
 from vlm_grpo.fastpath.compiled_layers import resolve_compile_layers
 from vlm_grpo.fastpath.decode import resolve_keep_decode_graphs
 from vlm_grpo.fastpath.process_once import ProcessOnce
@@ -174,6 +175,7 @@ class VLMGRPOTrainer(
         # compile_layers as this run resolves it (None: on GPU without ZeRO-3 / FSDP); the args stay as given.
         self.compile_layers = resolve_compile_layers(self.args.compile_layers, self.accelerator.device.type, sharded)
         self.keep_decode_graphs = resolve_keep_decode_graphs(self.args.keep_decode_graphs, sharded)
+        self.compile_cache = use_compile_cache(self.args.compile_cache_dir, self.accelerator.device)
         if not self.args.cudnn_attention and torch.backends.cuda.cudnn_sdp_enabled():
             logger.info("cudnn_attention=False: sdpa's cuDNN backend is off for this process (see its help)")
             torch.backends.cuda.enable_cudnn_sdp(False)

@@ -202,7 +202,7 @@ def run_one(
     cls.timer = timer
     callbacks = [OptimizerTimer(timer)]
     if shape:
-        callbacks.append(CyclePrinter(kind, per_cycle))
+        callbacks.append(CyclePrinter(kind, per_cycle, timer.per_step))
     if args.profile_dir:
         name = re.sub(r"\W+", "_", f"{scenario.name}_{kind.partition(':')[0]}")
         callbacks.append(StepProfiler(measured_steps, Path(args.profile_dir) / f"{name}.txt"))

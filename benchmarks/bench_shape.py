@@ -186,13 +186,77 @@ def cycles(per_step: list[dict[str, float]], updates: int) -> list[dict[str, flo
 
 
 class CyclePrinter(TrainerCallback):
-    """Prints each cycle's wall time as it ends (a run cut short by a time limit still shows its progress)."""
+    """Prints every optimizer step's wall time (with the generation in it) and each cycle's as they end: a run cut
+    short by a time limit still shows how far it got."""
 
-    def __init__(self, label: str, updates: int) -> None:
-        self.label, self.updates, self.start = label, updates, time.perf_counter()
+    def __init__(self, label: str, updates: int, per_step: list[dict[str, float]]) -> None:
+        self.label, self.updates, self.per_step, self.start = label, updates, per_step, time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
+        step = self.per_step[-1] if self.per_step else {}
+        print(
+            f"[step] {self.label} {state.global_step}: {step.get('_wall', 0):.1f} s, generation "
+            f"{step.get('generation', 0):.1f} s, completion tokens {step.get('_completion_tokens', 0):.0f}",
+            flush=True,
+        )
         if state.global_step % self.updates == 0:
             now = time.perf_counter()
             print(f"[cycle] {self.label} {state.global_step // self.updates}: {now - self.start:.1f} s", flush=True)
             self.start = now
+
+
+def merge(
+    cold: dict | None, warm: dict | None, vanilla: dict | None, vanilla_seconds: int, command: str = ""
+) -> dict[str, Any]:
+    """One result file from ``shape_run.sh``'s three runs: the warm run's steady cycle as ``ours``, vanilla TRL's
+    cycle (or why there is none), and the warm start: first cycle with an empty cache, with the filled one, steady."""
+    base = warm or cold or vanilla
+    if base is None:
+        raise SystemExit("error: no run finished: nothing to merge")
+    ours = (warm or cold or {}).get("results", [])
+    rows = [r for r in (vanilla or {}).get("results", [])]
+    if not rows:
+        rows = [
+            {
+                "trainer": "vanilla",
+                "scenario": ours[0]["scenario"] if ours else "",
+                "status": (f"did not finish one cycle within {vanilla_seconds} s" if vanilla is None else "no result"),
+            }
+        ]
+    payload = {k: v for k, v in base.items() if k != "results"}
+    payload["command"] = command
+    payload["results"] = rows + ours
+    first = lambda data: (data or {}).get("results", [{}])[0].get("cycle_times_s") or []  # noqa: E731
+    cold_cycles, warm_cycles = first(cold), first(warm)
+    payload["warm_start"] = {
+        "cold_first_cycle_s": cold_cycles[0] if cold_cycles else None,
+        "warm_first_cycle_s": warm_cycles[0] if warm_cycles else None,
+        "steady_cycle_s": warm_cycles[1] if len(warm_cycles) > 1 else None,
+    }
+    return payload
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import json
+    from pathlib import Path
+
+    p = argparse.ArgumentParser(description="Merge shape_run.sh's cold, warm and vanilla runs into one result file")
+    p.add_argument("--cold", type=Path, required=True)
+    p.add_argument("--warm", type=Path, required=True)
+    p.add_argument("--vanilla", type=Path, required=True)
+    p.add_argument("--vanilla_seconds", type=int, default=0)
+    p.add_argument("--command", default="", help="the command that produced the runs (RESULTS.md shows it)")
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+
+    def load(path: Path) -> dict | None:
+        return json.loads(path.read_text()) if path.exists() else None
+
+    payload = merge(load(args.cold), load(args.warm), load(args.vanilla), args.vanilla_seconds, args.command)
+    args.out.write_text(json.dumps(payload, indent=2))
+    print(json.dumps(payload["warm_start"]), args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -264,7 +264,8 @@ def shape_table(data: dict[str, Any]) -> list[str]:
         "",
         "Warm start (`compile_cache_dir`): first cycle with an empty compile cache "
         f"{_fmt(warm.get('cold_first_cycle_s'), 1)} s, the same command again with the cache filled "
-        f"{_fmt(warm.get('warm_first_cycle_s'), 1)} s, the next cycle (steady) {_fmt(warm.get('steady_cycle_s'), 1)} s.",
+        f"{_fmt(warm.get('warm_first_cycle_s'), 1)} s, the next cycle (steady) "
+        f"{_fmt(warm.get('steady_cycle_s'), 1)} s.",
         "",
         "Published figures on other hardware, for reference (EasyR1's `assets/baselines.md`: tokens per second per "
         "GPU over a training step, 512 prompts x 5 per step on 8 GPUs):",

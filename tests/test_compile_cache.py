@@ -61,6 +61,10 @@ def test_the_folder_follows_the_setting_the_env_and_the_compilers_own_variables(
     assert os.environ["TRITON_CACHE_DIR"] == str(folder / "triton")
     assert torch.__version__.replace("+", "") in version_key("cpu").replace("+", "")
 
+    monkeypatch.delenv("VLM_GRPO_COMPILE_CACHE")  # then compile/ in the package's cache folder
+    monkeypatch.setenv("VLM_GRPO_CACHE", str(tmp_path / "pkg"))
+    assert use_compile_cache(None, "cpu") == tmp_path / "pkg" / "compile" / version_key("cpu")
+
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # a user's own variable wins the default
     assert use_compile_cache(None, "cpu") is None and os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
     given = use_compile_cache(str(tmp_path / "given"), "cpu")  # ... and an explicit setting wins over it

@@ -361,9 +361,9 @@ class VLMGRPOConfig(GRPOConfig):
             "help": "Where compiled artifacts persist between runs (torch.compile's graphs and autotuning results, "
             "the Triton kernels' binaries), in a sub-folder named after the torch / Triton versions and the card, so "
             "a second run of the same command loads them instead of compiling. None (default): "
-            "$VLM_GRPO_COMPILE_CACHE, else ~/.cache/vlm_grpo/compile; a TORCHINDUCTOR_CACHE_DIR or "
-            "TRITON_CACHE_DIR you set stays in charge then. 'off': a temporary folder removed at exit (every run "
-            "compiles from scratch)."
+            "$VLM_GRPO_COMPILE_CACHE, else compile/ in $VLM_GRPO_CACHE or ~/.cache/vlm_grpo; a "
+            "TORCHINDUCTOR_CACHE_DIR or TRITON_CACHE_DIR you set stays in charge then. 'off': a temporary folder "
+            "removed at exit (every run compiles from scratch)."
         },
     )
     cudnn_attention: bool = field(

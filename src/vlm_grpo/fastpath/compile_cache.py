@@ -30,10 +30,11 @@ COMPILER_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 
 
 def default_dir() -> Path:
-    """``$VLM_GRPO_COMPILE_CACHE``, else ``$XDG_CACHE_HOME/vlm_grpo/compile`` (``~/.cache/vlm_grpo/compile``)."""
+    """``$VLM_GRPO_COMPILE_CACHE``, else ``compile`` in the package's cache folder (``$VLM_GRPO_CACHE``, else
+    ``~/.cache/vlm_grpo``, where video frames are cached too)."""
     if os.environ.get(ENV):
         return Path(os.environ[ENV]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vlm_grpo" / "compile"
+    return Path(os.environ.get("VLM_GRPO_CACHE") or Path("~") / ".cache" / "vlm_grpo").expanduser() / "compile"
 
 
 def version_key(device: torch.device | str | None = None) -> str:
@@ -67,7 +68,7 @@ def use_compile_cache(setting: str | None, device: torch.device | str | None = N
         _point_at(folder)
         logger.info("compile_cache_dir=off: compiled artifacts go to %s and are removed at exit", folder)
         return None
-    given = [name for name in COMPILER_ENV if os.environ.get(name)]
+    given = [name for name in COMPILER_ENV if os.environ.get(name) and os.environ[name] != _pointed.get(name)]
     if setting is None and given:
         logger.info("%s is set: compiled artifacts are cached where it says, not in %s", given[0], default_dir())
         return None
@@ -85,6 +86,10 @@ def use_compile_cache(setting: str | None, device: torch.device | str | None = N
     return folder
 
 
+# What this module last set the compilers' variables to (a later trainer in the process may point them elsewhere).
+_pointed: dict[str, str] = {}
+
+
 def _point_at(folder: Path) -> None:
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
-    os.environ["TRITON_CACHE_DIR"] = str(folder / "triton")
+    _pointed.update(TORCHINDUCTOR_CACHE_DIR=str(folder), TRITON_CACHE_DIR=str(folder / "triton"))
+    os.environ.update(_pointed)

@@ -63,12 +63,14 @@ from bench_shape import (
     TOKENS_NOTE,
     CyclePrinter,
     Shape,
+    TimeLimit,
     apply_shape,
     config_fields,
     cycles,
     geo3k_questions,
     install_eos_bias,
     length_stats,
+    stopped_by_sigterm,
 )
 from transformers import TrainerCallback
 
@@ -215,13 +217,13 @@ def run_one(
         torch.cuda.reset_peak_memory_stats(device)
     status = "ok"
     try:
-        with timed_fast_decode(timer), bench_switches(kind):
+        with timed_fast_decode(timer), bench_switches(kind), stopped_by_sigterm(enabled=shape is not None):
             trainer.train()
-    except torch.OutOfMemoryError:
+    except (torch.OutOfMemoryError, TimeLimit) as err:
         if not shape:
             raise
-        phase = next((p for p in PHASES if timer.totals.get(p) and p != "vision"), "setup")
-        status = f"out of memory (cycle {len(timer.per_step) // per_cycle + 1}, last phase entered: {phase})"
+        what = "out of memory" if isinstance(err, torch.OutOfMemoryError) else "stopped by the time limit"
+        status = f"{what} in cycle {len(timer.per_step) // per_cycle + 1}"
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     steps = cycles(timer.per_step, per_cycle) if shape else timer.per_step
     measured = steps[args.warmup : args.warmup + args.steps] or steps or [{}]

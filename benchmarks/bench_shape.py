@@ -19,9 +19,12 @@ Throughput is counted as EasyR1 counts it (``perf/throughput``): prompt + respon
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import signal
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -185,6 +188,25 @@ def cycles(per_step: list[dict[str, float]], updates: int) -> list[dict[str, flo
     return out
 
 
+class TimeLimit(Exception):
+    """SIGTERM (``timeout``) reached a shaped run: it reports the cycles it finished instead of nothing."""
+
+
+@contextlib.contextmanager
+def stopped_by_sigterm(enabled: bool = True) -> Iterator[None]:
+    """Turn SIGTERM into :class:`TimeLimit` inside the block (the run's finished cycles are then still reported)."""
+
+    def handler(signum, frame):
+        raise TimeLimit
+
+    previous = signal.signal(signal.SIGTERM, handler) if enabled else None
+    try:
+        yield
+    finally:
+        if enabled:
+            signal.signal(signal.SIGTERM, previous)
+
+
 class CyclePrinter(TrainerCallback):
     """Prints every optimizer step's wall time (with the generation in it) and each cycle's as they end: a run cut
     short by a time limit still shows how far it got."""
@@ -205,33 +227,30 @@ class CyclePrinter(TrainerCallback):
             self.start = now
 
 
-def merge(
-    cold: dict | None, warm: dict | None, vanilla: dict | None, vanilla_seconds: int, command: str = ""
-) -> dict[str, Any]:
-    """One result file from ``shape_run.sh``'s three runs: the warm run's steady cycle as ``ours``, vanilla TRL's
-    cycle (or why there is none), and the warm start: first cycle with an empty cache, with the filled one, steady."""
-    base = warm or cold or vanilla
+def merge(cold: dict | None, warm: dict | None, vanilla: dict | None, command: str = "") -> dict[str, Any]:
+    """One result file from ``shape_run.sh``'s three runs: the cold run's second (steady) cycle as ``ours``, vanilla
+    TRL's cycle (or why there is none), and the warm start: the first cycle with an empty compile cache, the first
+    with the cache filled by the cold run, and the steady one."""
+    base = cold or warm or vanilla
     if base is None:
         raise SystemExit("error: no run finished: nothing to merge")
-    ours = (warm or cold or {}).get("results", [])
-    rows = [r for r in (vanilla or {}).get("results", [])]
+    ours = (cold or warm or {}).get("results", [])
+    rows = list((vanilla or {}).get("results", []))
     if not rows:
-        rows = [
-            {
-                "trainer": "vanilla",
-                "scenario": ours[0]["scenario"] if ours else "",
-                "status": (f"did not finish one cycle within {vanilla_seconds} s" if vanilla is None else "no result"),
-            }
-        ]
+        scenario = ours[0]["scenario"] if ours else ""
+        rows = [{"trainer": "vanilla", "scenario": scenario, "status": "did not start (no time left)"}]
     payload = {k: v for k, v in base.items() if k != "results"}
     payload["command"] = command
     payload["results"] = rows + ours
-    first = lambda data: (data or {}).get("results", [{}])[0].get("cycle_times_s") or []  # noqa: E731
-    cold_cycles, warm_cycles = first(cold), first(warm)
+
+    def cycle_times(data: dict | None) -> list[float]:
+        return ((data or {}).get("results") or [{}])[0].get("cycle_times_s") or []
+
+    cold_cycles, warm_cycles = cycle_times(cold), cycle_times(warm)
     payload["warm_start"] = {
         "cold_first_cycle_s": cold_cycles[0] if cold_cycles else None,
         "warm_first_cycle_s": warm_cycles[0] if warm_cycles else None,
-        "steady_cycle_s": warm_cycles[1] if len(warm_cycles) > 1 else None,
+        "steady_cycle_s": cold_cycles[1] if len(cold_cycles) > 1 else None,
     }
     return payload
 
@@ -245,7 +264,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cold", type=Path, required=True)
     p.add_argument("--warm", type=Path, required=True)
     p.add_argument("--vanilla", type=Path, required=True)
-    p.add_argument("--vanilla_seconds", type=int, default=0)
     p.add_argument("--command", default="", help="the command that produced the runs (RESULTS.md shows it)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
@@ -253,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
     def load(path: Path) -> dict | None:
         return json.loads(path.read_text()) if path.exists() else None
 
-    payload = merge(load(args.cold), load(args.warm), load(args.vanilla), args.vanilla_seconds, args.command)
+    payload = merge(load(args.cold), load(args.warm), load(args.vanilla), args.command)
     args.out.write_text(json.dumps(payload, indent=2))
     print(json.dumps(payload["warm_start"]), args.out)
 

@@ -5,8 +5,8 @@
 #
 # 1. cold:    VLMGRPOTrainer, two cycles, with an empty compile cache (compile_cache_dir): the first cycle pays the
 #             compilation, the second is the steady one;
-# 2. vanilla: trl.GRPOTrainer, one cycle (it compiles nothing);
-# 3. warm:    VLMGRPOTrainer again with the same cache, one cycle: the warm start;
+# 2. warm:    VLMGRPOTrainer again with the same cache, one cycle: the warm start;
+# 3. vanilla: trl.GRPOTrainer, one cycle (it compiles nothing);
 # then bench_shape.py merges the three into OUT_DIR/shape_<SHAPE>_<PRESET>.json. SECONDS bounds the whole script:
 # a stage still running at its share of it gets SIGTERM and reports the cycles it finished (status "stopped by the
 # time limit").
@@ -26,8 +26,8 @@ bench() {  # bench SECONDS OUT_NAME ARGS...: one bench_grpo.py run of the shape,
   timeout "$seconds" python3 "$here/bench_grpo.py" --preset "$preset" --shape "$shape" "$@" --out "$out/$name.json"
   echo "$name exit status: $?"
 }
-bench $((deadline * 45 / 100)) cold --trainers ours --warmup 1 --steps 1
-bench $((deadline * 80 / 100 - SECONDS)) vanilla --trainers vanilla --warmup 0 --steps 1
-bench $((deadline - 15 - SECONDS)) warm --trainers ours --warmup 0 --steps 1
+bench $((deadline * 50 / 100)) cold --trainers ours --warmup 1 --steps 1
+bench $((deadline * 78 / 100 - SECONDS)) warm --trainers ours --warmup 0 --steps 1
+bench $((deadline - 15 - SECONDS)) vanilla --trainers vanilla --warmup 0 --steps 1
 python3 "$here/bench_shape.py" --cold "$out/cold.json" --warm "$out/warm.json" --vanilla "$out/vanilla.json" \
   --command "bash benchmarks/shape_run.sh OUT $shape $preset $deadline" --out "$out/shape_${shape%%:*}_${preset}.json"

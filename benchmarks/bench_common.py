@@ -587,7 +587,7 @@ def format_table(results: list[Result]) -> str:
     vanilla = {r.scenario: r for r in results if r.trainer == "vanilla"}
     for r in results:
         base = vanilla.get(r.scenario)
-        ratio = f"{r.samples_per_s / base.samples_per_s:9.2f}" if base else f"{'':>9}"
+        ratio = f"{r.samples_per_s / base.samples_per_s:9.2f}" if base and base.samples_per_s else f"{'':>9}"
         mem = f"{r.peak_mem_gib:8.1f}" if r.peak_mem_gib is not None else f"{'-':>8}"
         mfu = f"{100 * r.mfu:5.1f}%" if r.mfu is not None else f"{'-':>6}"
         phases = " ".join(f"{r.phases_s[p]:8.3f}" for p in PHASES)

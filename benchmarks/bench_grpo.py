@@ -27,10 +27,13 @@ import gc
 import io
 import itertools
 import json
+import os
 import pstats
 import re
 import statistics
+import sys
 import tempfile
+import traceback
 from collections import defaultdict
 from dataclasses import asdict
 from pathlib import Path
@@ -301,4 +304,14 @@ def main(argv: list[str] | None = None) -> list[Result]:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit:  # --help, and the command line's errors
+        raise
+    except BaseException:
+        # A failed run must not hold the card: compilation workers and other non-daemon threads can keep the
+        # interpreter alive after the traceback, until an outer time limit kills it.
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)

@@ -7,7 +7,9 @@
 #             compilation, the second is the steady one;
 # 2. warm:    VLMGRPOTrainer again with the same cache, one cycle: the warm start;
 # 3. vanilla: trl.GRPOTrainer, one cycle (it compiles nothing);
-# then bench_shape.py merges the three into OUT_DIR/shape_<SHAPE>_<PRESET>.json. SECONDS bounds the whole script:
+# A one-cycle run of the tiny model first goes through the same code (rewards, logging, both trainers) in seconds:
+# a missing package stops the script there, before any large model is loaded.
+# Then bench_shape.py merges the three into OUT_DIR/shape_<SHAPE>_<PRESET>.json. SECONDS bounds the whole script:
 # a stage still running at its share of it gets SIGTERM and reports the cycles it finished (status "stopped by the
 # time limit").
 set -uo pipefail
@@ -26,7 +28,10 @@ bench() {  # bench SECONDS OUT_NAME ARGS...: one bench_grpo.py run of the shape,
   timeout "$seconds" python3 "$here/bench_grpo.py" --preset "$preset" --shape "$shape" "$@" --out "$out/$name.json"
   echo "$name exit status: $?"
 }
-bench $((deadline * 50 / 100)) cold --trainers ours --warmup 1 --steps 1
+timeout 120 python3 "$here/bench_grpo.py" --preset tiny --trainers ours vanilla --warmup 0 --steps 1 \
+  --shape "${shape%%:*}:prompts=4,image_size=56,max_completion=16,mean_completion=4,micro_batch=5" \
+  --out "$out/preflight.json" > "$out/preflight.log" 2>&1 || { tail -20 "$out/preflight.log"; exit 1; }
+bench $((deadline * 50 / 100 - SECONDS)) cold --trainers ours --warmup 1 --steps 1
 bench $((deadline * 78 / 100 - SECONDS)) warm --trainers ours --warmup 0 --steps 1
 bench $((deadline - 15 - SECONDS)) vanilla --trainers vanilla --warmup 0 --steps 1
 python3 "$here/bench_shape.py" --cold "$out/cold.json" --warm "$out/warm.json" --vanilla "$out/vanilla.json" \

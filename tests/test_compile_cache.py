@@ -79,6 +79,18 @@ def test_the_folder_follows_the_setting_the_env_and_the_compilers_own_variables(
         use_compile_cache(str(tmp_path / "file"), "cpu")
 
 
+def test_a_folder_that_cannot_be_made_is_refused_by_the_config_before_any_model_loads(tmp_path):
+    from vlm_grpo.configs import VLMGRPOConfig
+
+    (tmp_path / "file").write_text("")
+    common = {"output_dir": str(tmp_path / "out"), "use_cpu": True, "bf16": False, "report_to": "none"}
+    with pytest.raises(ValueError, match=r"cannot create .*file/cc \(.*file is a file\).*--compile_cache_dir off"):
+        VLMGRPOConfig(**common, compile_cache_dir=str(tmp_path / "file" / "cc"))
+    assert VLMGRPOConfig(**common, compile_cache_dir=str(tmp_path / "new" / "cc")).compile_cache_dir  # just under
+    assert not (tmp_path / "new").exists()  # checking creates nothing
+    assert VLMGRPOConfig(**common, compile_cache_dir="off").compile_cache_dir == "off"
+
+
 def test_the_trainer_points_the_caches_at_compile_cache_dir(tiny_models, tmp_path, monkeypatch):
     from datasets import Dataset
 

@@ -15,6 +15,7 @@ import torch
 from trl import GRPOConfig, ModelConfig, ScriptArguments
 
 from vlm_grpo.advantages import check_estimator
+from vlm_grpo.fastpath.compile_cache import check_setting as check_compile_cache
 
 
 def batch_vision_attention_field() -> Any:
@@ -466,6 +467,7 @@ class VLMGRPOConfig(GRPOConfig):
 
     def __post_init__(self) -> None:
         check_estimator(self.advantage_estimator)
+        check_compile_cache(self.compile_cache_dir)
         apply_device_defaults(self)
         split_report_to(self)
         super().__post_init__()

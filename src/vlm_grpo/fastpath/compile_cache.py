@@ -55,6 +55,21 @@ def version_key(device: torch.device | str | None = None) -> str:
     return re.sub(r"[^A-Za-z0-9._+-]+", "_", "-".join(parts))
 
 
+def check_setting(setting: str | None) -> None:
+    """Refuse a ``compile_cache_dir`` that cannot be created (a file in the way, a folder not writable) before
+    anything is loaded; nothing is created here."""
+    if setting is None or setting.lower() in OFF:
+        return
+    path = Path(setting).expanduser().absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        what = "is a file" if not existing.is_dir() else "is not writable"
+        raise ValueError(
+            f"compile_cache_dir: cannot create {path} ({existing} {what}); give a writable folder with "
+            f"--compile_cache_dir or ${ENV}, or turn the cache off with --compile_cache_dir off"
+        )
+
+
 def use_compile_cache(setting: str | None, device: torch.device | str | None = None) -> Path | None:
     """Point inductor's and Triton's caches at ``<folder>/<version_key>`` for this process; returns that folder.
 

@@ -356,6 +356,16 @@ class VLMGRPOConfig(GRPOConfig):
             "recompiles once; a failed compilation warns and runs eagerly."
         },
     )
+    trim_completion_padding: bool = field(
+        default=True,
+        metadata={
+            "help": "Cut each training micro-batch's completions to its own longest one: TRL pads every "
+            "completion to the longest of the whole generation batch, so with rows of different lengths a "
+            "micro-batch runs its forward and backward mostly over padding. Only columns with no token of any row "
+            "of the micro-batch are dropped, from every per-token tensor at once: the loss, its gradients and "
+            "the metrics are unchanged (tested)."
+        },
+    )
     compile_cache_dir: str | None = field(
         default=None,
         metadata={

@@ -29,6 +29,7 @@ from vlm_grpo.fastpath.decode import resolve_keep_decode_graphs
 from vlm_grpo.fastpath.process_once import ProcessOnce
 from vlm_grpo.fastpath.route import trl_generation_reason
 from vlm_grpo.fastpath.sharing import packed_logps, shared_prefill_generate
+from vlm_grpo.fastpath.trim import trim_completion_padding
 from vlm_grpo.fastpath.vision_attention import use_batched_vision_attention
 from vlm_grpo.fastpath.vision_sync import install_vision_sync, needs_vision_sync
 from vlm_grpo.modules import VLMModule
@@ -255,6 +256,11 @@ class VLMGRPOTrainer(
         return super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **mm
         )
+
+    def _prepare_inputs(self, generation_batch: Any) -> dict[str, Any]:
+        """TRL's micro-batch, its completions cut to its own longest one (``trim_completion_padding``)."""
+        inputs = super()._prepare_inputs(generation_batch)
+        return trim_completion_padding(inputs) if self.args.trim_completion_padding else inputs
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """TRL's, with the processor run once per distinct prompt (``process_prompts_once``), and without the

@@ -64,6 +64,9 @@ class Result:
     decode_ms_per_token: float | None = None  # fast_decode's time / tokens it decoded (ours)
     floor_ms_per_token: float | None = None  # decode weights / HBM bandwidth
     floor_ratio: float | None = None  # decode (else generation) ms/token / floor
+    status: str = "ok"  # or what stopped the run ("out of memory in generation", ...)
+    completion_stats: dict[str, float] = field(default_factory=dict)  # realised lengths (--shape)
+    cycle_times_s: list[float] = field(default_factory=list)  # every generation cycle (--shape), in order
 
 
 # --------------------------------------------------------------------------- timing
@@ -76,6 +79,7 @@ class PhaseTimer:
         self.device = device
         self.totals: dict[str, float] = defaultdict(float)
         self.per_step: list[dict[str, float]] = []
+        self.lengths: list[float] = []  # every completion's length, in the order the rows were prepared
         self.in_loss = False
 
     def sync(self) -> None:
@@ -133,6 +137,7 @@ def timed_trainer_class(base: type) -> type:
             self.timer.totals["prepare_other"] += time.perf_counter() - start - inner
             self.timer.totals["_prompt_tokens"] += float(inputs["prompt_mask"].sum())
             self.timer.totals["_completion_tokens"] += float(inputs["completion_mask"].sum())
+            self.timer.lengths += inputs["completion_mask"].sum(1).tolist()
             self.timer.totals["_executed_tokens"] += executed_tokens(inputs, getattr(self.args, "share_prompt", False))
             return inputs
 
@@ -262,7 +267,7 @@ def question(index: int, vary: int) -> str:
     return QUESTION + "".join(f" Then detail number {k}." for k in range(extra))
 
 
-def vanilla_dataset(paths: list[list[Path]], vary: int = 0):
+def vanilla_dataset(paths: list[list[Path]], vary: int = 0, questions: list[str] | None = None):
     from datasets import Dataset
 
     def transform(batch):
@@ -271,29 +276,33 @@ def vanilla_dataset(paths: list[list[Path]], vary: int = 0):
         return batch
 
     prompts = [
-        [{"role": "user", "content": [*({"type": "image"} for _ in row), {"type": "text", "text": question(i, vary)}]}]
-        for i, row in enumerate(paths)
+        [{"role": "user", "content": [*({"type": "image"} for _ in row), {"type": "text", "text": text}]}]
+        for row, text in zip(paths, questions or [question(i, vary) for i in range(len(paths))], strict=True)
     ]
     dataset = Dataset.from_dict({"prompt": prompts, "image_path": [[str(p) for p in row] for row in paths]})
     return dataset.with_transform(transform)
 
 
-def write_rows(paths: list[list[Path]], jsonl: Path, vary: int = 0) -> Path:
-    """The prompts as the package's JSONL rows (image paths on disk, ``question(i, vary)``), one per prompt."""
+def write_rows(paths: list[list[Path]], jsonl: Path, vary: int = 0, questions: list[str] | None = None) -> Path:
+    """The prompts as the package's JSONL rows (image paths on disk, ``questions[i]``, else ``question(i, vary)``),
+    one per prompt."""
     with open(jsonl, "w") as f:
         for i, row in enumerate(paths):
+            text = questions[i] if questions else question(i, vary)
             conversations = [
-                {"from": "human", "value": "<image>" * len(row) + question(i, vary)},
+                {"from": "human", "value": "<image>" * len(row) + text},
                 {"from": "gpt", "value": "<answer>none</answer>"},
             ]
             f.write(json.dumps({"id": i, "image": [str(p) for p in row], "conversations": conversations}) + "\n")
     return jsonl
 
 
-def ours_dataset(paths: list[list[Path]], root: Path, module: Any, processor: Any, vary: int = 0):
+def ours_dataset(
+    paths: list[list[Path]], root: Path, module: Any, processor: Any, vary: int = 0, questions: list[str] | None = None
+):
     from vlm_grpo.data import prepare_rows, read_rows, to_datasets
 
-    jsonl = write_rows(paths, root / "rows.jsonl", vary)
+    jsonl = write_rows(paths, root / "rows.jsonl", vary, questions)
     rows, bad = read_rows([str(jsonl)], task_type="raw")
     rows = prepare_rows(rows, bad, module, processor)
     return to_datasets(rows, module)[0]
@@ -515,20 +524,22 @@ def grpo_trainer(
     workdir: Path,
     cls: type | None = None,
     vary_prompts: int = 0,
+    questions: list[str] | None = None,
     **kwargs: Any,
 ) -> Any:
     """The trainer of ``kind`` (``cls`` overrides its class) on ``paths``: vanilla TRL on an in-memory dataset,
-    ours on JSONL rows through the package's data pipeline. ``kwargs`` go to the trainer."""
+    ours on JSONL rows through the package's data pipeline; ``questions`` are the prompts' texts (default:
+    :func:`question`). ``kwargs`` go to the trainer."""
     from trl import GRPOTrainer
 
     from vlm_grpo.trainer import VLMGRPOTrainer
 
     if is_vanilla(kind):
         cls = cls or GRPOTrainer
-        dataset = vanilla_dataset(paths, vary_prompts)
+        dataset = vanilla_dataset(paths, vary_prompts, questions)
     else:
         cls = cls or VLMGRPOTrainer
-        dataset = ours_dataset(paths, workdir, module, processor, vary_prompts)
+        dataset = ours_dataset(paths, workdir, module, processor, vary_prompts, questions)
         kwargs = {"vlm_module": module, **kwargs}
     return cls(
         model=model,
@@ -576,7 +587,7 @@ def format_table(results: list[Result]) -> str:
     vanilla = {r.scenario: r for r in results if r.trainer == "vanilla"}
     for r in results:
         base = vanilla.get(r.scenario)
-        ratio = f"{r.samples_per_s / base.samples_per_s:9.2f}" if base else f"{'':>9}"
+        ratio = f"{r.samples_per_s / base.samples_per_s:9.2f}" if base and base.samples_per_s else f"{'':>9}"
         mem = f"{r.peak_mem_gib:8.1f}" if r.peak_mem_gib is not None else f"{'-':>8}"
         mfu = f"{100 * r.mfu:5.1f}%" if r.mfu is not None else f"{'-':>6}"
         phases = " ".join(f"{r.phases_s[p]:8.3f}" for p in PHASES)
@@ -629,6 +640,12 @@ def parse(argv: list[str] | None = None, description: str | None = None) -> argp
         help="take cuDNN out of sdpa's backends for every trainer, vanilla included (it builds an execution plan "
         "per new shape); without it each trainer starts from torch's default and ours turns cuDNN off itself "
         "unless cudnn_attention=true",
+    )  # fmt: skip
+    p.add_argument(
+        "--shape", default=None,
+        help="an EasyR1-shaped cycle instead of the scenario grid (benchmarks/bench_shape.py): easyr1_geo3k, "
+        "easyr1_geo3k_32x8 or easyr1_geo3k_varied, with field overrides as name:prompts=4,max_completion=32; "
+        "--steps / --warmup then count generation cycles",
     )  # fmt: skip
     p.add_argument("--profile_dir", default=None, help="profile one extra step per run; top ops written here")
     p.add_argument("--out", default="bench_results.json")

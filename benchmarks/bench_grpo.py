@@ -27,10 +27,13 @@ import gc
 import io
 import itertools
 import json
+import os
 import pstats
 import re
 import statistics
+import sys
 import tempfile
+import traceback
 from collections import defaultdict
 from dataclasses import asdict
 from pathlib import Path
@@ -58,6 +61,19 @@ from bench_common import (
     timed_fast_decode,
     timed_trainer_class,
     write_images,
+)
+from bench_shape import (
+    TOKENS_NOTE,
+    CyclePrinter,
+    Shape,
+    TimeLimit,
+    apply_shape,
+    config_fields,
+    cycles,
+    geo3k_questions,
+    install_eos_bias,
+    length_stats,
+    stopped_by_sigterm,
 )
 from transformers import TrainerCallback
 
@@ -163,7 +179,11 @@ def window_report(
 # --------------------------------------------------------------------------- runs
 
 
-def run_one(kind: str, args: argparse.Namespace, scenario: Scenario, workdir: Path, paths) -> Result:
+def run_one(
+    kind: str, args: argparse.Namespace, scenario: Scenario, workdir: Path, paths, shape: Shape | None = None
+) -> Result:
+    """One trainer's run of ``scenario``; with ``shape``, EasyR1-shaped cycles (see bench_shape.py), each
+    generation's 4 optimizer steps summed into one entry, and an out-of-memory error reported as the result."""
     from trl import GRPOTrainer
 
     from vlm_grpo.trainer import VLMGRPOTrainer
@@ -174,26 +194,42 @@ def run_one(kind: str, args: argparse.Namespace, scenario: Scenario, workdir: Pa
         args, workdir, kind.partition(":")[0], lora_r=args.lora_r, lora_dropout=args.lora_dropout
     )
     n_params = sum(p.numel() for p in model.parameters())
-    measured_steps = args.warmup + args.steps
-    config = grpo_config(kind, args, scenario, workdir, measured_steps + bool(args.profile_dir))
+    per_cycle = shape.updates if shape else 1
+    measured_steps = (args.warmup + args.steps) * per_cycle
+    extra = config_fields(shape) if shape else {}
+    config = grpo_config(kind, args, scenario, workdir, measured_steps + bool(args.profile_dir), **extra)
+    if shape:
+        eos = model.generation_config.eos_token_id
+        install_eos_bias(model, eos[0] if isinstance(eos, list) else eos, shape.mean_completion)
     timer = PhaseTimer(device)
     time_vision(model, module, timer)
     cls = timed_trainer_class(GRPOTrainer if is_vanilla(kind) else VLMGRPOTrainer)
     cls.timer = timer
     callbacks = [OptimizerTimer(timer)]
+    if shape:
+        callbacks.append(CyclePrinter(kind, per_cycle, timer.per_step))
     if args.profile_dir:
         name = re.sub(r"\W+", "_", f"{scenario.name}_{kind.partition(':')[0]}")
         callbacks.append(StepProfiler(measured_steps, Path(args.profile_dir) / f"{name}.txt"))
+    questions = geo3k_questions(len(paths), args.seed) if shape else None
     trainer = grpo_trainer(
         kind, model, processor, module, config, paths, workdir, cls=cls, vary_prompts=args.vary_prompts,
-        callbacks=callbacks,
+        questions=questions, callbacks=callbacks,
     )  # fmt: skip
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    with timed_fast_decode(timer), bench_switches(kind):
-        trainer.train()
+    status = "ok"
+    try:
+        with timed_fast_decode(timer), bench_switches(kind), stopped_by_sigterm(enabled=shape is not None):
+            trainer.train()
+    except (torch.OutOfMemoryError, TimeLimit) as err:
+        if not shape:
+            raise
+        what = "out of memory" if isinstance(err, torch.OutOfMemoryError) else "stopped by the time limit"
+        status = f"{what} in cycle {len(timer.per_step) // per_cycle + 1}"
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    measured = timer.per_step[args.warmup : measured_steps] or timer.per_step
+    steps = cycles(timer.per_step, per_cycle) if shape else timer.per_step
+    measured = steps[args.warmup : args.warmup + args.steps] or steps or [{}]
 
     def median(key: str) -> float:
         return statistics.median(step.get(key, 0.0) for step in measured)
@@ -213,8 +249,8 @@ def run_one(kind: str, args: argparse.Namespace, scenario: Scenario, workdir: Pa
         trainer=kind.partition(":")[0],
         scenario=scenario.name,
         step_s=step_s,
-        samples_per_s=samples / step_s,
-        tokens_per_s=tokens / step_s,
+        samples_per_s=samples / step_s if step_s else 0.0,
+        tokens_per_s=tokens / step_s if step_s else 0.0,
         peak_mem_gib=peak,
         mfu=mfu,
         phases_s={p: median(p) for p in PHASES},
@@ -225,6 +261,9 @@ def run_one(kind: str, args: argparse.Namespace, scenario: Scenario, workdir: Pa
         decode_ms_per_token=decode_ms,
         floor_ms_per_token=floor_ms,
         floor_ratio=(decode_ms or gen_ms) / floor_ms if floor_ms else None,
+        status=status,
+        completion_stats=length_stats(timer.lengths) if shape else {},
+        cycle_times_s=[c["_wall"] for c in steps] if shape else [],
     )
     del trainer, model
     gc.collect()
@@ -235,11 +274,13 @@ def run_one(kind: str, args: argparse.Namespace, scenario: Scenario, workdir: Pa
 
 def main(argv: list[str] | None = None) -> list[Result]:
     args = parse(argv, __doc__.split("\n\n")[0])
+    shape = apply_shape(args) if args.shape else None
     results: list[Result] = []
     scenarios = [
         Scenario(s, k, c)
         for s, k, c in itertools.product(args.image_sizes, args.images_per_prompt, args.completion_lengths)
     ]
+    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     with tempfile.TemporaryDirectory() as tmp:
         for scenario in scenarios:
             workdir = Path(tmp) / scenario.name.replace(" ", "_")
@@ -247,16 +288,30 @@ def main(argv: list[str] | None = None) -> list[Result]:
             n_prompts = args.prompts_per_step * (args.warmup + args.steps + bool(args.profile_dir))
             paths = write_images(workdir, scenario, n_prompts, args.seed, args.vary_images)
             for kind in args.trainers:
-                result = run_one(kind, args, scenario, workdir, paths)
+                result = run_one(kind, args, scenario, workdir, paths, shape)
                 results.append(result)
                 print(f"[bench] {json.dumps(asdict(result))}", flush=True)  # survives a time-out of the run
-    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+                payload = {**run_stamp(), "device": device_name, "args": vars(args)}
+                if shape:
+                    payload["shape"] = {**asdict(shape), "tokens": TOKENS_NOTE}
+                payload["results"] = [asdict(r) for r in results]
+                Path(args.out).write_text(json.dumps(payload, indent=2))  # rewritten after every run
     print(f"\ndevice: {device_name}; preset: {args.preset}; G={args.num_generations}; beta={args.beta}")
+    if shape:
+        print(f"shape: {shape}; per cycle; {TOKENS_NOTE}")
     print(format_table(results))
-    payload = {**run_stamp(), "device": device_name, "args": vars(args), "results": [asdict(r) for r in results]}
-    Path(args.out).write_text(json.dumps(payload, indent=2))
     return results
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit:  # --help, and the command line's errors
+        raise
+    except BaseException:
+        # A failed run must not hold the card: compilation workers and other non-daemon threads can keep the
+        # interpreter alive after the traceback, until an outer time limit kills it.
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)

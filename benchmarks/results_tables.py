@@ -91,6 +91,8 @@ def _arg(value: Any) -> str:
 
 
 def _kind(data: dict[str, Any]) -> str:
+    if "warm_start" in data:
+        return "shape"
     if "plan" in data and "runs" in data:
         return "scale_out"
     if "card_gib" in data and "results" in data:
@@ -106,6 +108,7 @@ def _kind(data: dict[str, Any]) -> str:
 
 SCRIPTS = {
     "grpo": "benchmarks/bench_grpo.py",
+    "shape": "benchmarks/bench_grpo.py",
     "tools": "benchmarks/bench_tools.py",
     "max_fit": "benchmarks/max_fit.py",
     "scale_out": "benchmarks/scale_out.py",
@@ -227,7 +230,69 @@ def tools_table(data: dict[str, Any]) -> list[str]:
     return out
 
 
+# EasyR1's own published performance baselines (assets/baselines.md of EasyR1 v0.3.2, Geometry3K): other hardware
+# and software (8 x H100 80GB, vLLM rollouts with tensor parallel 2, FSDP, AMP), not measured here.
+EASYR1_PUBLISHED = (
+    "| EasyR1 v0.3.2, published (8 x H100 80GB, vLLM TP 2, FSDP, AMP) | Qwen2.5-VL-3B, micro-batches 1 / 2 "
+    "| 1,800 | 120 | 8.1% |",
+    "| EasyR1 v0.3.2, published (8 x H100 80GB, vLLM TP 2, FSDP, AMP) | Qwen2.5-VL-7B, micro-batches 4 / 8 "
+    "| 2,000 | 120 | 23.2% |",
+)
+
+
+def shape_table(data: dict[str, Any]) -> list[str]:
+    """The EasyR1-shaped cycle (bench_shape.py): per trainer one cycle's throughput, phases and lengths; the warm
+    start; EasyR1's published figure beside them."""
+    shape = data.get("shape", {})
+    out = [
+        f"Per GPU and cycle: {shape.get('prompts')} prompts x G={shape.get('generations')} at "
+        f"{shape.get('image_size')}px{' (sizes varied)' if shape.get('vary_images') else ''}, completions ended by "
+        f"the model's own EOS (geometric lengths, mean {shape.get('mean_completion')}, at most "
+        f"{shape.get('max_completion')}), {shape.get('updates')} optimizer steps per generation in micro-batches of "
+        f"{shape.get('micro_batch')} rows. {shape.get('tokens', '')}.\n",
+        "| trainer | status | cycle s | tokens/s/GPU | samples/s | training MFU | generation s | log-prob s "
+        "| update s | peak GiB | completion mean / p90 / max | x vanilla |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    rows = data["results"]
+    base = next((r for r in rows if r.get("trainer") == "vanilla" and r.get("status") == "ok"), None)
+    for r in rows:
+        phases, stats = r.get("phases_s", {}), r.get("completion_stats", {})
+        ok = r.get("status") == "ok" and r.get("step_s")
+        update = sum(phases.get(k) or 0 for k in ("loss_forward", "backward", "optimizer"))
+        ratio = f"**{r['tokens_per_s'] / base['tokens_per_s']:.1f}x**" if ok and base and r is not base else "-"
+        lengths = f"{stats['mean']:.0f} / {stats['p90']:.0f} / {stats['max']:.0f}" if stats else "-"
+        mfu = f"{100 * r['mfu']:.0f}%" if r.get("mfu") else "-"
+
+        def val(x: Any, digits: int = 2, ok: bool = bool(ok)) -> str:
+            return _fmt(x, digits) if ok else "-"
+
+        out.append(
+            f"| {r['trainer']} | {r.get('status', 'ok')} | {val(r.get('step_s'))} | {val(r.get('tokens_per_s'), 0)} "
+            f"| {val(r.get('samples_per_s'))} | {mfu} | {val(phases.get('generation'))} "
+            f"| {val(phases.get('old_ref_logps'))} | {val(update)} | {_fmt(r.get('peak_mem_gib'), 1)} | {lengths} "
+            f"| {ratio if r is not base else '1.0x'} |"
+        )
+    warm = data.get("warm_start", {})
+    out += [
+        "",
+        "Warm start (`compile_cache_dir`): first cycle with an empty compile cache "
+        f"{_fmt(warm.get('cold_first_cycle_s'), 1)} s, the same command again with the cache filled "
+        f"{_fmt(warm.get('warm_first_cycle_s'), 1)} s, the next cycle (steady) "
+        f"{_fmt(warm.get('steady_cycle_s'), 1)} s.",
+        "",
+        "Published figures on other hardware, for reference (EasyR1's `assets/baselines.md`: tokens per second per "
+        "GPU over a training step, 512 prompts x 5 per step on 8 GPUs):",
+        "",
+        "| source | model | tokens/s/GPU | s per step | actor MFU |",
+        "|---|---|---|---|---|",
+        *EASYR1_PUBLISHED,
+    ]
+    return out
+
+
 TABLES = {
+    "shape": shape_table,
     "grpo": grpo_table,
     "tools": tools_table,
     "decode": decode_table,
@@ -273,7 +338,7 @@ def render(results: Path = RESULTS) -> str:
             f"## {path.stem}\n",
             f"Card: **{card}**. Versions: {_versions(data)}. Date: {data.get('date', 'not recorded')}. "
             f"File: `results/{path.name}`.\n",
-            f"```bash\n{command(SCRIPTS[kind], data.get('args', {}), path.name)}\n```\n",
+            f"```bash\n{data.get('command') or command(SCRIPTS[kind], data.get('args', {}), path.name)}\n```\n",
             *TABLES[kind](data),
             "",
         ]

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -229,3 +231,59 @@ def test_bench_tools_tiny_cpu_counts_prefill_and_vision_work(tmp_path):
     assert tools["56px x1 C8 T4h ours"]["vision_images_per_step"] == 2 + 8 + 4 * 3
     assert tools["56px x1 C8 T4h ours"]["tool_calls_per_rollout"] == 2.5  # (1 + 4) / 2
     assert payload["results"][1]["decode_ms_per_token"] > 0
+
+
+def test_bench_grpo_easyr1_shape_tiny_cpu_reports_cycles_and_natural_lengths(tmp_path):
+    """The EasyR1-shaped run: one cycle (a generation and its 4 optimizer steps) per trainer, completions ended by
+    the model's own EOS at different lengths (not all forced to the maximum), tokens counted per cycle."""
+    out = tmp_path / "shape.json"
+    shape = "easyr1_geo3k:prompts=4,image_size=56,max_completion=24,mean_completion=6,micro_batch=5"
+    cmd = [
+        sys.executable, str(REPO / "benchmarks" / "bench_grpo.py"), "--preset", "tiny", "--device", "cpu",
+        "--shape", shape, "--steps", "1", "--warmup", "0", "--out", str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "counted as EasyR1 counts them" in result.stdout
+    assert result.stdout.count("[cycle] ") == 2  # one cycle per trainer, printed as it ends
+    payload = json.loads(out.read_text())
+    assert payload["shape"]["prompts"] == 4 and payload["shape"]["updates"] == 4
+    assert [r["trainer"] for r in payload["results"]] == ["vanilla", "ours"]
+    for r in payload["results"]:
+        assert r["status"] == "ok" and len(r["cycle_times_s"]) == 1 and len(r["step_times_s"]) == 4
+        stats = r["completion_stats"]
+        assert stats["n"] == 20  # 4 prompts x G=5, each row counted once over the 4 micro-batch groups
+        assert 2 <= stats["mean"] <= 14 and stats["p50"] < stats["max"] <= 24, stats  # geometric, mean ~6
+        assert r["tokens_per_s"] == pytest.approx((r["prompt_tokens"] + r["completion_tokens"]) / r["step_s"], 0.01)
+        assert r["completion_tokens"] == pytest.approx(stats["mean"] * 20, abs=1)
+
+
+def test_shape_eos_bias_sets_the_stop_probability():
+    """The calibrated EOS bias makes EOS about 1/mean of the sampled mass; without it EOS is ~1/vocab (control)."""
+    import torch
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from bench_shape import install_eos_bias, parse_shape
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    from vlm_grpo.testing.tiny import build_model
+
+    model, _ = build_model("tiny_qwen2_5_vl", dtype=torch.float32)
+    eos = model.generation_config.eos_token_id
+    eos = eos[0] if isinstance(eos, list) else eos
+    ids = torch.randint(0, 1000, (4, 64), generator=torch.Generator().manual_seed(1))
+
+    def p_eos() -> float:
+        with torch.no_grad():
+            return float(model(input_ids=ids).logits.softmax(-1)[..., eos].mean())
+
+    assert p_eos() < 0.01  # control: the random model alone almost never stops
+    install_eos_bias(model, eos, mean=20)
+    assert 0.5 / 20 < p_eos() < 2 / 20
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # the tie is kept
+    with pytest.raises(SystemExit, match="must split into 4 updates"):
+        parse_shape("easyr1_geo3k:prompts=3")
+    with pytest.raises(SystemExit, match="'bogus' is not a shape field"):
+        parse_shape("easyr1_geo3k:bogus=1")

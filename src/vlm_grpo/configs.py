@@ -15,6 +15,7 @@ import torch
 from trl import GRPOConfig, ModelConfig, ScriptArguments
 
 from vlm_grpo.advantages import check_estimator
+from vlm_grpo.fastpath.compile_cache import check_setting as check_compile_cache
 from vlm_grpo.tools.protocols import TOOL_PROTOCOL_HELP
 
 
@@ -352,6 +353,27 @@ class VLMGRPOConfig(GRPOConfig):
             "recompiles once; a failed compilation warns and runs eagerly."
         },
     )
+    trim_completion_padding: bool = field(
+        default=True,
+        metadata={
+            "help": "Cut each training micro-batch's completions to its own longest one: TRL pads every "
+            "completion to the longest of the whole generation batch, so with rows of different lengths a "
+            "micro-batch runs its forward and backward mostly over padding. Only columns with no token of any row "
+            "of the micro-batch are dropped, from every per-token tensor at once: the loss, its gradients and "
+            "the metrics are unchanged (tested)."
+        },
+    )
+    compile_cache_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "Where compiled artifacts persist between runs (torch.compile's graphs and autotuning results, "
+            "the Triton kernels' binaries), in a sub-folder named after the torch / Triton versions and the card, so "
+            "a second run of the same command loads them instead of compiling. None (default): "
+            "$VLM_GRPO_COMPILE_CACHE, else compile/ in $VLM_GRPO_CACHE or ~/.cache/vlm_grpo; a "
+            "TORCHINDUCTOR_CACHE_DIR or TRITON_CACHE_DIR you set stays in charge then. 'off': a temporary folder "
+            "removed at exit (every run compiles from scratch)."
+        },
+    )
     cudnn_attention: bool = field(
         default=False,
         metadata={
@@ -452,6 +474,7 @@ class VLMGRPOConfig(GRPOConfig):
 
     def __post_init__(self) -> None:
         check_estimator(self.advantage_estimator)
+        check_compile_cache(self.compile_cache_dir)
         apply_device_defaults(self)
         split_report_to(self)
         super().__post_init__()

@@ -23,11 +23,13 @@ from vlm_grpo.advantages import AdvantageEstimatorMixin
 from vlm_grpo.configs import VLMGRPOConfig
 from vlm_grpo.dynamic_sampling import DynamicSamplingMixin
 from vlm_grpo.fastpath.block_attention import use_block_attention
+from vlm_grpo.fastpath.compile_cache import use_compile_cache
 from vlm_grpo.fastpath.compiled_layers import resolve_compile_layers
 from vlm_grpo.fastpath.decode import resolve_keep_decode_graphs
 from vlm_grpo.fastpath.process_once import ProcessOnce
 from vlm_grpo.fastpath.route import trl_generation_reason
 from vlm_grpo.fastpath.sharing import packed_logps, shared_prefill_generate
+from vlm_grpo.fastpath.trim import trim_completion_padding
 from vlm_grpo.fastpath.turn_cache import TurnCache, continue_turns, image_pad_id
 from vlm_grpo.fastpath.vision_attention import use_batched_vision_attention
 from vlm_grpo.fastpath.vision_sync import install_vision_sync, needs_vision_sync
@@ -174,6 +176,7 @@ class VLMGRPOTrainer(
         # compile_layers as this run resolves it (None: on GPU without ZeRO-3 / FSDP); the args stay as given.
         self.compile_layers = resolve_compile_layers(self.args.compile_layers, self.accelerator.device.type, sharded)
         self.keep_decode_graphs = resolve_keep_decode_graphs(self.args.keep_decode_graphs, sharded)
+        self.compile_cache = use_compile_cache(self.args.compile_cache_dir, self.accelerator.device)
         if not self.args.cudnn_attention and torch.backends.cuda.cudnn_sdp_enabled():
             logger.info("cudnn_attention=False: sdpa's cuDNN backend is off for this process (see its help)")
             torch.backends.cuda.enable_cudnn_sdp(False)
@@ -260,6 +263,11 @@ class VLMGRPOTrainer(
         return super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **mm
         )
+
+    def _prepare_inputs(self, generation_batch: Any) -> dict[str, Any]:
+        """TRL's micro-batch, its completions cut to its own longest one (``trim_completion_padding``)."""
+        inputs = super()._prepare_inputs(generation_batch)
+        return trim_completion_padding(inputs) if self.args.trim_completion_padding else inputs
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """TRL's, with the processor run once per distinct prompt (``process_prompts_once``), and without the

@@ -37,6 +37,12 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     ),
     PrivateName("trl:GRPOTrainer", "_tokenize_prompts", ("prompts",), why="mixed text/image batches"),
     PrivateName(
+        "trl:GRPOTrainer",
+        "_prepare_inputs",
+        ("generation_batch",),
+        why="trim_completion_padding cuts the micro-batch it returns to its own longest completion",
+    ),
+    PrivateName(
         "trl:GRPOTrainer", "_get_train_sampler", ("dataset",), why="the epoch-seeded sampler (resume across epochs)"
     ),
     PrivateName(

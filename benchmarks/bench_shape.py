@@ -1,0 +1,280 @@
+"""EasyR1-shaped GRPO steps for ``bench_grpo.py --shape NAME[:key=value,...]``.
+
+EasyR1's geo3k recipe (``examples/config.yaml``) generates 512 prompts x n=5 per rollout over 8 GPUs, i.e. 64
+prompts x 5 = 320 samples per GPU, at ``min_pixels`` 512², up to 2,048 response tokens, and updates on 128 prompts
+at a time (4 optimizer steps per rollout) in micro-batches of ``micro_batch_size_per_device_for_update`` = 4 rows.
+In TRL's terms, per GPU: ``per_device_train_batch_size`` 4 (the micro-batch), ``gradient_accumulation_steps`` 20
+(80 rows per optimizer step), ``steps_per_generation`` 80 (320 rows per generation). One *cycle* is one generation
+and its 4 optimizer steps; the benchmark reports per cycle.
+
+Completion lengths are the model's own: the LM head gets a bias on the EOS token, calibrated on the random-weight
+model so that every sampled token is EOS with probability ``1 / mean_completion``: lengths are geometric with that
+mean (median ~0.69 x mean), cut at ``max_completion``; rows finish at different steps, as real rollouts do, and
+both trainers sample from the same distribution (no logits processor: nothing either trainer has to honour). The
+realised lengths are recorded with every result.
+
+Throughput is counted as EasyR1 counts it (``perf/throughput``): prompt + response tokens of the valid positions
+(image tokens included, padding excluded) per second per GPU, over the whole cycle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+TOKENS_NOTE = (
+    "tokens/s/GPU counted as EasyR1 counts them: prompt + response tokens (valid positions, image tokens included) "
+    "per second of a whole cycle (generation, log-probs, 4 optimizer steps) per GPU"
+)
+# EasyR1's math/geo3k format prompt (its examples/format_prompt/math.jinja), after the problem.
+FORMAT = (
+    " You FIRST think about the reasoning process as an internal monologue and then provide the final answer. "
+    "The reasoning process MUST BE enclosed within <think> </think> tags. The final answer MUST BE put in \\boxed{}."
+)
+# Geometry3K-like problem sentences: a problem is 1-4 of them (about 10-60 words).
+CLAUSES = (
+    "Find x.",
+    "Find the area of the figure. Round to the nearest tenth if necessary.",
+    "In the circle shown, chord AB is parallel to chord CD and the measure of arc AC is 40 degrees.",
+    "Find the measure of angle 2 if the measure of angle 1 is 3x + 12 and the measure of angle 3 is 5x - 20.",
+    "Quadrilateral WXYZ is a rectangle with diagonals that meet at point P.",
+    "Use parallelogram ABCD to find the length of segment AD.",
+    "Triangle LMN is isosceles with LM = LN and the altitude from L is 8 units long.",
+    "Each pair of polygons is similar.",
+)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Per-GPU sizes of one EasyR1-shaped cycle (override any field with ``--shape name:field=value``)."""
+
+    name: str
+    prompts: int = 64  # prompts per generation per GPU (rollout_batch_size / GPUs)
+    generations: int = 5  # n
+    image_size: int = 512  # min_pixels 512²
+    vary_images: int = 0  # > 0: image sizes vary (see bench_common.write_images), the varied-size variant
+    max_completion: int = 2048  # max_response_length
+    mean_completion: int = 500  # mean of the geometric completion lengths
+    micro_batch: int = 4  # micro_batch_size_per_device_for_update (rows)
+    updates: int = 4  # optimizer steps per generation (rollout_batch_size / global_batch_size)
+
+    @property
+    def rows(self) -> int:
+        return self.prompts * self.generations
+
+    def check(self) -> None:
+        per_update, rest = divmod(self.rows, self.updates)
+        if rest or per_update % self.micro_batch:
+            raise SystemExit(
+                f"error: --shape {self.name}: {self.rows} rows per generation must split into {self.updates} updates "
+                f"of whole micro-batches of {self.micro_batch} rows; change prompts, generations, updates or "
+                "micro_batch"
+            )
+
+
+SHAPES = {
+    "easyr1_geo3k": Shape("easyr1_geo3k"),
+    "easyr1_geo3k_32x8": Shape("easyr1_geo3k_32x8", prompts=32, generations=8),
+    # EasyR1's pixel range starts at 512²: images of 532-1008 px a side, each prompt's its own size.
+    "easyr1_geo3k_varied": Shape("easyr1_geo3k_varied", image_size=1008, vary_images=17),
+}
+
+
+def parse_shape(spec: str) -> Shape:
+    """``name`` or ``name:field=value,...`` -> the shape (values converted to the field's type)."""
+    name, _, rest = spec.partition(":")
+    if name not in SHAPES:
+        raise SystemExit(f"error: --shape {name!r} is not known; choose one of {', '.join(SHAPES)}")
+    shape = SHAPES[name]
+    changes: dict[str, Any] = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        if key not in {f.name for f in dataclasses.fields(Shape)} - {"name"}:
+            raise SystemExit(f"error: --shape {spec!r}: {key!r} is not a shape field")
+        changes[key] = int(value)
+    shape = dataclasses.replace(shape, **changes)
+    shape.check()
+    return shape
+
+
+def apply_shape(args: Any) -> Shape:
+    """Set the run's sizes from ``args.shape``: one scenario, the shape's prompts x G per cycle."""
+    shape = parse_shape(args.shape)
+    args.prompts_per_step, args.num_generations = shape.prompts, shape.generations
+    args.image_sizes, args.images_per_prompt, args.completion_lengths = [shape.image_size], [1], [shape.max_completion]
+    args.vary_images = shape.vary_images
+    return shape
+
+
+def config_fields(shape: Shape) -> dict[str, Any]:
+    """The GRPOConfig fields of the shape (both trainers): micro-batches, accumulation, one generation per cycle,
+    and no forced length (the EOS bias ends the rows)."""
+    return {
+        "per_device_train_batch_size": shape.micro_batch,
+        "gradient_accumulation_steps": shape.rows // shape.updates // shape.micro_batch,
+        "steps_per_generation": shape.rows // shape.micro_batch,
+        "max_completion_length": shape.max_completion,
+        "generation_kwargs": {},
+    }
+
+
+def geo3k_questions(n: int, seed: int) -> list[str]:
+    """``n`` problem texts of Geometry3K-like lengths, each followed by EasyR1's format prompt."""
+    rng = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        k = int(torch.randint(1, 5, (1,), generator=rng))
+        picks = torch.randint(0, len(CLAUSES), (k,), generator=rng).tolist()
+        out.append(" ".join(CLAUSES[i] for i in picks) + FORMAT)
+    return out
+
+
+@torch.no_grad()
+def install_eos_bias(model: Any, eos_id: int, mean: int, seed: int = 0) -> float:
+    """Give the LM head a bias on ``eos_id`` so that a sampled token (temperature 1) is EOS with probability about
+    ``1 / mean``. Calibrated on random token ids through the model's own decoder: the bias is the wanted log-odds
+    minus the median log-odds of EOS without it. The head keeps its (possibly tied) weight; the bias does not train.
+    Returns the bias."""
+    from vlm_grpo.utils import peft_base
+
+    base = peft_base(model)
+    head, decoder = base.get_output_embeddings(), base.get_decoder()
+    vocab = head.weight.size(0)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    ids = torch.randint(0, vocab, (4, 128), generator=gen).to(head.weight.device)
+    hidden = decoder(input_ids=ids).last_hidden_state[:, 16:].float()
+    logits = hidden @ head.weight.float().T
+    eos = logits[..., eos_id].clone()
+    logits[..., eos_id] = -math.inf
+    log_odds = eos - torch.logsumexp(logits, dim=-1)
+    p = 1.0 / mean
+    bias_value = math.log(p / (1 - p)) - float(log_odds.median())
+    biased = torch.nn.Linear(head.in_features, head.out_features, bias=True, device=head.weight.device)
+    biased.weight = head.weight  # the same Parameter: a tie with the input embedding stays a tie
+    biased.bias = torch.nn.Parameter(torch.zeros(vocab, dtype=head.weight.dtype, device=head.weight.device))
+    biased.bias[eos_id] = bias_value
+    biased.bias.requires_grad_(False)
+    base.set_output_embeddings(biased)
+    return bias_value
+
+
+def length_stats(lengths: list[float]) -> dict[str, float]:
+    """Mean, quantiles and maximum of the realised completion lengths (tokens)."""
+    if not lengths:
+        return {}
+    t = torch.tensor(lengths, dtype=torch.float64)
+    q = torch.quantile(t, torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64)).tolist()
+    return {"n": len(lengths), "mean": float(t.mean()), "p50": q[0], "p90": q[1], "p99": q[2], "max": float(t.max())}
+
+
+def cycles(per_step: list[dict[str, float]], updates: int) -> list[dict[str, float]]:
+    """Optimizer steps summed in consecutive runs of ``updates``: one entry per generation cycle (complete ones)."""
+    out = []
+    for start in range(0, len(per_step) - updates + 1, updates):
+        total: dict[str, float] = {}
+        for step in per_step[start : start + updates]:
+            for key, value in step.items():
+                total[key] = total.get(key, 0.0) + value
+        out.append(total)
+    return out
+
+
+class TimeLimit(Exception):
+    """SIGTERM (``timeout``) reached a shaped run: it reports the cycles it finished instead of nothing."""
+
+
+@contextlib.contextmanager
+def stopped_by_sigterm(enabled: bool = True) -> Iterator[None]:
+    """Turn SIGTERM into :class:`TimeLimit` inside the block (the run's finished cycles are then still reported)."""
+
+    def handler(signum, frame):
+        raise TimeLimit
+
+    previous = signal.signal(signal.SIGTERM, handler) if enabled else None
+    try:
+        yield
+    finally:
+        if enabled:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class CyclePrinter(TrainerCallback):
+    """Prints every optimizer step's wall time (with the generation in it) and each cycle's as they end: a run cut
+    short by a time limit still shows how far it got."""
+
+    def __init__(self, label: str, updates: int, per_step: list[dict[str, float]]) -> None:
+        self.label, self.updates, self.per_step, self.start = label, updates, per_step, time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        step = self.per_step[-1] if self.per_step else {}
+        print(
+            f"[step] {self.label} {state.global_step}: {step.get('_wall', 0):.1f} s, generation "
+            f"{step.get('generation', 0):.1f} s, completion tokens {step.get('_completion_tokens', 0):.0f}",
+            flush=True,
+        )
+        if state.global_step % self.updates == 0:
+            now = time.perf_counter()
+            print(f"[cycle] {self.label} {state.global_step // self.updates}: {now - self.start:.1f} s", flush=True)
+            self.start = now
+
+
+def merge(cold: dict | None, warm: dict | None, vanilla: dict | None, command: str = "") -> dict[str, Any]:
+    """One result file from ``shape_run.sh``'s three runs: the cold run's second (steady) cycle as ``ours``, vanilla
+    TRL's cycle (or why there is none), and the warm start: the first cycle with an empty compile cache, the first
+    with the cache filled by the cold run, and the steady one."""
+    base = cold or warm or vanilla
+    if base is None:
+        raise SystemExit("error: no run finished: nothing to merge")
+    ours = (cold or warm or {}).get("results", [])
+    rows = list((vanilla or {}).get("results", []))
+    if not rows:
+        scenario = ours[0]["scenario"] if ours else ""
+        rows = [{"trainer": "vanilla", "scenario": scenario, "status": "did not start (no time left)"}]
+    payload = {k: v for k, v in base.items() if k != "results"}
+    payload["command"] = command
+    payload["results"] = rows + ours
+
+    def cycle_times(data: dict | None) -> list[float]:
+        return ((data or {}).get("results") or [{}])[0].get("cycle_times_s") or []
+
+    cold_cycles, warm_cycles = cycle_times(cold), cycle_times(warm)
+    payload["warm_start"] = {
+        "cold_first_cycle_s": cold_cycles[0] if cold_cycles else None,
+        "warm_first_cycle_s": warm_cycles[0] if warm_cycles else None,
+        "steady_cycle_s": cold_cycles[1] if len(cold_cycles) > 1 else None,
+    }
+    return payload
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import json
+    from pathlib import Path
+
+    p = argparse.ArgumentParser(description="Merge shape_run.sh's cold, warm and vanilla runs into one result file")
+    p.add_argument("--cold", type=Path, required=True)
+    p.add_argument("--warm", type=Path, required=True)
+    p.add_argument("--vanilla", type=Path, required=True)
+    p.add_argument("--command", default="", help="the command that produced the runs (RESULTS.md shows it)")
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+
+    def load(path: Path) -> dict | None:
+        return json.loads(path.read_text()) if path.exists() else None
+
+    payload = merge(load(args.cold), load(args.warm), load(args.vanilla), args.command)
+    args.out.write_text(json.dumps(payload, indent=2))
+    print(json.dumps(payload["warm_start"]), args.out)
+
+
+if __name__ == "__main__":
+    main()

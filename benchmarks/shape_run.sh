@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The EasyR1-shaped benchmark with a warm start (the RESULTS.md tables "shape_*"), on one GPU:
+#
+#   bash benchmarks/shape_run.sh OUT_DIR [SHAPE] [PRESET] [SECONDS]
+#
+# 1. cold:    VLMGRPOTrainer, two cycles, with an empty compile cache (compile_cache_dir): the first cycle pays the
+#             compilation, the second is the steady one;
+# 2. warm:    VLMGRPOTrainer again with the same cache, one cycle: the warm start;
+# 3. vanilla: trl.GRPOTrainer, one cycle (it compiles nothing);
+# A one-cycle run of the tiny model first goes through the same code (rewards, logging, both trainers) in seconds:
+# a missing package stops the script there, before any large model is loaded.
+# Then bench_shape.py merges the three into OUT_DIR/shape_<SHAPE>_<PRESET>.json. SECONDS bounds the whole script:
+# a stage still running at its share of it gets SIGTERM and reports the cycles it finished (status "stopped by the
+# time limit").
+set -uo pipefail
+out=${1:?output folder}
+shape=${2:-easyr1_geo3k}
+preset=${3:-qwen2_5_vl_3b}
+deadline=${4:-3600}
+here=$(cd "$(dirname "$0")" && pwd)
+export VLM_GRPO_COMPILE_CACHE=${VLM_GRPO_COMPILE_CACHE:-$(mktemp -d)/compile}
+rm -rf "$VLM_GRPO_COMPILE_CACHE"
+mkdir -p "$out"
+bench() {  # bench SECONDS OUT_NAME ARGS...: one bench_grpo.py run of the shape, stopped after SECONDS
+  local seconds=$1 name=$2
+  shift 2
+  if [ "$seconds" -lt 30 ]; then echo "$name: no time left"; return; fi
+  timeout "$seconds" python3 "$here/bench_grpo.py" --preset "$preset" --shape "$shape" "$@" --out "$out/$name.json"
+  echo "$name exit status: $?"
+}
+timeout 120 python3 "$here/bench_grpo.py" --preset tiny --trainers ours vanilla --warmup 0 --steps 1 \
+  --shape "${shape%%:*}:prompts=4,image_size=56,max_completion=16,mean_completion=4,micro_batch=5" \
+  --out "$out/preflight.json" > "$out/preflight.log" 2>&1 || { tail -20 "$out/preflight.log"; exit 1; }
+bench $((deadline * 50 / 100 - SECONDS)) cold --trainers ours --warmup 1 --steps 1
+bench $((deadline * 78 / 100 - SECONDS)) warm --trainers ours --warmup 0 --steps 1
+bench $((deadline - 15 - SECONDS)) vanilla --trainers vanilla --warmup 0 --steps 1
+python3 "$here/bench_shape.py" --cold "$out/cold.json" --warm "$out/warm.json" --vanilla "$out/vanilla.json" \
+  --command "bash benchmarks/shape_run.sh OUT $shape $preset $deadline" --out "$out/shape_${shape%%:*}_${preset}.json"

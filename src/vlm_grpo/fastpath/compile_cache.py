@@ -1,0 +1,110 @@
+"""One on-disk home for compiled artifacts, so that a second run of the same command skips the compilation.
+
+``compile_decode`` and ``compile_layers`` go through ``torch.compile``; the speed path's own Triton kernels are
+compiled by Triton at first use. Both compilers already keep on-disk caches (inductor: its FX graphs, AOTAutograd
+graphs and autotuning results under ``TORCHINDUCTOR_CACHE_DIR``; Triton: its binaries under ``TRITON_CACHE_DIR``),
+each keyed on the graph, the shapes, the settings and the compiler's own source. By default they live in the
+system's temporary folder, which a reboot or a fresh container empties. :func:`use_compile_cache` points both at a
+sub-folder of one documented cache folder instead, named after the torch and Triton versions and the device, so a
+new torch never reads an older one's entries and one folder is easy to move, share or delete.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ENV = "VLM_GRPO_COMPILE_CACHE"
+OFF = ("off", "none", "false", "0")
+# The compilers' own variables: set by a user, they win over the default folder.
+COMPILER_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+
+
+def default_dir() -> Path:
+    """``$VLM_GRPO_COMPILE_CACHE``, else ``compile`` in the package's cache folder (``$VLM_GRPO_CACHE``, else
+    ``~/.cache/vlm_grpo``, where video frames are cached too)."""
+    if os.environ.get(ENV):
+        return Path(os.environ[ENV]).expanduser()
+    return Path(os.environ.get("VLM_GRPO_CACHE") or Path("~") / ".cache" / "vlm_grpo").expanduser() / "compile"
+
+
+def version_key(device: torch.device | str | None = None) -> str:
+    """The sub-folder's name: torch and Triton versions and the device (its name and compute capability)."""
+    parts = [f"torch{torch.__version__}"]
+    try:
+        import triton
+
+        parts.append(f"triton{triton.__version__}")
+    except ImportError:
+        pass
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability(device)
+        parts.append(f"{torch.cuda.get_device_name(device)}-sm{major}{minor}")
+    else:
+        parts.append(device.type)
+    return re.sub(r"[^A-Za-z0-9._+-]+", "_", "-".join(parts))
+
+
+def check_setting(setting: str | None) -> None:
+    """Refuse a ``compile_cache_dir`` that cannot be created (a file in the way, a folder not writable) before
+    anything is loaded; nothing is created here."""
+    if setting is None or setting.lower() in OFF:
+        return
+    path = Path(setting).expanduser().absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        what = "is a file" if not existing.is_dir() else "is not writable"
+        raise ValueError(
+            f"compile_cache_dir: cannot create {path} ({existing} {what}); give a writable folder with "
+            f"--compile_cache_dir or ${ENV}, or turn the cache off with --compile_cache_dir off"
+        )
+
+
+def use_compile_cache(setting: str | None, device: torch.device | str | None = None) -> Path | None:
+    """Point inductor's and Triton's caches at ``<folder>/<version_key>`` for this process; returns that folder.
+
+    ``setting`` None: the default folder (:func:`default_dir`), unless ``TORCHINDUCTOR_CACHE_DIR`` or
+    ``TRITON_CACHE_DIR`` is set, which then stays in charge (returns None). ``off``: nothing persists: both caches
+    go to a temporary folder removed when the process ends. A path: that folder (over any compiler variable set).
+    """
+    if setting is not None and setting.lower() in OFF:
+        folder = Path(tempfile.mkdtemp(prefix="vlm_grpo_compile_"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        _point_at(folder)
+        logger.info("compile_cache_dir=off: compiled artifacts go to %s and are removed at exit", folder)
+        return None
+    given = [name for name in COMPILER_ENV if os.environ.get(name) and os.environ[name] != _pointed.get(name)]
+    if setting is None and given:
+        logger.info("%s is set: compiled artifacts are cached where it says, not in %s", given[0], default_dir())
+        return None
+    folder = (Path(setting).expanduser() if setting else default_dir()) / version_key(device)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(
+            f"compile_cache_dir: cannot create {folder} ({err.strerror}); give a writable folder with "
+            f"--compile_cache_dir or ${ENV}, or turn the cache off with --compile_cache_dir off"
+        ) from err
+    if given:
+        logger.info("compile_cache_dir=%s replaces %s for this process", setting, " and ".join(given))
+    _point_at(folder)
+    return folder
+
+
+# What this module last set the compilers' variables to (a later trainer in the process may point them elsewhere).
+_pointed: dict[str, str] = {}
+
+
+def _point_at(folder: Path) -> None:
+    _pointed.update(TORCHINDUCTOR_CACHE_DIR=str(folder), TRITON_CACHE_DIR=str(folder / "triton"))
+    os.environ.update(_pointed)

@@ -21,7 +21,7 @@ from typing import Any
 #: The families every per-feature test runs on.
 FAMILIES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl")
 #: Further families with a tiny offline build (each in ``tiny_<family>.py``), covered by the family matrix.
-MORE_FAMILIES: tuple[str, ...] = ("qwen3_vl_moe",)
+MORE_FAMILIES: tuple[str, ...] = ("qwen3_vl_moe", "gemma3", "mistral3")
 #: Every family ``python -m vlm_grpo.testing.tiny --family`` can build.
 TINY_FAMILIES: tuple[str, ...] = FAMILIES + MORE_FAMILIES
 

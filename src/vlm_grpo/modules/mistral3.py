@@ -55,8 +55,8 @@ class Mistral3Module(VLMModule):
         return expanded + self.image_template_overhead(processor)
 
     def dummy_image_inputs(self, backbone: torch.nn.Module, device: Any) -> dict[str, Any]:
-        """One blank image of one merged token (2 x 2 patches)."""
-        side = backbone.config.vision_config.patch_size * backbone.config.spatial_merge_size
+        """One blank image of 2 x 2 merged tokens (the projector squeezes a single token's features away)."""
+        side = 2 * backbone.config.vision_config.patch_size * backbone.config.spatial_merge_size
         channels = backbone.config.vision_config.num_channels
         return {
             "pixel_values": torch.zeros(1, channels, side, side, device=device),

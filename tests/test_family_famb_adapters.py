@@ -121,3 +121,24 @@ def test_mistral3_processor_returns_unpadded_prompt_ids(tiny_models):
     out = processor(text=texts, images=[[Image.new("RGB", (30, 30))], [Image.new("RGB", (60, 40))]])
     assert isinstance(out["input_ids"], list) and len({len(r) for r in out["input_ids"]}) == 2
     assert isinstance(out["pixel_values"], torch.Tensor)
+
+
+def test_real_shape_presets_keep_their_families_details():
+    """The device benchmark's presets: MoE routing, Gemma's 5:1 local/global layers and 256 tokens per 896 px
+    image, Pixtral's 1540 px longest edge."""
+    from vlm_grpo.testing.tiny import build_config
+
+    moe = build_config("qwen3_vl_30b_a3b")[0].text_config
+    assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == (128, 8, 768)
+    assert moe.output_router_logits is False and moe.router_aux_loss_coef == 0.001
+
+    config, processor = build_config("gemma3_4b")
+    layers = config.text_config.layer_types
+    assert layers[:6] == ["sliding_attention"] * 5 + ["full_attention"] and layers.count("full_attention") == 5
+    assert config.text_config.sliding_window == 1024 and config.mm_tokens_per_image == processor.image_seq_length == 256
+    module = Gemma3Module()
+    assert module.num_image_tokens(processor, 3000, 200) == module.num_image_tokens(processor, 20, 20) > 256
+
+    config, processor = build_config("mistral3_24b")
+    assert processor.image_processor.size["longest_edge"] == 1540 and config.vision_config.image_size == 1540
+    assert Mistral3Module().num_image_tokens(processor, 3080, 3080) == 55 * 56  # 1540 px: 55 rows of 55 + a break

@@ -25,6 +25,9 @@ REAL_PARAMS = {
     "qwen3_vl_2b": 2.13e9,
     "internvl3_1b": 0.94e9,
     "internvl3_2b": 2.09e9,
+    "qwen3_vl_30b_a3b": 31.07e9,
+    "gemma3_4b": 4.30e9,
+    "mistral3_24b": 24.01e9,
 }
 REAL = list(REAL_PARAMS)
 # (family, text: hidden, layers, heads, kv heads, intermediate, vocab, tied)
@@ -35,6 +38,9 @@ TEXT_SHAPES = {
     "qwen3_vl_2b": ("qwen3_vl", 2048, 28, 16, 8, 6144, 151936, True),
     "internvl3_1b": ("internvl", 896, 24, 14, 2, 4864, 151674, False),
     "internvl3_2b": ("internvl", 1536, 28, 12, 2, 8960, 151674, False),
+    "qwen3_vl_30b_a3b": ("qwen3_vl_moe", 2048, 48, 32, 4, 6144, 151936, False),
+    "gemma3_4b": ("gemma3", 2560, 34, 8, 4, 10240, 262208, True),
+    "mistral3_24b": ("mistral3", 5120, 40, 32, 8, 32768, 131072, False),
 }
 
 
@@ -82,10 +88,10 @@ def test_full_vocab_tokenizer_builds_fast_and_decodes_every_id():
 
 
 def test_preset_table():
-    assert set(REAL) | {f"tiny_{f}" for f in tiny.FAMILIES} == set(PRESETS)
+    assert set(REAL) | {f"tiny_{f}" for f in tiny.TINY_FAMILIES} == set(PRESETS)
     for name in REAL:
         assert not PRESETS[name].is_tiny and PRESETS[name].params == REAL_PARAMS[name]
-    assert all(PRESETS[f"tiny_{f}"].is_tiny for f in tiny.FAMILIES)
+    assert all(PRESETS[f"tiny_{f}"].is_tiny for f in tiny.TINY_FAMILIES)
     with pytest.raises(ValueError, match="Available: tiny_qwen2_vl"):
         get_preset("qwen9_vl_1t")
     with pytest.raises(ValueError, match="Unknown model family"):

@@ -139,6 +139,10 @@ class VLMModule(GroupSharingMixin):
         processor = AutoProcessor.from_pretrained(
             path, trust_remote_code=trust_remote_code, revision=revision, padding_side="left"
         )
+        return self.prepare_processor(processor)
+
+    def prepare_processor(self, processor: Any) -> Any:
+        """What the trainers need of a loaded processor: left padding, the user's image limits, family fixes."""
         processor.tokenizer.padding_side = "left"
         self.apply_image_limits(processor)
         return processor

@@ -30,15 +30,14 @@ class Mistral3Module(VLMModule):
     vision_prefixes: ClassVar[tuple[str, ...]] = ("model.vision_tower", "model.multi_modal_projector")
     templates: ClassVar[dict[str, str]] = {"rec": rec_template("coordinates normalised to 0-1000")}
 
-    def load_processor(self, path: str, *, trust_remote_code: bool = False, revision: str | None = None) -> Any:
+    def prepare_processor(self, processor: Any) -> Any:
         """The Pixtral processor, with its text returned as lists unless a call asks for tensors.
 
         ``PixtralProcessor`` defaults ``return_tensors="pt"`` for text, so a batch of prompts of different lengths
         cannot come back unpadded, as TRL's GRPO asks for them; images keep their tensor default.
         """
-        processor = super().load_processor(path, trust_remote_code=trust_remote_code, revision=revision)
         processor.text_kwargs = {k: v for k, v in processor.text_kwargs.items() if k != "return_tensors"}
-        return processor
+        return super().prepare_processor(processor)
 
     def apply_image_limits(self, processor: Any) -> None:
         """Pixtral's budget is a longest edge, not a pixel area or a tile count: refuse what cannot apply."""

@@ -18,6 +18,10 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from vlm_grpo.testing.presets_gemma3 import GEMMA3_4B
+from vlm_grpo.testing.presets_mistral3 import MISTRAL3_24B
+from vlm_grpo.testing.presets_qwen3_vl_moe import QWEN3_VL_30B_A3B
+
 #: The families every per-feature test runs on.
 FAMILIES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl")
 #: Further families with a tiny offline build (each in ``tiny_<family>.py``), covered by the family matrix.
@@ -248,6 +252,10 @@ PRESETS["internvl3_2b"] = Preset(
     generation=INTERNVL_GENERATION,
     params=2.09e9,
 )
+
+PRESETS["qwen3_vl_30b_a3b"] = Preset(**QWEN3_VL_30B_A3B, processor=QWEN3_PIXELS, generation=QWEN_GENERATION)
+PRESETS["gemma3_4b"] = Preset(**GEMMA3_4B)
+PRESETS["mistral3_24b"] = Preset(**MISTRAL3_24B)
 
 
 def get_preset(name: str) -> Preset:

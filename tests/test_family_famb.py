@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import logging
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 import test_group_sharing
 import vlm_grpo.fastpath.sharing as sharing
-from test_group_sharing import MM_KEYS, _generate_both, assert_parity, make_trainer, real_batch, rows_file  # noqa: F401
+from test_group_sharing import MM_KEYS, G, _generate_both, assert_parity, make_trainer, real_batch, rows_file  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 ALL_MM_KEYS = (*MM_KEYS, "token_type_ids", "image_sizes")
@@ -43,6 +45,26 @@ def text_rows(tmp_path_factory):
             ]
         },
     ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def noisy_rows(tmp_path_factory):
+    """Rows with noise images: a one-colour image's patches are all alike, its attention uniform, and the vision
+    tower's q/k gradients are zero up to rounding (relative comparisons of them measure noise)."""
+    root = tmp_path_factory.mktemp("noisy")
+    rng = np.random.default_rng(0)
+    for name, (w, h) in {"a.png": (64, 48), "b.png": (56, 90)}.items():
+        Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(root / name)
+    rows = [
+        {"image": "a.png", "conversations": [{"from": "human", "value": "<image>Red?"}, {"from": "gpt", "value": "1"}]},
+        {
+            "image": ["a.png", "b.png"],
+            "conversations": [{"from": "human", "value": "Compare <image> with <image>."}, {"from": "gpt", "value": "2"}],
+        },
+    ]
+    path = root / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -88,7 +110,22 @@ def test_qwen3_vl_moe_router_loss_goes_through_trl(tiny_models, rows_file, tmp_p
     assert caplog.text.count("router's auxiliary loss") == 1
 
 
-@pytest.mark.parametrize("family, why", [("gemma3", "token_type_ids"), ("mistral3", "image_sizes")])
+def test_mistral3_image_batches_take_the_packed_pass_and_shared_prefill(tiny_models, noisy_rows, tmp_path,
+                                                                       packed_calls, every_input, monkeypatch):  # fmt: skip
+    """Pixtral's ``image_sizes`` are sliced per group with the pixels: the packed pass and the shared prefill (one
+    vision pass over the unique images) give TRL's numbers."""
+    trainer = make_trainer(tiny_models["mistral3"], noisy_rows, tmp_path)
+    inputs = real_batch(trainer)
+    assert inputs["image_sizes"].shape == (3 * G, 2) and len(set(map(tuple, inputs["image_sizes"].tolist()))) == 2
+    assert_parity(trainer, inputs)
+    assert packed_calls
+    _greedy(trainer)
+    ours, plain, used = _generate_both(trainer, monkeypatch)
+    assert used == ["fast"] and ours == plain
+    assert all(len(set(c)) > 2 for c in ours)
+
+
+@pytest.mark.parametrize("family, why", [("gemma3", "token_type_ids")])
 def test_image_batches_step_aside_to_trl(family, why, tiny_models, rows_file, tmp_path, packed_calls, every_input,  # noqa: F811
                                          caplog):  # fmt: skip
     trainer = make_trainer(tiny_models[family], rows_file, tmp_path)

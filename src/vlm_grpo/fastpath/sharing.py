@@ -248,7 +248,8 @@ def _plan_shared_prefill(
     module: Any, ids: torch.Tensor, mask: torch.Tensor, fields: dict, per_token: dict, images: list | None
 ) -> tuple[list[Group], dict[str, Any]] | None:
     """The groups to prefill once each and their multimodal inputs, or None for inputs this path does not know."""
-    unknown = (set(fields) - {"pixel_values", "image_grid_thw"}) | (set(per_token) - {"mm_token_type_ids"})
+    known = {"pixel_values", "image_grid_thw", *module.grouped_vision_inputs}
+    unknown = (set(fields) - known) | (set(per_token) - {"mm_token_type_ids"})
     if unknown:
         message = f"share_prefill steps aside for inputs it does not build ({', '.join(sorted(unknown))})"
         warn_once(logger, message + ": generation goes through TRL's generate", logging.INFO)

@@ -9,8 +9,9 @@ and TRL's GRPO passes them on. The image budget is that longest edge, set in the
 ``preprocessor_config.json``; the Qwen-style ``--min_pixels`` / ``--max_pixels`` and InternVL's
 ``--max_anyres_num`` do not apply.
 
-The packed log-prob pass and the shared prefill do not carry ``image_sizes``: batches with images go through
-TRL's path (one info line); text-only batches take the speed path. Mistral 3 has no trained box format;
+The language model is Mistral's (1-D rope, global attention), so the whole speed path serves it: the packed
+log-prob pass and the shared prefill slice ``image_sizes`` per group with the pixels (one ``pixel_values`` row per
+image, padded to the batch's largest; the tower crops each by its size). Mistral 3 has no trained box format;
 REC prompts ask for 0-1000 normalised coordinates.
 """
 
@@ -29,6 +30,7 @@ class Mistral3Module(VLMModule):
     name: ClassVar[str] = "mistral3"
     vision_prefixes: ClassVar[tuple[str, ...]] = ("model.vision_tower", "model.multi_modal_projector")
     templates: ClassVar[dict[str, str]] = {"rec": rec_template("coordinates normalised to 0-1000")}
+    grouped_vision_inputs: ClassVar[frozenset[str]] = frozenset({"image_sizes"})
 
     def prepare_processor(self, processor: Any) -> Any:
         """The Pixtral processor, with its text returned as lists unless a call asks for tensors.
@@ -52,6 +54,18 @@ class Mistral3Module(VLMModule):
     def num_image_tokens(self, processor: Any, width: int, height: int) -> int:
         expanded = processor._get_num_multimodal_tokens(image_sizes=[(height, width)]).num_image_tokens[0]
         return expanded + self.image_template_overhead(processor)
+
+    # ----------------------------------------------------------------- group sharing (vlm_grpo.fastpath.sharing)
+    def units_per_sample(self, mm: dict[str, Any]) -> list[int] | None:
+        """One ``pixel_values`` row per image (padded to the batch's largest; the tower crops by ``image_sizes``)."""
+        return mm.get("num_images") or None
+
+    def group_vision_inputs(self, groups: list[Any], mm: dict[str, Any]) -> dict[str, Any]:
+        inputs = super().group_vision_inputs(groups, mm)
+        ranges = [g.image_range for g in groups if g.image_range is not None]
+        if inputs and ranges:
+            inputs["image_sizes"] = torch.cat([mm["image_sizes"][a:b] for a, b in ranges])
+        return inputs
 
     def dummy_image_inputs(self, backbone: torch.nn.Module, device: Any) -> dict[str, Any]:
         """One blank image of 2 x 2 merged tokens (the projector squeezes a single token's features away)."""

@@ -61,7 +61,7 @@ def noisy_rows(tmp_path_factory):
         {"image": "a.png", "conversations": [{"from": "human", "value": "<image>Red?"}, {"from": "gpt", "value": "1"}]},
         {
             "image": ["a.png", "b.png"],
-            "conversations": [{"from": "human", "value": "Compare <image> with <image>."}, {"from": "gpt", "value": "2"}],
+            "conversations": [{"from": "human", "value": "<image> or <image>?"}, {"from": "gpt", "value": "2"}],
         },
     ]
     path = root / "rows.jsonl"
@@ -110,8 +110,9 @@ def test_qwen3_vl_moe_router_loss_goes_through_trl(tiny_models, rows_file, tmp_p
     assert caplog.text.count("router's auxiliary loss") == 1
 
 
-def test_mistral3_image_batches_take_the_packed_pass_and_shared_prefill(tiny_models, noisy_rows, tmp_path,
-                                                                       packed_calls, every_input, monkeypatch):  # fmt: skip
+def test_mistral3_image_batches_take_the_packed_pass_and_shared_prefill(
+    tiny_models, noisy_rows, tmp_path, packed_calls, every_input, monkeypatch
+):
     """Pixtral's ``image_sizes`` are sliced per group with the pixels: the packed pass and the shared prefill (one
     vision pass over the unique images) give TRL's numbers."""
     trainer = make_trainer(tiny_models["mistral3"], noisy_rows, tmp_path)

@@ -2,13 +2,14 @@
 
 ``matrix_dist_entry.py PLAN.json``: each plan entry (``out``, ``argv``) is one run of the command line's ``main``;
 after it, what each rank saw goes into ``out`` (as ``dist_entry.py`` writes it). A run that fails writes its
-error into ``error<rank>.txt`` and ends the launch (the other rank may wait in a collective). Accelerate's state (its DeepSpeed plugin above all) is reset between
-runs; the process group stays, so one launch serves every family.
+error into ``error<rank>.txt`` and ends the launch (the other rank may wait in a collective). Accelerate's state
+(its DeepSpeed plugin above all) is reset between runs; the process group stays, so one launch serves every family.
 """
 
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -37,6 +38,7 @@ if __name__ == "__main__":
     for entry in json.loads(Path(sys.argv[1]).read_text()):
         out = Path(entry["out"])
         out.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
         try:
             run_one(entry["argv"], out, rank)
         except Exception:  # one family's failure must not hide the others'
@@ -44,4 +46,5 @@ if __name__ == "__main__":
             end_distributed(synchronize=False)
             raise
         AcceleratorState._reset_state()
+        print(f"[matrix] rank {rank}: {out} in {time.perf_counter() - start:.1f} s", flush=True)
     end_distributed(synchronize=True)

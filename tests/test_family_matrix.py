@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -42,7 +43,7 @@ from test_generation_parity import _by_prompt_tokens_alone, _full_length, genera
 from test_group_sharing import G, assert_parity, make_trainer, real_batch
 from test_tool_turns_fast import run as tool_run
 from vlm_grpo.fastpath import decode
-from vlm_grpo.grpo_jsonl import main, parse_args
+from vlm_grpo.grpo_jsonl import cli, main, parse_args
 from vlm_grpo.modules import get_vlm_module
 from vlm_grpo.testing.presets import TINY_FAMILIES
 
@@ -249,3 +250,22 @@ def test_zero2_and_zero3_with_a_text_only_rank(family, zero_runs):
     assert len(results["zero2"]) == 2 and all(step[1] > 0 for step in results["zero2"])  # non-zero gradients
     for two, three in zip(results["zero2"], results["zero3"], strict=True):  # loss, grad_norm, entropy
         assert two == pytest.approx(three, rel=1e-4, abs=1e-6)
+
+
+# ----------------------------------------------------------------------------- the registry names every family
+def test_an_unknown_model_type_names_every_family(tiny_models, tmp_path, capsys):
+    odd = tmp_path / "odd_model"
+    shutil.copytree(tiny_models["qwen2_vl"], odd)
+    config = json.loads((odd / "config.json").read_text())
+    (odd / "config.json").write_text(json.dumps({**config, "model_type": "llava_next"}))
+    data, plugin = make_dataset(tmp_path / "data", kinds=("text",), n=1)
+    with pytest.raises(SystemExit) as exited:
+        cli(base_args(odd, data, plugin, tmp_path / "out"))
+    assert exited.value.code not in (0, None)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    line = next(line for line in err.splitlines() if line.startswith("error: "))
+    assert "Unknown model_type 'llava_next'" in line and "--vlm_module" in line
+    available = re.search(r"Available: ([\w, ]+)\.", line)
+    assert available, line
+    assert set(TINY_FAMILIES) <= set(available.group(1).split(", ")), line

@@ -23,6 +23,8 @@ VLM_MODULES.register("qwen2_vl", "vlm_grpo.modules.qwen2_vl:Qwen2VLModule")
 VLM_MODULES.register("qwen2_5_vl", "vlm_grpo.modules.qwen2_5_vl:Qwen25VLModule")
 VLM_MODULES.register("qwen3_vl", "vlm_grpo.modules.qwen3_vl:Qwen3VLModule")
 VLM_MODULES.register("internvl", "vlm_grpo.modules.internvl:InternVLModule")
+VLM_MODULES.register("glm4v", "vlm_grpo.modules.glm4v:Glm4vModule")
+VLM_MODULES.register("glm4v_moe", "vlm_grpo.modules.glm4v:Glm4vMoeModule")
 
 
 def read_model_type(model_name_or_path: str, revision: str | None = None) -> str:

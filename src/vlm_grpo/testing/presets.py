@@ -18,10 +18,12 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from vlm_grpo.testing.presets_glm4v import GLM4V_9B, GLM4V_MOE_106B
+
 #: The families every per-feature test runs on.
 FAMILIES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl")
 #: Further families with a tiny offline build (each in ``tiny_<family>.py``), covered by the family matrix.
-MORE_FAMILIES: tuple[str, ...] = ()
+MORE_FAMILIES: tuple[str, ...] = ("glm4v", "glm4v_moe")
 #: Every family ``python -m vlm_grpo.testing.tiny --family`` can build.
 TINY_FAMILIES: tuple[str, ...] = FAMILIES + MORE_FAMILIES
 
@@ -248,6 +250,8 @@ PRESETS["internvl3_2b"] = Preset(
     generation=INTERNVL_GENERATION,
     params=2.09e9,
 )
+PRESETS["glm4v_9b"] = Preset(family="glm4v", **GLM4V_9B)
+PRESETS["glm4v_moe_106b"] = Preset(family="glm4v_moe", **GLM4V_MOE_106B)
 
 
 def get_preset(name: str) -> Preset:

@@ -420,7 +420,10 @@ _SPECS: dict[str, TinyFamily] = {
     "internvl": TinyFamily(_internvl, INTERNVL_CHAT_TEMPLATE, _INTERNVL_SPECIALS, INTERNVL_EXTRA_TOKENS),
 }
 #: Families built by their own file: ``family -> "module"`` whose ``SPEC`` is the family's :class:`TinyFamily`.
-TINY_FAMILY_FILES: dict[str, str] = {}
+TINY_FAMILY_FILES: dict[str, str] = {
+    "glm4v": "vlm_grpo.testing.tiny_glm4v",
+    "glm4v_moe": "vlm_grpo.testing.tiny_glm4v_moe",
+}
 
 
 def family_spec(family: str) -> TinyFamily:

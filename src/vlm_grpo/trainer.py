@@ -53,7 +53,7 @@ from vlm_grpo.trainer_common import (
     drop_stacked_input_grad_hooks,
     prepare_vlm,
 )
-from vlm_grpo.utils import is_zero3, peft_base
+from vlm_grpo.utils import is_zero3, peft_base, warn_once
 
 logger = logging.getLogger(__name__)
 _TRL_LOGP_PARAMS = frozenset(inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters)
@@ -241,6 +241,10 @@ class VLMGRPOTrainer(
         extra = {k for k, v in mm.items() if v is not None} - self._SHARED_MM_KEYS
         if self.args.share_prompt:  # every rank asks: ranks decide together
             usable = not compute_aux_loss and not extra
+            if not usable:  # one line per reason and process: this runs every step
+                why = "the router's auxiliary loss (router_aux_loss_coef)" if compute_aux_loss else sorted(extra)
+                warn_once(logger, f"share_prompt: TRL's per-row pass for inputs the packed pass does not take: {why}",
+                          logging.INFO)  # fmt: skip
             result = packed_logps(
                 self, model, input_ids, attention_mask, logits_to_keep, compute_entropy, mm, batch_size, usable
             )

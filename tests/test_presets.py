@@ -88,7 +88,8 @@ def test_full_vocab_tokenizer_builds_fast_and_decodes_every_id():
 
 
 def test_preset_table():
-    assert set(REAL) | {f"tiny_{f}" for f in tiny.TINY_FAMILIES} == set(PRESETS)
+    assert set(REAL) | {f"tiny_{f}" for f in tiny.TINY_FAMILIES} <= set(PRESETS)
+    assert all(p.params for name, p in PRESETS.items() if not p.is_tiny)
     for name in REAL:
         assert not PRESETS[name].is_tiny and PRESETS[name].params == REAL_PARAMS[name]
     assert all(PRESETS[f"tiny_{f}"].is_tiny for f in tiny.TINY_FAMILIES)

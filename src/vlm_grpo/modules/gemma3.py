@@ -56,6 +56,8 @@ class Gemma3Module(VLMModule):
 
     name: ClassVar[str] = "gemma3"
     vision_prefixes: ClassVar[tuple[str, ...]] = ("model.vision_tower", "model.multi_modal_projector")
+    # SigLIP's attention output and MLP (q/k/v_proj are among the default names); the projector has no linear layer.
+    vision_lora_targets: ClassVar[tuple[str, ...]] = ("out_proj", "fc1", "fc2")
     templates: ClassVar[dict[str, str]] = {"rec": rec_template("coordinates normalised to 0-1000")}
 
     def apply_image_limits(self, processor: Any) -> None:

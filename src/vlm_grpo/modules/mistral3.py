@@ -29,6 +29,8 @@ class Mistral3Module(VLMModule):
 
     name: ClassVar[str] = "mistral3"
     vision_prefixes: ClassVar[tuple[str, ...]] = ("model.vision_tower", "model.multi_modal_projector")
+    # Pixtral's layers use the default names; the projector's MLP and the patch merger do not.
+    vision_lora_targets: ClassVar[tuple[str, ...]] = ("linear_1", "linear_2", "merging_layer")
     templates: ClassVar[dict[str, str]] = {"rec": rec_template("coordinates normalised to 0-1000")}
     grouped_vision_inputs: ClassVar[frozenset[str]] = frozenset({"image_sizes"})
 

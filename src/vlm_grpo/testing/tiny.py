@@ -387,6 +387,8 @@ _SPECS: dict[str, TinyFamily] = {
 }
 #: Families built by their own file: ``family -> "module"`` whose ``SPEC`` is the family's :class:`TinyFamily`.
 TINY_FAMILY_FILES: dict[str, str] = {
+    "glm4v": "vlm_grpo.testing.tiny_glm4v",
+    "glm4v_moe": "vlm_grpo.testing.tiny_glm4v_moe",
     "qwen3_vl_moe": "vlm_grpo.testing.tiny_qwen3_vl_moe",
     "gemma3": "vlm_grpo.testing.tiny_gemma3",
     "mistral3": "vlm_grpo.testing.tiny_mistral3",

@@ -39,6 +39,8 @@ logger = logging.getLogger(__name__)
 _SPEED_FEATURES = ("share_prompt",)
 _VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 _VISION_TOKENS += ("<IMG_CONTEXT>", "<img>", "</img>", "<video>")
+_VISION_TOKENS += ("<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|begin_of_video|>", "<|end_of_video|>")
+_VISION_TOKENS += ("<|video|>",)
 
 
 def tile_fields(image_processor: Any, images: list | None, fields: dict[str, Any]) -> dict[str, Any]:
@@ -157,9 +159,11 @@ def prepare_for_tools(args: Any, processing_class: Any) -> None:
             if tokenizer is not processing_class:
                 tokenizer.chat_template = template
     if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema", None) is None:
-        from trl.chat_template_utils import qwen3_template
+        from trl.chat_template_utils import glm4moe_template, qwen3_template
 
-        tokenizer.response_template = qwen3_template
+        # GLM-4.5V writes calls as GLM-4.5 does (<tool_call>NAME <arg_key>/<arg_value>), the others as Qwen.
+        glm = "<|observation|>" in tokenizer.get_vocab()
+        tokenizer.response_template = glm4moe_template if glm else qwen3_template
     # The model must not write image placeholders itself: tool results are the only source of image tokens
     # after the prompt, and a stray <|image_pad|> or <|video_pad|> breaks the log-prob pass (3D positions, tokens
     # vs features). Random and early policies do sample them.

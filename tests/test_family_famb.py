@@ -16,13 +16,6 @@ import vlm_grpo.fastpath.sharing as sharing
 from test_group_sharing import MM_KEYS, G, _generate_both, assert_parity, make_trainer, real_batch, rows_file  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-ALL_MM_KEYS = (*MM_KEYS, "token_type_ids", "image_sizes")
-
-
-@pytest.fixture
-def every_input(monkeypatch):
-    """Both passes get every multimodal input TRL hands its log-prob pass (Gemma's token types, Pixtral's sizes)."""
-    monkeypatch.setattr(test_group_sharing, "MM_KEYS", ALL_MM_KEYS)
 
 
 @pytest.fixture
@@ -111,7 +104,7 @@ def test_qwen3_vl_moe_router_loss_goes_through_trl(tiny_models, rows_file, tmp_p
 
 
 def test_mistral3_image_batches_take_the_packed_pass_and_shared_prefill(
-    tiny_models, noisy_rows, tmp_path, packed_calls, every_input, monkeypatch
+    tiny_models, noisy_rows, tmp_path, packed_calls, monkeypatch
 ):
     """Pixtral's ``image_sizes`` are sliced per group with the pixels: the packed pass and the shared prefill (one
     vision pass over the unique images) give TRL's numbers."""
@@ -127,7 +120,7 @@ def test_mistral3_image_batches_take_the_packed_pass_and_shared_prefill(
 
 
 @pytest.mark.parametrize("family, why", [("gemma3", "token_type_ids")])
-def test_image_batches_step_aside_to_trl(family, why, tiny_models, rows_file, tmp_path, packed_calls, every_input,  # noqa: F811
+def test_image_batches_step_aside_to_trl(family, why, tiny_models, rows_file, tmp_path, packed_calls,  # noqa: F811
                                          caplog):  # fmt: skip
     trainer = make_trainer(tiny_models[family], rows_file, tmp_path)
     with caplog.at_level(logging.INFO, logger="vlm_grpo"):
@@ -144,7 +137,8 @@ def test_gemma3_sliding_window_keeps_the_packed_pass_off(tiny_models, rows_file,
     negative control packs anyway and the numbers differ from TRL's."""
     trainer = make_trainer(tiny_models["gemma3"], rows_file, tmp_path)
     inputs = real_batch(trainer)
-    assert_parity(trainer, inputs)  # MM_KEYS: no token_type_ids reach either pass
+    del inputs["token_type_ids"]
+    assert_parity(trainer, inputs)
     assert not packed_calls
     monkeypatch.setattr(sharing.decode, "has_local_layers", lambda model: False)
     with pytest.raises(AssertionError, match="not close"):

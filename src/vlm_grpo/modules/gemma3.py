@@ -73,6 +73,10 @@ class Gemma3Module(VLMModule):
     def num_image_tokens(self, processor: Any, width: int, height: int) -> int:
         return expanded_image_tokens(processor, processor.full_image_sequence)
 
+    def units_per_sample(self, mm: dict[str, Any]) -> list[int] | None:
+        """One ``pixel_values`` row per image (pan-and-scan, which would add crops, is off)."""
+        return mm.get("num_images") or None
+
     def dummy_image_inputs(self, backbone: torch.nn.Module, device: Any) -> dict[str, Any]:
         """One blank image at the vision tower's input size."""
         vision = backbone.config.vision_config

@@ -477,6 +477,9 @@ def build_model(
     with torch.random.fork_rng(devices=rng_devices), device:
         torch.manual_seed(seed)
         model = AutoModelForImageTextToText.from_config(config, dtype=dtype or torch.bfloat16)
+        init_weights = family_spec(p.family).init_weights
+        if init_weights is not None:
+            init_weights(model)
     _set_generation_config(model, processor.tokenizer, p)
     if out_dir is not None:
         out = Path(out_dir)

@@ -87,4 +87,22 @@ def build(tokenizer: Any, preset: Preset) -> tuple[Any, Any]:
     return config, processor
 
 
-SPEC = TinyFamily(build, _chat_template(), SPECIALS, EXTRA_TOKENS, eos="<end_of_turn>", pad="<pad>", bos="<bos>")
+def init_weights(model: Any) -> None:
+    """The projector's input projection: transformers initialises it to zeros, which would blank every image."""
+    import torch
+
+    weight = model.model.multi_modal_projector.mm_input_projection_weight
+    with torch.no_grad():
+        weight.normal_(0.0, weight.size(0) ** -0.5)
+
+
+SPEC = TinyFamily(
+    build,
+    _chat_template(),
+    SPECIALS,
+    EXTRA_TOKENS,
+    eos="<end_of_turn>",
+    pad="<pad>",
+    bos="<bos>",
+    init_weights=init_weights,
+)

@@ -48,7 +48,9 @@ class TinyFamily:
     ``build(tokenizer, preset) -> (config, processor)`` makes the model config and the processor around the
     tokenizer that :func:`vlm_grpo.testing.tiny.build_tokenizer` made from ``specials`` (added as special tokens
     after the shared BPE), ``extra_tokens`` (the tokenizer's ``extra_special_tokens``) and ``chat_template``.
-    ``eos`` / ``pad`` / ``bos`` are token strings (each must be in ``specials``).
+    ``eos`` / ``pad`` / ``bos`` are token strings (each must be in ``specials``). ``init_weights(model)``, where
+    given, sets what the model's own random init leaves at zero but a checkpoint has trained (run under the
+    builder's seed).
     """
 
     build: Callable[[Any, Preset], tuple[Any, Any]]
@@ -58,6 +60,7 @@ class TinyFamily:
     eos: str = "<|im_end|>"
     pad: str = "<|endoftext|>"
     bos: str = "<|endoftext|>"
+    init_weights: Callable[[Any], None] | None = None
 
 
 def text_config(tokenizer: Any, spec: TinyFamily | None = None, **extra: Any) -> dict[str, Any]:

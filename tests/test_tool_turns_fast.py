@@ -43,9 +43,14 @@ def sharp_models(tmp_path_factory):
 def call_turn(family: str, models, call: dict) -> str:
     """The assistant turn that makes ``call``, as the family's chat template writes it, ended by its end of turn."""
     from transformers import AutoProcessor
+    from trl.chat_template_utils import supports_tool_calling
+
+    from vlm_grpo.tools.templates import family_tool_template
 
     processor = AutoProcessor.from_pretrained(models[family])
     tokenizer = processor.tokenizer
+    if not supports_tool_calling(processor):  # as tool runs do (tools.rollouts.prepare_for_tools)
+        processor.chat_template = family_tool_template(tokenizer.get_vocab())
     prompt = [{"role": "user", "content": "Zoom in."}]
     turn = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]}
     head = processor.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)

@@ -30,7 +30,7 @@ from vlm_grpo.tools.protocols import (
     images_of,
     resolve_protocol,
 )
-from vlm_grpo.tools.templates import family_tool_template
+from vlm_grpo.tools.templates import family_response_template, family_tool_template
 
 logger = logging.getLogger(__name__)
 
@@ -159,11 +159,13 @@ def prepare_for_tools(args: Any, processing_class: Any) -> None:
             if tokenizer is not processing_class:
                 tokenizer.chat_template = template
     if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema", None) is None:
-        from trl.chat_template_utils import glm4moe_template, qwen3_template
+        from trl.chat_template_utils import glm4moe_template
 
-        # GLM-4.5V writes calls as GLM-4.5 does (<tool_call>NAME <arg_key>/<arg_value>), the others as Qwen.
-        glm = "<|observation|>" in tokenizer.get_vocab()
-        tokenizer.response_template = glm4moe_template if glm else qwen3_template
+        # GLM-4.5V writes calls as GLM-4.5 does (<tool_call>NAME <arg_key>/<arg_value>), the others as Qwen (in
+        # their own turns).
+        vocab = tokenizer.get_vocab()
+        glm = "<|observation|>" in vocab
+        tokenizer.response_template = glm4moe_template if glm else family_response_template(vocab)
     # The model must not write image placeholders itself: tool results are the only source of image tokens
     # after the prompt, and a stray <|image_pad|> or <|video_pad|> breaks the log-prob pass (3D positions, tokens
     # vs features). Random and early policies do sample them.

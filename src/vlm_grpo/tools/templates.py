@@ -10,6 +10,8 @@ tool loop needs.
 
 from __future__ import annotations
 
+import copy
+import re
 from dataclasses import dataclass
 
 QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -130,6 +132,27 @@ def tool_chat_template(image: str, video: str, default_system: str | None, turns
         .replace("__START__", turns.start)
         .replace("__PROMPT__", turns.prompt)
     )
+
+
+# Where the model's turn starts and what ends it, for the families whose turns are not Qwen's <|im_start|> ones.
+_RESPONSE_TURNS = {
+    "<start_of_turn>": ("<start_of_turn>model\n", "<end_of_turn>"),
+    "[INST]": ("[/INST]", "</s>"),
+}
+
+
+def family_response_template(vocab: dict[str, int]) -> dict:
+    """TRL's parser of Qwen's tool calls (``<tool_call>`` JSON blocks) for the family's turns: the model's turn
+    starts after its own header and its content ends at its own end of turn."""
+    from trl.chat_template_utils import qwen3_template
+
+    for marker, (anchor, end) in _RESPONSE_TURNS.items():
+        if marker in vocab:
+            template = copy.deepcopy(qwen3_template)
+            template["start_anchor"] = anchor
+            template["fields"]["content"]["close_pattern"] = re.escape(end) + r"\s*"
+            return template
+    return qwen3_template
 
 
 def family_tool_template(vocab: dict[str, int]) -> str | None:

@@ -25,6 +25,8 @@ REAL_PARAMS = {
     "qwen3_vl_2b": 2.13e9,
     "internvl3_1b": 0.94e9,
     "internvl3_2b": 2.09e9,
+    "glm4v_9b": 10.3e9,
+    "glm4v_moe_106b": 108e9,
 }
 REAL = list(REAL_PARAMS)
 # (family, text: hidden, layers, heads, kv heads, intermediate, vocab, tied)
@@ -35,6 +37,8 @@ TEXT_SHAPES = {
     "qwen3_vl_2b": ("qwen3_vl", 2048, 28, 16, 8, 6144, 151936, True),
     "internvl3_1b": ("internvl", 896, 24, 14, 2, 4864, 151674, False),
     "internvl3_2b": ("internvl", 1536, 28, 12, 2, 8960, 151674, False),
+    "glm4v_9b": ("glm4v", 4096, 40, 32, 2, 13696, 151552, False),
+    "glm4v_moe_106b": ("glm4v_moe", 4096, 46, 96, 8, 10944, 151552, False),
 }
 
 
@@ -82,10 +86,10 @@ def test_full_vocab_tokenizer_builds_fast_and_decodes_every_id():
 
 
 def test_preset_table():
-    assert set(REAL) | {f"tiny_{f}" for f in tiny.FAMILIES} == set(PRESETS)
+    assert set(REAL) | {f"tiny_{f}" for f in tiny.TINY_FAMILIES} == set(PRESETS)
     for name in REAL:
         assert not PRESETS[name].is_tiny and PRESETS[name].params == REAL_PARAMS[name]
-    assert all(PRESETS[f"tiny_{f}"].is_tiny for f in tiny.FAMILIES)
+    assert all(PRESETS[f"tiny_{f}"].is_tiny for f in tiny.TINY_FAMILIES)
     with pytest.raises(ValueError, match="Available: tiny_qwen2_vl"):
         get_preset("qwen9_vl_1t")
     with pytest.raises(ValueError, match="Unknown model family"):

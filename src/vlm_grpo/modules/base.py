@@ -136,6 +136,9 @@ class VLMModule(GroupSharingMixin):
             **kwargs,
         )
 
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        """Make a loaded model of this family ready for TRL's trainer (however it was loaded); default: nothing."""
+
     def load_processor(self, path: str, *, trust_remote_code: bool = False, revision: str | None = None) -> Any:
         from transformers import AutoProcessor
 

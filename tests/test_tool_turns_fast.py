@@ -10,7 +10,6 @@ see what the images contribute.
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest

@@ -23,7 +23,16 @@ from vlm_grpo.testing.tiny import FAMILIES
 from vlm_grpo.trainer import VLMGRPOTrainer
 
 G = 3
-MM_KEYS = ("pixel_values", "image_grid_thw", "num_images", "num_tiles", "mm_token_type_ids")
+# What TRL hands its log-prob pass (None where a family has no such input).
+MM_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "num_tiles",
+    "mm_token_type_ids",
+    "token_type_ids",
+    "image_sizes",
+)
 
 
 def _reward(completions, **kwargs):

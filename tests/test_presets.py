@@ -27,6 +27,9 @@ REAL_PARAMS = {
     "internvl3_2b": 2.09e9,
     "glm4v_9b": 10.3e9,
     "glm4v_moe_106b": 108e9,
+    "qwen3_vl_30b_a3b": 31.07e9,
+    "gemma3_4b": 4.30e9,
+    "mistral3_24b": 24.01e9,
 }
 REAL = list(REAL_PARAMS)
 # (family, text: hidden, layers, heads, kv heads, intermediate, vocab, tied)
@@ -39,6 +42,9 @@ TEXT_SHAPES = {
     "internvl3_2b": ("internvl", 1536, 28, 12, 2, 8960, 151674, False),
     "glm4v_9b": ("glm4v", 4096, 40, 32, 2, 13696, 151552, False),
     "glm4v_moe_106b": ("glm4v_moe", 4096, 46, 96, 8, 10944, 151552, False),
+    "qwen3_vl_30b_a3b": ("qwen3_vl_moe", 2048, 48, 32, 4, 6144, 151936, False),
+    "gemma3_4b": ("gemma3", 2560, 34, 8, 4, 10240, 262208, True),
+    "mistral3_24b": ("mistral3", 5120, 40, 32, 8, 32768, 131072, False),
 }
 
 
@@ -87,6 +93,7 @@ def test_full_vocab_tokenizer_builds_fast_and_decodes_every_id():
 
 def test_preset_table():
     assert set(REAL) | {f"tiny_{f}" for f in tiny.TINY_FAMILIES} == set(PRESETS)
+    assert all(p.params for name, p in PRESETS.items() if not p.is_tiny)
     for name in REAL:
         assert not PRESETS[name].is_tiny and PRESETS[name].params == REAL_PARAMS[name]
     assert all(PRESETS[f"tiny_{f}"].is_tiny for f in tiny.TINY_FAMILIES)

@@ -27,7 +27,7 @@ from vlm_grpo.fastpath.compiled_layers import resolve_compile_layers
 from vlm_grpo.fastpath.decode import resolve_keep_decode_graphs
 from vlm_grpo.fastpath.process_once import ProcessOnce
 from vlm_grpo.fastpath.route import trl_generation_reason
-from vlm_grpo.fastpath.sharing import packed_logps, shared_prefill_generate
+from vlm_grpo.fastpath.sharing import packed_logps, packed_pass_reason, shared_prefill_generate
 from vlm_grpo.fastpath.vision_attention import use_batched_vision_attention
 from vlm_grpo.fastpath.vision_sync import install_vision_sync, needs_vision_sync
 from vlm_grpo.modules import VLMModule
@@ -53,7 +53,7 @@ from vlm_grpo.trainer_common import (
     drop_stacked_input_grad_hooks,
     prepare_vlm,
 )
-from vlm_grpo.utils import is_zero3, peft_base, warn_once
+from vlm_grpo.utils import is_zero3, peft_base
 
 logger = logging.getLogger(__name__)
 _TRL_LOGP_PARAMS = frozenset(inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters)
@@ -238,13 +238,11 @@ class VLMGRPOTrainer(
         **mm: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Rows that share a prompt share one forward (``share_prompt``); see :mod:`vlm_grpo.fastpath.sharing`."""
-        extra = {k for k, v in mm.items() if v is not None} - self._SHARED_MM_KEYS
+        extra = (
+            {k for k, v in mm.items() if v is not None} - self._SHARED_MM_KEYS - self.vlm_module.grouped_vision_inputs
+        )
         if self.args.share_prompt:  # every rank asks: ranks decide together
-            usable = not compute_aux_loss and not extra
-            if not usable:  # one line per reason and process: this runs every step
-                why = "the router's auxiliary loss (router_aux_loss_coef)" if compute_aux_loss else sorted(extra)
-                warn_once(logger, f"share_prompt: TRL's per-row pass for inputs the packed pass does not take: {why}",
-                          logging.INFO)  # fmt: skip
+            usable = packed_pass_reason(self.accelerator.unwrap_model(model), extra, compute_aux_loss) is None
             result = packed_logps(
                 self, model, input_ids, attention_mask, logits_to_keep, compute_entropy, mm, batch_size, usable
             )

@@ -25,6 +25,9 @@ VLM_MODULES.register("qwen3_vl", "vlm_grpo.modules.qwen3_vl:Qwen3VLModule")
 VLM_MODULES.register("internvl", "vlm_grpo.modules.internvl:InternVLModule")
 VLM_MODULES.register("glm4v", "vlm_grpo.modules.glm4v:Glm4vModule")
 VLM_MODULES.register("glm4v_moe", "vlm_grpo.modules.glm4v:Glm4vMoeModule")
+VLM_MODULES.register("qwen3_vl_moe", "vlm_grpo.modules.qwen3_vl_moe:Qwen3VLMoeModule")
+VLM_MODULES.register("gemma3", "vlm_grpo.modules.gemma3:Gemma3Module")
+VLM_MODULES.register("mistral3", "vlm_grpo.modules.mistral3:Mistral3Module")
 
 
 def read_model_type(model_name_or_path: str, revision: str | None = None) -> str:

@@ -55,6 +55,10 @@ class ImageLimits:
 class GroupSharingMixin:
     """Hooks ``vlm_grpo.fastpath.sharing`` needs from a family: how pixels split per sample, and positions."""
 
+    #: Per-image vision inputs besides ``pixel_values`` / ``image_grid_thw`` that :meth:`group_vision_inputs`
+    #: slices per group (e.g. Pixtral's ``image_sizes``); the speed path steps aside for any other input.
+    grouped_vision_inputs: ClassVar[frozenset[str]] = frozenset()
+
     def units_per_sample(self, mm: dict[str, Any]) -> list[int] | None:
         """Rows of ``pixel_values`` each sample owns (None: no images in the batch)."""
         return None
@@ -145,6 +149,10 @@ class VLMModule(GroupSharingMixin):
         processor = AutoProcessor.from_pretrained(
             path, trust_remote_code=trust_remote_code, revision=revision, padding_side="left"
         )
+        return self.prepare_processor(processor)
+
+    def prepare_processor(self, processor: Any) -> Any:
+        """What the trainers need of a loaded processor: left padding, the user's image limits, family fixes."""
         processor.tokenizer.padding_side = "left"
         self.apply_image_limits(processor)
         return processor

@@ -347,7 +347,18 @@ def validate_rows(
     join ``bad`` (kept sorted) and the rest are returned. Shared by training and ``vlm-grpo-data check``."""
     sized = []
     image_grid = getattr(module, "image_grid", None)  # a VLMModule has it; duck-typed stand-ins may not
+    most_images = getattr(module, "max_images_per_sample", None)
     for row in rows:
+        if most_images is not None and len(row["image_sizes"]) > most_images:
+            bad.append(
+                BadRow(
+                    row["source"],
+                    "image",
+                    f"{len(row['image_sizes'])} images in one sample; the '{module.name}' family takes at most "
+                    f"{most_images} (split the row)",
+                )
+            )
+            continue
         try:  # the processor refuses some shapes (e.g. aspect ratio over 200): a bad row, not a crash
             row["coord_sizes"] = [list(module.coord_size(processor, w, h)) for w, h in row["image_sizes"]]
             image_tokens = sum(module.num_image_tokens(processor, w, h) for w, h in row["image_sizes"])

@@ -105,6 +105,8 @@ class VLMModule(GroupSharingMixin):
     #: Rewards this family scores its own way (name -> callable or "module:attr"); used with
     #: ``--is_reward_customized_from_vlm_module``.
     reward_overrides: ClassVar[dict[str, Any]] = {}
+    #: Most images one sample may hold (None: no limit); rows with more are bad rows (see ``data.jsonl``).
+    max_images_per_sample: ClassVar[int | None] = None
 
     def __init__(self, limits: ImageLimits | None = None) -> None:
         self.limits = limits or ImageLimits()

@@ -16,6 +16,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from vlm_grpo.cli_errors import UserError
+
 logger = logging.getLogger(__name__)
 
 # Question templates by task type. `{question}` is replaced by the row's question text.
@@ -100,6 +102,8 @@ class VLMModule(GroupSharingMixin):
         "up_proj",
         "down_proj",
     )
+    #: Further linear-layer names LoRA targets when the vision tower is included (the tower's own names).
+    vision_lora_targets: ClassVar[tuple[str, ...]] = ()
     #: Overrides of ``DEFAULT_TEMPLATES`` for this family (e.g. box coordinate conventions).
     templates: ClassVar[dict[str, str]] = {}
     #: Rewards this family scores its own way (name -> callable or "module:attr"); used with
@@ -148,6 +152,12 @@ class VLMModule(GroupSharingMixin):
     def apply_image_limits(self, processor: Any) -> None:
         """Put ``--min_pixels`` / ``--max_pixels`` / ``--max_anyres_num`` onto the processor."""
 
+    def refuse_image_limits(self, how: str) -> None:
+        """Stop with a user error when an image limit was given that this family has no knob for."""
+        given = [f"--{k}" for k, v in vars(self.limits).items() if v is not None]
+        if given:
+            raise UserError(f"{', '.join(given)}: the '{self.name}' family has no such limit; {how}")
+
     # ----------------------------------------------------------------- structure
     def is_vision_parameter(self, name: str) -> bool:
         name = name.removeprefix("module.").removeprefix("base_model.model.")
@@ -173,7 +183,8 @@ class VLMModule(GroupSharingMixin):
 
     def lora_target_modules(self, targets: list[str] | None = None, include_vision: bool = False) -> str:
         """A PEFT regex: the given (or default) layer names, outside the vision tower unless asked."""
-        names = "|".join(re.escape(t) for t in (targets or self.lora_targets))
+        chosen = targets or (*self.lora_targets, *(self.vision_lora_targets if include_vision else ()))
+        names = "|".join(re.escape(t) for t in dict.fromkeys(chosen))
         if include_vision or not self.vision_prefixes:
             return rf".*\.({names})"
         vision = "|".join(re.escape(p) for p in self.vision_prefixes)

@@ -29,7 +29,13 @@ class LlavaOnevisionModule(VLMModule):
         "model.image_newline",
     )
     templates: ClassVar[dict[str, str]] = {"rec": rec_template("fractions of the image width and height (0 to 1)")}
+    vision_lora_targets: ClassVar[tuple[str, ...]] = ("out_proj", "fc1", "fc2", "linear_1", "linear_2")
     max_images_per_sample: ClassVar[int | None] = 1
+
+    def apply_image_limits(self, processor: Any) -> None:
+        self.refuse_image_limits(
+            "the tiles come from image_grid_pinpoints, which the model's config.json and the processor share"
+        )
 
     def num_image_tokens(self, processor: Any, width: int, height: int) -> int:
         # The processor's own count for a one-image sample (anyres tiles, unpadding, newlines, the
@@ -45,11 +51,13 @@ class LlavaOnevisionModule(VLMModule):
         return mm.get("num_images")
 
     def dummy_image_inputs(self, backbone: torch.nn.Module, device: Any) -> dict[str, Any]:
-        """One blank image of one tile (base image only)."""
-        vision = backbone.config.vision_config
-        size = vision.image_size
+        """One blank image of one tile's size: the base image and the one tile anyres cuts it into."""
+        from transformers.models.llava_onevision.modeling_llava_onevision import image_size_to_num_patches
+
+        config = backbone.config
+        size, channels = config.vision_config.image_size, config.vision_config.num_channels
+        tiles = image_size_to_num_patches((size, size), config.image_grid_pinpoints, size)
         return {
-            "pixel_values": torch.zeros(1, 1, vision.num_channels, size, size, device=device),
+            "pixel_values": torch.zeros(1, tiles, channels, size, size, device=device),
             "image_sizes": torch.tensor([[size, size]], device=device),
-            "batch_num_images": torch.tensor([2], device=device),  # not tiled: one tile per image
         }

@@ -18,10 +18,13 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from vlm_grpo.testing.presets_idefics3 import SMOLVLM_2B
+from vlm_grpo.testing.presets_llava_onevision import LLAVA_ONEVISION_7B
+
 #: The families every per-feature test runs on.
 FAMILIES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl")
 #: Further families with a tiny offline build (each in ``tiny_<family>.py``), covered by the family matrix.
-MORE_FAMILIES: tuple[str, ...] = ()
+MORE_FAMILIES: tuple[str, ...] = ("llava_onevision", "idefics3", "smolvlm")
 #: Every family ``python -m vlm_grpo.testing.tiny --family`` can build.
 TINY_FAMILIES: tuple[str, ...] = FAMILIES + MORE_FAMILIES
 
@@ -248,6 +251,9 @@ PRESETS["internvl3_2b"] = Preset(
     generation=INTERNVL_GENERATION,
     params=2.09e9,
 )
+
+PRESETS["llava_onevision_7b"] = Preset(**LLAVA_ONEVISION_7B)
+PRESETS["smolvlm_2b"] = Preset(**SMOLVLM_2B)
 
 
 def get_preset(name: str) -> Preset:

@@ -420,7 +420,11 @@ _SPECS: dict[str, TinyFamily] = {
     "internvl": TinyFamily(_internvl, INTERNVL_CHAT_TEMPLATE, _INTERNVL_SPECIALS, INTERNVL_EXTRA_TOKENS),
 }
 #: Families built by their own file: ``family -> "module"`` whose ``SPEC`` is the family's :class:`TinyFamily`.
-TINY_FAMILY_FILES: dict[str, str] = {}
+TINY_FAMILY_FILES: dict[str, str] = {
+    "llava_onevision": "vlm_grpo.testing.tiny_llava_onevision",
+    "idefics3": "vlm_grpo.testing.tiny_idefics3",
+    "smolvlm": "vlm_grpo.testing.tiny_smolvlm",
+}
 
 
 def family_spec(family: str) -> TinyFamily:

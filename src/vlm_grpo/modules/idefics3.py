@@ -1,0 +1,74 @@
+"""Idefics3 and SmolVLM adapter (``Idefics3ForConditionalGeneration``, ``SmolVLMForConditionalGeneration``).
+
+The image processor resizes an image so its longest edge is ``size["longest_edge"]``, then (with
+``do_image_splitting``) cuts it into rows x columns of ``max_image_size`` tiles and appends the whole image resized
+to one tile. Each tile becomes ``image_seq_len`` ``<image>`` tokens (the connector's pixel shuffle by
+``scale_factor``): ``<fake_token_around_image><row_i_col_j>`` before a tile, a newline after each row, and
+``<fake_token_around_image><global-img>`` before the global image. ``pixel_values`` hold one row per sample (its
+tiles padded to the batch's largest count, with ``pixel_attention_mask``); the model drops tiles that are all
+zeros as padding. Boxes are written in a 0-1000 normalised frame (these checkpoints have no grounding format of
+their own).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, ClassVar
+
+import torch
+
+from vlm_grpo.modules.base import VLMModule, rec_template
+
+
+@functools.lru_cache(maxsize=256)
+def _prompt_tokens(processor: Any, rows: int, cols: int) -> int:
+    """Tokens of the string the processor writes for one ``rows x cols`` image (with its global image).
+
+    The string starts and ends with ``<fake_token_around_image>``, so it tokenizes the same in any context.
+    """
+    build = sys.modules[type(processor).__module__].get_image_prompt_string
+    global_token = getattr(processor, "global_image_token", None) or processor.global_image_tag  # SmolVLM / Idefics3
+    text = build(rows, cols, processor.image_seq_len, processor.fake_image_token, processor.image_token, global_token)
+    return len(processor.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+class Idefics3Module(VLMModule):
+    """Idefics3 / SmolVLM: SigLIP-style tower plus the pixel-shuffle connector."""
+
+    name: ClassVar[str] = "idefics3"
+    vision_prefixes: ClassVar[tuple[str, ...]] = ("model.vision_model", "model.connector")
+    vision_lora_targets: ClassVar[tuple[str, ...]] = ("out_proj", "fc1", "fc2", "proj")
+    templates: ClassVar[dict[str, str]] = {"rec": rec_template("coordinates normalised to 0-1000")}
+    # TRL's log-prob pass slices pixel_values by image when their count equals the batch's image count: with a
+    # several-image sample next to a text-only one it would hand a sample another's pixels.
+    max_images_per_sample: ClassVar[int | None] = 1
+
+    def apply_image_limits(self, processor: Any) -> None:
+        self.refuse_image_limits(
+            "set size.longest_edge (resize) and max_image_size.longest_edge (tile) in preprocessor_config.json"
+        )
+
+    def num_image_tokens(self, processor: Any, width: int, height: int) -> int:
+        _, rows, cols = processor.image_processor.get_number_of_image_patches(height, width, {})
+        return _prompt_tokens(processor, rows, cols) + self.image_template_overhead(processor)
+
+    def units_per_sample(self, mm: dict[str, Any]) -> list[int] | None:
+        """One ``pixel_values`` row per sample (its tiles along the second axis), images or not."""
+        num_images = mm.get("num_images")
+        return [1] * len(num_images) if num_images else None
+
+    def group_vision_inputs(self, groups: list[Any], mm: dict[str, Any]) -> dict[str, Any]:
+        inputs = super().group_vision_inputs(groups, mm)
+        mask = mm.get("pixel_attention_mask")
+        if inputs and mask is not None:
+            inputs["pixel_attention_mask"] = torch.cat(
+                [mask[a:b] for a, b in (g.image_rows for g in groups if g.image_rows)]
+            )
+        return inputs
+
+    def dummy_image_inputs(self, backbone: torch.nn.Module, device: Any) -> dict[str, Any]:
+        """One tile of ones (a tile of zeros is taken for padding and dropped)."""
+        vision = backbone.config.vision_config
+        size = vision.image_size
+        return {"pixel_values": torch.ones(1, 1, vision.num_channels, size, size, device=device)}

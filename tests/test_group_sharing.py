@@ -101,13 +101,13 @@ def real_batch(trainer):
     return inputs
 
 
-def logps_and_grads(trainer, inputs, method, weights):
+def logps_and_grads(trainer, inputs, method, weights, keys=MM_KEYS):
     trainer.model.zero_grad(set_to_none=True)
     input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
     mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
     C = inputs["completion_ids"].size(1)
     logps, entropy, _ = method(
-        trainer, trainer.model, input_ids, mask, C, compute_entropy=True, **{k: inputs.get(k) for k in MM_KEYS}
+        trainer, trainer.model, input_ids, mask, C, compute_entropy=True, **{k: inputs.get(k) for k in keys}
     )
     valid = inputs["completion_mask"].bool()
     ((logps * weights * valid).sum() + 0.1 * (entropy * valid).sum()).backward()

@@ -238,7 +238,7 @@ class VLMGRPOTrainer(
         **mm: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Rows that share a prompt share one forward (``share_prompt``); see :mod:`vlm_grpo.fastpath.sharing`."""
-        extra = {k for k, v in mm.items() if v is not None} - self._SHARED_MM_KEYS
+        extra = {k for k, v in mm.items() if v is not None} - self._SHARED_MM_KEYS - self.vlm_module.packed_mm_keys
         if self.args.share_prompt:  # every rank asks: ranks decide together
             usable = not compute_aux_loss and not extra
             result = packed_logps(

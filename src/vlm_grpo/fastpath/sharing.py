@@ -229,7 +229,9 @@ def _plan_shared_prefill(
     module: Any, ids: torch.Tensor, mask: torch.Tensor, fields: dict, per_token: dict, images: list | None
 ) -> tuple[list[Group], dict[str, Any]] | None:
     """The groups to prefill once each and their multimodal inputs, or None for inputs this path does not know."""
-    if set(fields) - {"pixel_values", "image_grid_thw"} or set(per_token) - {"mm_token_type_ids"}:
+    if set(fields) - {"pixel_values", "image_grid_thw", *module.packed_mm_keys} or set(per_token) - {
+        "mm_token_type_ids"
+    }:
         return None
     mm: dict[str, Any] = dict(fields)
     if images is not None:
@@ -286,8 +288,9 @@ def shared_prefill_generate(
     ids, mask = _left_pad(prompt_ids, pad_id, "cpu")
     fields = {k: v for k, v in multimodal_fields.items() if isinstance(v, torch.Tensor)}
     per_token = {k: v for k, v in multimodal_fields.items() if isinstance(v, list)}
-    if isinstance(multimodal_fields.get("pixel_values"), list):  # e.g. InternVL: TRL stacks it for generate
-        fields["pixel_values"] = torch.tensor(np.array(per_token.pop("pixel_values")))
+    for key in ("pixel_values", *module.packed_mm_keys):  # e.g. InternVL's pixels: TRL stacks such lists for generate
+        if isinstance(multimodal_fields.get(key), list):
+            fields[key] = torch.tensor(np.array(per_token.pop(key)))
     plan = _plan_shared_prefill(module, ids, mask, fields, per_token, images)
     if own_history:
         if plan is None or not trainer.args.fast_decode:

@@ -25,7 +25,7 @@ VLM_MODULES.register("qwen3_vl", "vlm_grpo.modules.qwen3_vl:Qwen3VLModule")
 VLM_MODULES.register("internvl", "vlm_grpo.modules.internvl:InternVLModule")
 VLM_MODULES.register("llava_onevision", "vlm_grpo.modules.llava_onevision:LlavaOnevisionModule")
 VLM_MODULES.register("idefics3", "vlm_grpo.modules.idefics3:Idefics3Module")
-VLM_MODULES.register("smolvlm", "vlm_grpo.modules.idefics3:Idefics3Module")
+VLM_MODULES.register("smolvlm", "vlm_grpo.modules.idefics3:SmolVLMModule")
 
 
 def read_model_type(model_name_or_path: str, revision: str | None = None) -> str:

@@ -57,6 +57,10 @@ class ImageLimits:
 class GroupSharingMixin:
     """Hooks ``vlm_grpo.fastpath.sharing`` needs from a family: how pixels split per sample, and positions."""
 
+    #: Multimodal inputs besides ``pixel_values`` / ``image_grid_thw`` / ``mm_token_type_ids`` that
+    #: :meth:`group_vision_inputs` handles (e.g. ``image_sizes``); a batch with any other goes through TRL's path.
+    packed_mm_keys: ClassVar[frozenset[str]] = frozenset()
+
     def units_per_sample(self, mm: dict[str, Any]) -> list[int] | None:
         """Rows of ``pixel_values`` each sample owns (None: no images in the batch)."""
         return None

@@ -13,7 +13,6 @@ their own).
 from __future__ import annotations
 
 import functools
-import sys
 from typing import Any, ClassVar
 
 import torch
@@ -27,9 +26,7 @@ def _prompt_tokens(processor: Any, rows: int, cols: int) -> int:
 
     The string starts and ends with ``<fake_token_around_image>``, so it tokenizes the same in any context.
     """
-    build = sys.modules[type(processor).__module__].get_image_prompt_string
-    global_token = getattr(processor, "global_image_token", None) or processor.global_image_tag  # SmolVLM / Idefics3
-    text = build(rows, cols, processor.image_seq_len, processor.fake_image_token, processor.image_token, global_token)
+    text = processor.replace_image_token({"rows": [[rows]], "cols": [[cols]]}, 0)
     return len(processor.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -43,6 +40,7 @@ class Idefics3Module(VLMModule):
     # TRL's log-prob pass slices pixel_values by image when their count equals the batch's image count: with a
     # several-image sample next to a text-only one it would hand a sample another's pixels.
     max_images_per_sample: ClassVar[int | None] = 1
+    packed_mm_keys: ClassVar[frozenset[str]] = frozenset({"pixel_attention_mask"})
 
     def apply_image_limits(self, processor: Any) -> None:
         self.refuse_image_limits(
@@ -72,3 +70,9 @@ class Idefics3Module(VLMModule):
         vision = backbone.config.vision_config
         size = vision.image_size
         return {"pixel_values": torch.ones(1, 1, vision.num_channels, size, size, device=device)}
+
+
+class SmolVLMModule(Idefics3Module):
+    """SmolVLM: Idefics3's layout (its processor adds video frames as images with timestamps)."""
+
+    name: ClassVar[str] = "smolvlm"

@@ -31,6 +31,7 @@ class LlavaOnevisionModule(VLMModule):
     templates: ClassVar[dict[str, str]] = {"rec": rec_template("fractions of the image width and height (0 to 1)")}
     vision_lora_targets: ClassVar[tuple[str, ...]] = ("out_proj", "fc1", "fc2", "linear_1", "linear_2")
     max_images_per_sample: ClassVar[int | None] = 1
+    packed_mm_keys: ClassVar[frozenset[str]] = frozenset({"image_sizes", "batch_num_images"})
 
     def apply_image_limits(self, processor: Any) -> None:
         self.refuse_image_limits(
@@ -49,6 +50,15 @@ class LlavaOnevisionModule(VLMModule):
     def units_per_sample(self, mm: dict[str, Any]) -> list[int] | None:
         """One ``pixel_values`` row per image (its tiles along the second axis)."""
         return mm.get("num_images")
+
+    def group_vision_inputs(self, groups: list[Any], mm: dict[str, Any]) -> dict[str, Any]:
+        """The leaders' images and their ``image_sizes``; without ``batch_num_images`` every image is tiled, as
+        a one-image sample is."""
+        inputs = super().group_vision_inputs(groups, mm)
+        ranges = [g.image_range for g in groups if g.image_range is not None]
+        if inputs and ranges:
+            inputs["image_sizes"] = torch.cat([mm["image_sizes"][a:b] for a, b in ranges])
+        return inputs
 
     def dummy_image_inputs(self, backbone: torch.nn.Module, device: Any) -> dict[str, Any]:
         """One blank image of one tile's size: the base image and the one tile anyres cuts it into."""

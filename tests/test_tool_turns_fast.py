@@ -42,19 +42,22 @@ def sharp_models(tmp_path_factory):
 
 
 def run(
-    family: str, sharp_models, dataset, out, share: bool, blank_tool_images: bool = False, all_bad: bool = False
-) -> dict:
+    family: str, sharp_models, dataset, out, share: bool, blank_tool_images: bool = False, all_bad: bool = False,
+    box: list[int] | None = None,
+) -> dict:  # fmt: skip
     """One GRPO step; returns the later turns' token ids and the rows ``fast_decode`` decoded. ``all_bad``: every
-    call fails, so the round after it holds no tool image (only the prompts' own images)."""
+    call fails, so the round after it holds no tool image (only the prompts' own images). ``box``: the zoom box in
+    the family's coordinate frame (default ``BOX[family]``)."""
     data, plugin = dataset
-    good = {"name": "zoom_in", "arguments": {"bbox_2d": BOX[family], "image_index": 0}}
+    good = {"name": "zoom_in", "arguments": {"bbox_2d": box or BOX[family], "image_index": 0}}
     bad = {"name": "zoom_in", "arguments": {"bbox_2d": [50, 50, 10, 10]}}  # inverted: an error text, no image
-    texts = [f"<tool_call>\n{json.dumps(call)}\n</tool_call><|im_end|>" for call in (good, bad)]
+    calls = [f"<tool_call>\n{json.dumps(call)}\n</tool_call>" for call in (good, bad)]
     seen: dict = {"later": [], "fast_rows": 0, "tool_images": 0}
     generate, fast = VLMGRPOTrainer._generate_single_turn, decode.fast_decode
 
     def scripted(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if num_generations > 1:  # the first turn: rollouts call the tool, every other one with a bad box
+            texts = [call + self._tokenizer.eos_token for call in calls]  # the family's end of turn
             return [
                 self._tokenizer.encode(texts[1 if all_bad else i % 2], add_special_tokens=False)
                 for i in range(len(prompt_ids))

@@ -106,7 +106,8 @@ class VLMModule(GroupSharingMixin):
         "up_proj",
         "down_proj",
     )
-    #: Further linear-layer names LoRA targets when the vision tower is included (the tower's own names).
+    #: Further linear-layer names of the vision tower and projector that ``--lora_include_vision`` adds to the
+    #: default targets (matched under ``vision_prefixes`` only): vision towers name their layers their own way.
     vision_lora_targets: ClassVar[tuple[str, ...]] = ()
     #: Overrides of ``DEFAULT_TEMPLATES`` for this family (e.g. box coordinate conventions).
     templates: ClassVar[dict[str, str]] = {}
@@ -186,13 +187,20 @@ class VLMModule(GroupSharingMixin):
         return frozen
 
     def lora_target_modules(self, targets: list[str] | None = None, include_vision: bool = False) -> str:
-        """A PEFT regex: the given (or default) layer names, outside the vision tower unless asked."""
-        chosen = targets or (*self.lora_targets, *(self.vision_lora_targets if include_vision else ()))
-        names = "|".join(re.escape(t) for t in dict.fromkeys(chosen))
-        if include_vision or not self.vision_prefixes:
+        """A PEFT regex: the given (or default) layer names, outside the vision tower unless asked.
+
+        With ``include_vision`` and the default names, the family's ``vision_lora_targets`` join them inside the
+        vision tower, so LoRA really reaches it whatever its layers are called."""
+        names = "|".join(re.escape(t) for t in (targets or self.lora_targets))
+        if not self.vision_prefixes:
             return rf".*\.({names})"
         vision = "|".join(re.escape(p) for p in self.vision_prefixes)
-        return rf"(?!(?:{vision})\.).*\.({names})"
+        if not include_vision:
+            return rf"(?!(?:{vision})\.).*\.({names})"
+        if targets or not self.vision_lora_targets:
+            return rf".*\.({names})"
+        extra = "|".join(re.escape(t) for t in self.vision_lora_targets)
+        return rf"(?:{vision})(?:\..*)?\.({extra})|.*\.({names})"
 
     # ----------------------------------------------------------------- prompts and images
     def question_template(self, task_type: str | None) -> str:

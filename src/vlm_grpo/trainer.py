@@ -11,9 +11,10 @@ Losses, logging, DeepSpeed and the rest are TRL's, unmodified.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -56,6 +57,35 @@ from vlm_grpo.trainer_common import (
 from vlm_grpo.utils import is_zero3, peft_base
 
 logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def rows_forward_kwargs(model: torch.nn.Module, module: VLMModule, mm: dict[str, Any]) -> Iterator[None]:
+    """Hand each of TRL's per-row forwards the family's ``rows_forward_kwargs`` for the rows it covers.
+
+    TRL's pass calls ``model`` on consecutive chunks of rows, in order, with the inputs it knows how to cut: a
+    pre-forward hook counts the rows and adds (or replaces) what the family needs besides, e.g. LLaVA-OneVision's
+    ``batch_num_images`` (several images in a sample are not tiled), which TRL never passes.
+    """
+    if not module.rows_forward_kwargs(mm, 0, 0):
+        yield
+        return
+    start = 0
+
+    def hook(_: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        nonlocal start
+        end = start + kwargs["input_ids"].size(0)
+        extra = module.rows_forward_kwargs(mm, start, end)
+        start = end
+        return args, {**kwargs, **extra}
+
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 _TRL_LOGP_PARAMS = frozenset(inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters)
 
 
@@ -246,13 +276,15 @@ class VLMGRPOTrainer(
             )
             if result is not None:
                 return (*result, None)
+        args = (model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss)
         if self.tools:
             # Tool images reach TRL's old/reference passes as everything the image processor returned; InternVL's
-            # carries ``num_patches``, which TRL's pass does not take (its tile counts come as ``num_tiles``).
+            # carries ``num_patches``, which TRL's pass does not take (its tile counts come as ``num_tiles``). That
+            # is one entry per image, which TRL's own cuts expect: no family inputs are added.
             mm = {k: v for k, v in mm.items() if k in _TRL_LOGP_PARAMS}
-        return super()._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **mm
-        )
+            return super()._get_per_token_logps_and_entropies(*args, **mm)
+        with rows_forward_kwargs(model, self.vlm_module, mm):
+            return super()._get_per_token_logps_and_entropies(*args, **mm)
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """TRL's, with the processor run once per distinct prompt (``process_prompts_once``), and without the

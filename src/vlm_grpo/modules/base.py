@@ -114,8 +114,6 @@ class VLMModule(GroupSharingMixin):
     #: Rewards this family scores its own way (name -> callable or "module:attr"); used with
     #: ``--is_reward_customized_from_vlm_module``.
     reward_overrides: ClassVar[dict[str, Any]] = {}
-    #: Most images one sample may hold (None: no limit); rows with more are bad rows (see ``data.jsonl``).
-    max_images_per_sample: ClassVar[int | None] = None
 
     def __init__(self, limits: ImageLimits | None = None) -> None:
         self.limits = limits or ImageLimits()
@@ -215,6 +213,16 @@ class VLMModule(GroupSharingMixin):
         the chat template's tokens for the item plus what the processor expands its placeholder into.
         """
         raise NotImplementedError
+
+    def row_image_tokens(self, processor: Any, sizes: list[tuple[int, int]]) -> int:
+        """Prompt tokens the images of one sample (``(width, height)`` each) become: their ``num_image_tokens``
+        summed, unless the family expands an image differently when it shares the sample with others."""
+        return sum(self.num_image_tokens(processor, w, h) for w, h in sizes)
+
+    def rows_forward_kwargs(self, mm: dict[str, Any], start: int, end: int) -> dict[str, Any]:
+        """Model inputs for batch rows ``[start, end)`` that TRL's per-row log-prob pass leaves out or cuts for
+        another layout; they replace what it passes (see ``VLMGRPOTrainer``). {}: nothing to add."""
+        return {}
 
     def image_template_overhead(self, processor: Any) -> int:
         """Tokens the chat template writes for one ``{"type": "image"}`` item besides the placeholder.

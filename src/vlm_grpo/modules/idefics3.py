@@ -37,9 +37,6 @@ class Idefics3Module(VLMModule):
     vision_prefixes: ClassVar[tuple[str, ...]] = ("model.vision_model", "model.connector")
     vision_lora_targets: ClassVar[tuple[str, ...]] = ("out_proj", "fc1", "fc2", "proj")
     templates: ClassVar[dict[str, str]] = {"rec": rec_template("coordinates normalised to 0-1000")}
-    # TRL's log-prob pass slices pixel_values by image when their count equals the batch's image count: with a
-    # several-image sample next to a text-only one it would hand a sample another's pixels.
-    max_images_per_sample: ClassVar[int | None] = 1
     packed_mm_keys: ClassVar[frozenset[str]] = frozenset({"pixel_attention_mask"})
 
     def apply_image_limits(self, processor: Any) -> None:
@@ -50,6 +47,17 @@ class Idefics3Module(VLMModule):
     def num_image_tokens(self, processor: Any, width: int, height: int) -> int:
         _, rows, cols = processor.image_processor.get_number_of_image_patches(height, width, {})
         return _prompt_tokens(processor, rows, cols) + self.image_template_overhead(processor)
+
+    def rows_forward_kwargs(self, mm: dict[str, Any], start: int, end: int) -> dict[str, Any]:
+        """The rows' own ``pixel_values`` (and mask): TRL's pass cuts them per image whenever the batch holds as
+        many images as rows (a two-image sample next to a text-only one), which hands a sample another's pixels."""
+        pixels, num_images = mm.get("pixel_values"), mm.get("num_images")
+        if pixels is None or not num_images or pixels.size(0) != len(num_images):
+            return {}
+        out = {"pixel_values": pixels[start:end]}
+        if mm.get("pixel_attention_mask") is not None:
+            out["pixel_attention_mask"] = mm["pixel_attention_mask"][start:end]
+        return out
 
     def units_per_sample(self, mm: dict[str, Any]) -> list[int] | None:
         """One ``pixel_values`` row per sample (its tiles along the second axis), images or not."""

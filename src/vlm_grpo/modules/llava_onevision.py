@@ -4,10 +4,10 @@ The image processor picks the best ``image_grid_pinpoints`` resolution for an im
 vision tower's size and prepends the whole image resized to one tile ("anyres"); ``pixel_values`` hold one row
 per image, its tiles padded to the batch's largest count. The model then unpads the tile features to the image's
 aspect ratio, shrinks them when they exceed ``anyres_max_9`` and ends every feature row with ``image_newline``, so
-the number of ``<image>`` tokens depends on the image size (the processor counts it the same way). A sample with
-more than one image is not tiled: each image is then one tile and ``num_image_tokens + 1`` tokens, but TRL's
-log-prob pass does not hand the model ``batch_num_images``, so the model tiles them anyway: rows with several
-images are bad rows (``max_images_per_sample``). The LLaVA lineage writes boxes as ``[0, 1]`` fractions of the image.
+the number of ``<image>`` tokens depends on the image size (the processor counts it the same way). Images that
+share a sample are not tiled: each is one tile and ``num_image_tokens + 1`` tokens. The model tells the two cases
+apart by ``batch_num_images``, which TRL's log-prob pass does not hand it: the trainer adds it
+(``rows_forward_kwargs``). The LLaVA lineage writes boxes as ``[0, 1]`` fractions of the image.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ class LlavaOnevisionModule(VLMModule):
     )
     templates: ClassVar[dict[str, str]] = {"rec": rec_template("fractions of the image width and height (0 to 1)")}
     vision_lora_targets: ClassVar[tuple[str, ...]] = ("out_proj", "fc1", "fc2", "linear_1", "linear_2")
-    max_images_per_sample: ClassVar[int | None] = 1
     packed_mm_keys: ClassVar[frozenset[str]] = frozenset({"image_sizes", "batch_num_images"})
 
     def apply_image_limits(self, processor: Any) -> None:
@@ -44,6 +43,19 @@ class LlavaOnevisionModule(VLMModule):
         expanded = processor._get_num_multimodal_tokens(image_sizes=[(height, width)]).num_image_tokens[0]
         return expanded + self.image_template_overhead(processor)
 
+    def row_image_tokens(self, processor: Any, sizes: list[tuple[int, int]]) -> int:
+        """Several images in one sample are not tiled: ``num_image_tokens`` (one tile) plus a newline each."""
+        if len(sizes) <= 1:
+            return super().row_image_tokens(processor, sizes)
+        per_image = processor.num_image_tokens + 1 - (processor.vision_feature_select_strategy == "default")
+        return len(sizes) * (per_image + self.image_template_overhead(processor))
+
+    def rows_forward_kwargs(self, mm: dict[str, Any], start: int, end: int) -> dict[str, Any]:
+        """``batch_num_images``, which the model needs to leave several images in a sample untiled."""
+        if mm.get("image_sizes") is None or not mm.get("num_images"):
+            return {}
+        return {"batch_num_images": torch.tensor(mm["num_images"][start:end], device=mm["image_sizes"].device)}
+
     def coord_size(self, processor: Any, width: int, height: int) -> tuple[int, int]:
         return (1, 1)
 
@@ -52,12 +64,13 @@ class LlavaOnevisionModule(VLMModule):
         return mm.get("num_images")
 
     def group_vision_inputs(self, groups: list[Any], mm: dict[str, Any]) -> dict[str, Any]:
-        """The leaders' images and their ``image_sizes``; without ``batch_num_images`` every image is tiled, as
-        a one-image sample is."""
+        """The leaders' images, their ``image_sizes`` and ``batch_num_images`` (one tile each when several)."""
         inputs = super().group_vision_inputs(groups, mm)
         ranges = [g.image_range for g in groups if g.image_range is not None]
         if inputs and ranges:
             inputs["image_sizes"] = torch.cat([mm["image_sizes"][a:b] for a, b in ranges])
+            counts = [b - a for a, b in ranges]
+            inputs["batch_num_images"] = torch.tensor(counts, device=inputs["image_sizes"].device)
         return inputs
 
     def dummy_image_inputs(self, backbone: torch.nn.Module, device: Any) -> dict[str, Any]:

@@ -13,18 +13,15 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from trl import GRPOTrainer
 
 import vlm_grpo.fastpath.sharing as sharing
-from test_group_sharing import G, _generate_both, logps_and_grads, make_trainer, real_batch
+from test_group_sharing import G, _generate_both, assert_parity, make_trainer, real_batch
 from vlm_grpo.cli_errors import UserError
 from vlm_grpo.data import prepare_rows, read_rows
 from vlm_grpo.data.jsonl import DataValidationError
 from vlm_grpo.modules import ImageLimits, get_vlm_module
-from vlm_grpo.trainer import VLMGRPOTrainer
 
 FAMILIES = ("llava_onevision", "idefics3", "smolvlm")
-MM_KEYS = ("pixel_values", "num_images", "image_sizes", "pixel_attention_mask")
 # Sizes around the tiny tiles (28 px LLaVA tiles, 56 px Idefics3 tiles and its 112 px longest edge), odd aspect
 # ratios (unpadding, capped at anyres_max_4) and an image smaller than a tile.
 SIZES = [(20, 20), (28, 28), (29, 28), (56, 56), (57, 55), (60, 30), (30, 90), (100, 37), (113, 57), (300, 20)]
@@ -181,25 +178,6 @@ def test_image_limit_flags_the_family_cannot_honour_are_errors(family, tiny_mode
 
 
 # ----------------------------------------------------------------------------- the speed path against TRL's
-def assert_packed_parity(trainer, inputs, tol=1e-5):
-    """Log-probs and gradients of the packed pass equal TRL's, and the packed pass really ran."""
-    torch.manual_seed(0)
-    weights = torch.randn(inputs["completion_ids"].shape)
-    ref, ref_grads = logps_and_grads(trainer, inputs, GRPOTrainer._get_per_token_logps_and_entropies, weights, MM_KEYS)
-    ours, our_grads = logps_and_grads(
-        trainer, inputs, VLMGRPOTrainer._get_per_token_logps_and_entropies, weights, MM_KEYS
-    )
-    torch.testing.assert_close(ours, ref, rtol=0, atol=tol)
-    assert ref_grads.keys() == our_grads.keys()
-    for name, g in ref_grads.items():
-        if trainer.vlm_module.is_vision_parameter(name) and name.endswith("k_proj.bias"):
-            # No rotary positions in the tower: softmax ignores a shift of every key, the true gradient is 0
-            assert g.norm() < 1e-6 and our_grads[name].norm() < 1e-6
-            continue
-        rel = (our_grads[name] - g).norm() / g.norm().clamp_min(1e-12)
-        assert rel <= tol, f"{name}: relative L2 {rel:.2e}"
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_packed_pass_matches_trl(family, tiny_models, one_image_rows, tmp_path, monkeypatch):
     trainer = make_trainer(tiny_models[family], one_image_rows, tmp_path, per_device_train_batch_size=3 * G)
@@ -208,7 +186,7 @@ def test_packed_pass_matches_trl(family, tiny_models, one_image_rows, tmp_path, 
     packed = []
     real = sharing._packed_forward
     monkeypatch.setattr(sharing, "_packed_forward", lambda *a, **k: packed.append(1) or real(*a, **k))
-    assert_packed_parity(trainer, inputs)
+    assert_parity(trainer, inputs)
     assert packed == [1]
 
 
@@ -226,7 +204,7 @@ def test_the_packed_parity_test_catches_images_given_the_wrong_sizes(tiny_models
 
     trainer.vlm_module.group_vision_inputs = swapped.__get__(trainer.vlm_module)
     with pytest.raises((AssertionError, RuntimeError, ValueError)):
-        assert_packed_parity(trainer, inputs)
+        assert_parity(trainer, inputs)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -268,6 +268,8 @@ class VLMGRPOTrainer(
         **mm: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Rows that share a prompt share one forward (``share_prompt``); see :mod:`vlm_grpo.fastpath.sharing`."""
+        if not self.tools:
+            mm = {**mm, **self.vlm_module.trl_pixel_fields(mm)}
         extra = {k for k, v in mm.items() if v is not None} - self._SHARED_MM_KEYS - self.vlm_module.packed_mm_keys
         if self.args.share_prompt:  # every rank asks: ranks decide together
             usable = not compute_aux_loss and not extra
@@ -297,7 +299,10 @@ class VLMGRPOTrainer(
         if self.args.process_prompts_once:
             self.processing_class = ProcessOnce(processor, self.accelerator.device)
         try:
-            return super()._generate_and_score_completions(inputs)
+            output = super()._generate_and_score_completions(inputs)
+            if not self.tools:  # before TRL splits and shuffles the batch by its pixels
+                output.update(self.vlm_module.trl_pixel_fields(output))
+            return output
         finally:
             self.processing_class = processor
             drop_stacked_input_grad_hooks(self.model)

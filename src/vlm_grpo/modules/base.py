@@ -224,6 +224,11 @@ class VLMModule(GroupSharingMixin):
         another layout; they replace what it passes (see ``VLMGRPOTrainer``). {}: nothing to add."""
         return {}
 
+    def trl_pixel_fields(self, mm: dict[str, Any]) -> dict[str, Any]:
+        """Fields that tell TRL how this family's ``pixel_values`` split per sample where its own guess from the
+        shapes goes wrong (added to its batches outside tool runs). {}: none."""
+        return {}
+
     def image_template_overhead(self, processor: Any) -> int:
         """Tokens the chat template writes for one ``{"type": "image"}`` item besides the placeholder.
 

@@ -48,16 +48,14 @@ class Idefics3Module(VLMModule):
         _, rows, cols = processor.image_processor.get_number_of_image_patches(height, width, {})
         return _prompt_tokens(processor, rows, cols) + self.image_template_overhead(processor)
 
-    def rows_forward_kwargs(self, mm: dict[str, Any], start: int, end: int) -> dict[str, Any]:
-        """The rows' own ``pixel_values`` (and mask): TRL's pass cuts them per image whenever the batch holds as
-        many images as rows (a two-image sample next to a text-only one), which hands a sample another's pixels."""
+    def trl_pixel_fields(self, mm: dict[str, Any]) -> dict[str, Any]:
+        """``num_tiles`` of one row per sample: TRL otherwise takes these per-sample rows for one row per image
+        whenever a batch holds as many images as rows (a two-image sample next to a text-only one), and hands a
+        sample another's pixels when it splits, shuffles or cuts the batch."""
         pixels, num_images = mm.get("pixel_values"), mm.get("num_images")
-        if pixels is None or not num_images or pixels.size(0) != len(num_images):
+        if pixels is None or not num_images or mm.get("num_tiles") is not None or pixels.size(0) != len(num_images):
             return {}
-        out = {"pixel_values": pixels[start:end]}
-        if mm.get("pixel_attention_mask") is not None:
-            out["pixel_attention_mask"] = mm["pixel_attention_mask"][start:end]
-        return out
+        return {"num_tiles": [1] * len(num_images)}
 
     def units_per_sample(self, mm: dict[str, Any]) -> list[int] | None:
         """One ``pixel_values`` row per sample (its tiles along the second axis), images or not."""

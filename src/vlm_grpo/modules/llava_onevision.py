@@ -64,13 +64,18 @@ class LlavaOnevisionModule(VLMModule):
         return mm.get("num_images")
 
     def group_vision_inputs(self, groups: list[Any], mm: dict[str, Any]) -> dict[str, Any]:
-        """The leaders' images, their ``image_sizes`` and ``batch_num_images`` (one tile each when several)."""
+        """The leaders' images, their ``image_sizes`` and ``batch_num_images`` (one tile each when several).
+
+        Where the fields say every image stands alone (``batch_num_images`` all ones: also what the image
+        processor returns for the images of tool replies, each expanded on its own), every image is tiled."""
         inputs = super().group_vision_inputs(groups, mm)
         ranges = [g.image_range for g in groups if g.image_range is not None]
         if inputs and ranges:
             inputs["image_sizes"] = torch.cat([mm["image_sizes"][a:b] for a, b in ranges])
-            counts = [b - a for a, b in ranges]
-            inputs["batch_num_images"] = torch.tensor(counts, device=inputs["image_sizes"].device)
+            given = mm.get("batch_num_images")
+            if given is None or any(int(n) != 1 for n in given):
+                counts = [b - a for a, b in ranges]
+                inputs["batch_num_images"] = torch.tensor(counts, device=inputs["image_sizes"].device)
         return inputs
 
     def dummy_image_inputs(self, backbone: torch.nn.Module, device: Any) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Tiny offline Idefics3 (``idefics3``) build, shared with SmolVLM (``smolvlm``), and the real-shape pieces.
 
-56 px tiles of 4 x 4 patches shuffled by ``scale_factor`` 2 into 4 ``<image>`` tokens; images are resized to a
-longest edge of 112 px and split into up to 2 x 2 tiles plus the global image, so the row/column tags, the row
+28 px tiles of 2 x 2 patches shuffled by ``scale_factor`` 2 into one ``<image>`` token; images are resized to a
+longest edge of 56 px and split into up to 2 x 2 tiles plus the global image, so the row/column tags, the row
 newlines and the global image all show in a few dozen tokens. The chat template is SmolVLM's ``User:`` /
 ``Assistant:`` turns with Qwen2.5's tool format (:func:`~vlm_grpo.tools.templates.smolvlm_tool_template`).
 """
@@ -14,7 +14,7 @@ from vlm_grpo.testing.presets import Preset
 from vlm_grpo.testing.tiny_parts import TinyFamily, merged, text_config
 from vlm_grpo.tools.templates import smolvlm_tool_template
 
-TILE = 56  # px: patch 14 -> 4 x 4 patches -> scale 2 -> 4 tokens
+TILE = 28  # px: patch 14 -> 2 x 2 patches -> scale 2 -> 1 token
 HALF = [0.5, 0.5, 0.5]
 CHAT_TEMPLATE = smolvlm_tool_template()
 # The SmolLM2 tokenizer's specials plus the image tags the processors look up.

@@ -138,6 +138,17 @@ def smolvlm_tool_template() -> str:
     )
 
 
+def family_response_template(vocab: dict[str, int]) -> dict:
+    """How TRL reads tool calls back out of a completion in the family's turns (Qwen3's format; SmolVLM's turns
+    open with ``Assistant:`` and end with ``<end_of_utterance>``)."""
+    from trl.chat_template_utils import qwen3_template
+
+    if "<fake_token_around_image>" not in vocab:
+        return qwen3_template
+    content = {"close_pattern": r"<end_of_utterance>\s*", "content": "text"}
+    return {**qwen3_template, "start_anchor": "Assistant:", "fields": {**qwen3_template["fields"], "content": content}}
+
+
 def family_tool_template(vocab: dict[str, int]) -> str | None:
     """The tool template for a tokenizer's family, told by its image token (None: unknown family)."""
     if "<fake_token_around_image>" in vocab:

@@ -21,6 +21,7 @@ import torch
 from trl import GRPOTrainer
 
 from vlm_grpo.advantages import AdvantageEstimatorMixin
+from vlm_grpo.cli_errors import UserError
 from vlm_grpo.configs import VLMGRPOConfig
 from vlm_grpo.dynamic_sampling import DynamicSamplingMixin
 from vlm_grpo.fastpath.block_attention import use_block_attention
@@ -175,6 +176,11 @@ class VLMGRPOTrainer(
         factory = kwargs.get("environment_factory")
         self._tool_turns: ToolTurns | None = None
         if tools or factory is not None:
+            if not vlm_module.tool_images:
+                raise UserError(
+                    f"--tools: the '{vlm_module.name}' family cannot take tool replies with images (TRL's tool loop "
+                    "lays their pixels out as one sample); train it without --tools"
+                )
             prepare_for_tools(args, processing_class)
             self._tool_turns = tool_turns(
                 tools, factory, processing_class, tool_protocol, max_context_tokens, max_tool_images

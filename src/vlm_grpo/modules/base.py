@@ -109,6 +109,8 @@ class VLMModule(GroupSharingMixin):
     #: Further linear-layer names of the vision tower and projector that ``--lora_include_vision`` adds to the
     #: default targets (matched under ``vision_prefixes`` only): vision towers name their layers their own way.
     vision_lora_targets: ClassVar[tuple[str, ...]] = ()
+    #: Whether tool runs work: TRL's tool loop must lay out the pixels of tool replies the way the model reads them.
+    tool_images: ClassVar[bool] = True
     #: Overrides of ``DEFAULT_TEMPLATES`` for this family (e.g. box coordinate conventions).
     templates: ClassVar[dict[str, str]] = {}
     #: Rewards this family scores its own way (name -> callable or "module:attr"); used with

@@ -11,15 +11,17 @@ Losses, logging, DeepSpeed and the rest are TRL's, unmodified.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from trl import GRPOTrainer
 
 from vlm_grpo.advantages import AdvantageEstimatorMixin
+from vlm_grpo.cli_errors import UserError
 from vlm_grpo.configs import VLMGRPOConfig
 from vlm_grpo.dynamic_sampling import DynamicSamplingMixin
 from vlm_grpo.fastpath.block_attention import use_block_attention
@@ -56,6 +58,35 @@ from vlm_grpo.trainer_common import (
 from vlm_grpo.utils import is_zero3, peft_base
 
 logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def rows_forward_kwargs(model: torch.nn.Module, module: VLMModule, mm: dict[str, Any]) -> Iterator[None]:
+    """Hand each of TRL's per-row forwards the family's ``rows_forward_kwargs`` for the rows it covers.
+
+    TRL's pass calls ``model`` on consecutive chunks of rows, in order, with the inputs it knows how to cut: a
+    pre-forward hook counts the rows and adds (or replaces) what the family needs besides, e.g. LLaVA-OneVision's
+    ``batch_num_images`` (several images in a sample are not tiled), which TRL never passes.
+    """
+    if not module.rows_forward_kwargs(mm, 0, 0):
+        yield
+        return
+    start = 0
+
+    def hook(_: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        nonlocal start
+        end = start + kwargs["input_ids"].size(0)
+        extra = module.rows_forward_kwargs(mm, start, end)
+        start = end
+        return args, {**kwargs, **extra}
+
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 _TRL_LOGP_PARAMS = frozenset(inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters)
 
 
@@ -145,6 +176,11 @@ class VLMGRPOTrainer(
         factory = kwargs.get("environment_factory")
         self._tool_turns: ToolTurns | None = None
         if tools or factory is not None:
+            if not vlm_module.tool_images:
+                raise UserError(
+                    f"--tools: the '{vlm_module.name}' family cannot take tool replies with images (TRL's tool loop "
+                    "lays their pixels out as one sample); train it without --tools"
+                )
             prepare_for_tools(args, processing_class)
             self._tool_turns = tool_turns(
                 tools, factory, processing_class, tool_protocol, max_context_tokens, max_tool_images
@@ -238,6 +274,8 @@ class VLMGRPOTrainer(
         **mm: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Rows that share a prompt share one forward (``share_prompt``); see :mod:`vlm_grpo.fastpath.sharing`."""
+        if not self.tools:
+            mm = {**mm, **self.vlm_module.trl_pixel_fields(mm)}
         extra = (
             {k for k, v in mm.items() if v is not None} - self._SHARED_MM_KEYS - self.vlm_module.grouped_vision_inputs
         )
@@ -248,13 +286,15 @@ class VLMGRPOTrainer(
             )
             if result is not None:
                 return (*result, None)
+        args = (model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss)
         if self.tools:
             # Tool images reach TRL's old/reference passes as everything the image processor returned; InternVL's
-            # carries ``num_patches``, which TRL's pass does not take (its tile counts come as ``num_tiles``).
+            # carries ``num_patches``, which TRL's pass does not take (its tile counts come as ``num_tiles``). That
+            # is one entry per image, which TRL's own cuts expect: no family inputs are added.
             mm = {k: v for k, v in mm.items() if k in _TRL_LOGP_PARAMS}
-        return super()._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **mm
-        )
+            return super()._get_per_token_logps_and_entropies(*args, **mm)
+        with rows_forward_kwargs(model, self.vlm_module, mm):
+            return super()._get_per_token_logps_and_entropies(*args, **mm)
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """TRL's, with the processor run once per distinct prompt (``process_prompts_once``), and without the
@@ -267,7 +307,10 @@ class VLMGRPOTrainer(
         if self.args.process_prompts_once:
             self.processing_class = ProcessOnce(processor, self.accelerator.device)
         try:
-            return super()._generate_and_score_completions(inputs)
+            output = super()._generate_and_score_completions(inputs)
+            if not self.tools:  # before TRL splits and shuffles the batch by its pixels
+                output.update(self.vlm_module.trl_pixel_fields(output))
+            return output
         finally:
             self.processing_class = processor
             drop_stacked_input_grad_hooks(self.model)

@@ -309,8 +309,12 @@ def shared_prefill_generate(
     ids, mask = _left_pad(prompt_ids, pad_id, "cpu")
     fields = {k: v for k, v in multimodal_fields.items() if isinstance(v, torch.Tensor)}
     per_token = {k: v for k, v in multimodal_fields.items() if isinstance(v, list)}
-    if isinstance(multimodal_fields.get("pixel_values"), list):  # e.g. InternVL: TRL stacks it for generate
-        fields["pixel_values"] = torch.tensor(np.array(per_token.pop("pixel_values")))
+    for key in (
+        "pixel_values",
+        *module.grouped_vision_inputs,
+    ):  # e.g. InternVL's pixels: TRL stacks such lists for generate
+        if isinstance(multimodal_fields.get(key), list):
+            fields[key] = torch.tensor(np.array(per_token.pop(key)))
     plan = _plan_shared_prefill(module, ids, mask, fields, per_token, images)
     if own_history:
         if plan is None or not trainer.args.fast_decode:

@@ -21,6 +21,8 @@ INTERNVL_VIDEO = "<video>\n"
 # refuse (one more placeholder than images) instead of dropping the video unseen.
 GEMMA3_IMAGE = "<start_of_image>"
 PIXTRAL_IMAGE = "[IMG]"
+LLAVA_IMAGE = "<image>\n"  # LLaVA-OneVision: its Qwen2 turns, the placeholder on a line of its own
+LLAVA_VIDEO = "<video>\n"
 
 _TOOLS_HEADER = (
     "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
@@ -132,8 +134,80 @@ def tool_chat_template(image: str, video: str, default_system: str | None, turns
     )
 
 
+def smolvlm_tool_template() -> str:
+    """SmolVLM / Idefics3's turns (``User:`` ... ``<end_of_utterance>``, ``Assistant:`` prompt) with the same tool
+    format: schemas in a ``System:`` turn, ``<tool_call>`` blocks, results as ``<tool_response>`` blocks of one
+    ``User:`` turn. An assistant turn's text after ``Assistant:`` (its leading space, and ``<end_of_utterance>``) is
+    the generation, as the real checkpoints write it."""
+    footer = _TOOLS_FOOTER.replace("<|im_end|>", "<end_of_utterance>")
+    return (
+        "{%- macro render(content) -%}"
+        "{%- if content is string -%}{{- content -}}"
+        "{%- else -%}{%- for item in content -%}"
+        "{%- if item.type == 'image' or 'image' in item or 'image_url' in item -%}{{- '<image>' -}}"
+        "{%- elif 'text' in item -%}{{- item['text'] -}}"
+        "{%- endif -%}"
+        "{%- endfor -%}{%- endif -%}"
+        "{%- endmacro -%}"
+        "{%- macro opens_with_image(content) -%}"
+        "{%- if content is not string and content and content[0].type == 'image' -%}1{%- endif -%}"
+        "{%- endmacro -%}"
+        "{{- '<|im_start|>' -}}"
+        "{%- set has_system = messages and messages[0]['role'] == 'system' -%}"
+        "{%- if tools -%}"
+        "{{- 'System: ' -}}"
+        "{%- if has_system -%}{{- render(messages[0]['content']) + '\\n\\n' -}}{%- endif -%}"
+        f"{{{{- '{_TOOLS_HEADER}' -}}}}"
+        "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
+        f"{{{{- '{footer}' -}}}}"
+        "{%- endif -%}"
+        "{%- for message in messages -%}"
+        "{%- if tools and loop.first and message['role'] == 'system' -%}"
+        "{%- elif message['role'] == 'assistant' -%}"
+        "{{- 'Assistant:' -}}"
+        "{%- generation -%}"
+        "{%- set text = render(message['content']) -%}{{- ' ' + text -}}"
+        "{%- for call in message['tool_calls'] or [] -%}"
+        "{%- set fn = call['function'] if call['function'] is defined else call -%}"
+        "{%- if text or not loop.first -%}{{- '\\n' -}}{%- endif -%}"
+        "{{- '<tool_call>\\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' -}}"
+        "{{- (fn['arguments'] if fn['arguments'] is string else fn['arguments'] | tojson) + '}\\n</tool_call>' -}}"
+        "{%- endfor -%}"
+        "{{- '<end_of_utterance>' -}}{%- endgeneration -%}"
+        "{{- '\\n' -}}"
+        "{%- elif message['role'] == 'tool' -%}"
+        "{%- if loop.first or loop.previtem['role'] != 'tool' -%}{{- 'User:' -}}{%- endif -%}"
+        "{{- '\\n<tool_response>\\n' + render(message['content']) + '\\n</tool_response>' -}}"
+        "{%- if loop.last or loop.nextitem['role'] != 'tool' -%}{{- '<end_of_utterance>\\n' -}}{%- endif -%}"
+        "{%- else -%}"
+        "{{- message['role'] | capitalize -}}"
+        "{{- ':' if opens_with_image(message['content']) else ': ' -}}"
+        "{{- render(message['content']) + '<end_of_utterance>\\n' -}}"
+        "{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- 'Assistant:' -}}{%- endif -%}"
+    )
+
+
+def family_response_template(vocab: dict[str, int]) -> dict:
+    """How TRL reads tool calls back out of a completion in the family's turns (Qwen3's format; SmolVLM's turns
+    open with ``Assistant:`` and end with ``<end_of_utterance>``; GLM-4.5's own call format)."""
+    from trl.chat_template_utils import glm4moe_template, qwen3_template
+
+    if "<|observation|>" in vocab:  # GLM-4.5V writes calls as GLM-4.5 does (<tool_call>NAME <arg_key>/<arg_value>)
+        return glm4moe_template
+    if "<fake_token_around_image>" not in vocab:
+        return qwen3_template
+    content = {"close_pattern": r"<end_of_utterance>\s*", "content": "text"}
+    return {**qwen3_template, "start_anchor": "Assistant:", "fields": {**qwen3_template["fields"], "content": content}}
+
+
 def family_tool_template(vocab: dict[str, int]) -> str | None:
     """The tool template for a tokenizer's family, told by its image token (None: unknown family)."""
+    if "<fake_token_around_image>" in vocab:
+        return smolvlm_tool_template()
+    if "<image>" in vocab and "<|im_start|>" in vocab:
+        return tool_chat_template(LLAVA_IMAGE, LLAVA_VIDEO, QWEN_SYSTEM)
     if "<|image_pad|>" in vocab:
         return tool_chat_template(QWEN_IMAGE, QWEN_VIDEO, QWEN_SYSTEM)
     if "<IMG_CONTEXT>" in vocab:

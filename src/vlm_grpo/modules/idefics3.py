@@ -1,0 +1,87 @@
+"""Idefics3 and SmolVLM adapter (``Idefics3ForConditionalGeneration``, ``SmolVLMForConditionalGeneration``).
+
+The image processor resizes an image so its longest edge is ``size["longest_edge"]``, then (with
+``do_image_splitting``) cuts it into rows x columns of ``max_image_size`` tiles and appends the whole image resized
+to one tile. Each tile becomes ``image_seq_len`` ``<image>`` tokens (the connector's pixel shuffle by
+``scale_factor``): ``<fake_token_around_image><row_i_col_j>`` before a tile, a newline after each row, and
+``<fake_token_around_image><global-img>`` before the global image. ``pixel_values`` hold one row per sample (its
+tiles padded to the batch's largest count, with ``pixel_attention_mask``); the model drops tiles that are all
+zeros as padding. Boxes are written in a 0-1000 normalised frame (these checkpoints have no grounding format of
+their own).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, ClassVar
+
+import torch
+
+from vlm_grpo.modules.base import VLMModule, rec_template
+
+
+@functools.lru_cache(maxsize=256)
+def _prompt_tokens(processor: Any, rows: int, cols: int) -> int:
+    """Tokens of the string the processor writes for one ``rows x cols`` image (with its global image).
+
+    The string starts and ends with ``<fake_token_around_image>``, so it tokenizes the same in any context.
+    """
+    text = processor.replace_image_token({"rows": [[rows]], "cols": [[cols]]}, 0)
+    return len(processor.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+class Idefics3Module(VLMModule):
+    """Idefics3 / SmolVLM: SigLIP-style tower plus the pixel-shuffle connector."""
+
+    name: ClassVar[str] = "idefics3"
+    vision_prefixes: ClassVar[tuple[str, ...]] = ("model.vision_model", "model.connector")
+    vision_lora_targets: ClassVar[tuple[str, ...]] = ("out_proj", "fc1", "fc2", "proj")
+    templates: ClassVar[dict[str, str]] = {"rec": rec_template("coordinates normalised to 0-1000")}
+    grouped_vision_inputs: ClassVar[frozenset[str]] = frozenset({"pixel_attention_mask"})
+    # TRL's tool loop runs the image processor on the flat list of a batch's images: Idefics3's takes that for ONE
+    # sample's images (one row of all their tiles), which TRL then splits and cuts as one row per image.
+    tool_images: ClassVar[bool] = False
+
+    def apply_image_limits(self, processor: Any) -> None:
+        self.refuse_image_limits(
+            "set size.longest_edge (resize) and max_image_size.longest_edge (tile) in preprocessor_config.json"
+        )
+
+    def num_image_tokens(self, processor: Any, width: int, height: int) -> int:
+        _, rows, cols = processor.image_processor.get_number_of_image_patches(height, width, {})
+        return _prompt_tokens(processor, rows, cols) + self.image_template_overhead(processor)
+
+    def trl_pixel_fields(self, mm: dict[str, Any]) -> dict[str, Any]:
+        """``num_tiles`` of one row per sample: TRL otherwise takes these per-sample rows for one row per image
+        whenever a batch holds as many images as rows (a two-image sample next to a text-only one), and hands a
+        sample another's pixels when it splits, shuffles or cuts the batch."""
+        pixels, num_images = mm.get("pixel_values"), mm.get("num_images")
+        if pixels is None or not num_images or mm.get("num_tiles") is not None or pixels.size(0) != len(num_images):
+            return {}
+        return {"num_tiles": [1] * len(num_images)}
+
+    def units_per_sample(self, mm: dict[str, Any]) -> list[int] | None:
+        """One ``pixel_values`` row per sample (its tiles along the second axis), images or not."""
+        num_images = mm.get("num_images")
+        return [1] * len(num_images) if num_images else None
+
+    def group_vision_inputs(self, groups: list[Any], mm: dict[str, Any]) -> dict[str, Any]:
+        inputs = super().group_vision_inputs(groups, mm)
+        mask = mm.get("pixel_attention_mask")
+        if inputs and mask is not None:
+            inputs["pixel_attention_mask"] = torch.cat(
+                [mask[a:b] for a, b in (g.image_rows for g in groups if g.image_rows)]
+            )
+        return inputs
+
+    def dummy_image_inputs(self, backbone: torch.nn.Module, device: Any) -> dict[str, Any]:
+        """One tile of ones (a tile of zeros is taken for padding and dropped)."""
+        vision = backbone.config.vision_config
+        size = vision.image_size
+        return {"pixel_values": torch.ones(1, 1, vision.num_channels, size, size, device=device)}
+
+
+class SmolVLMModule(Idefics3Module):
+    """SmolVLM: Idefics3's layout (its processor adds video frames as images with timestamps)."""
+
+    name: ClassVar[str] = "smolvlm"

@@ -195,8 +195,8 @@ def test_a_tool_step_decodes_trls_tokens(family, sharp_models, tool_dataset, tmp
     module = get_vlm_module(str(model))
     processor = module.load_processor(str(model))
     with Image.open(tool_dataset[0].parent / "images" / "img0.png") as image:
-        w, h = module.coord_size(processor, *image.size)  # the box in the family's own frame
-    box = [w // 10, h // 10, w * 8 // 10, h * 8 // 10]
+        w, h = module.coord_size(processor, *image.size)  # the box in the family's own frame (LLaVA: fractions)
+    box = [w // 10, h // 10, w * 8 // 10, h * 8 // 10] if w >= 10 else [0.1 * w, 0.1 * h, 0.8 * w, 0.8 * h]
     models = {family: model}
     if family in TOOLS_REFUSED:  # refused up front, naming the family: never a run that drops the tool images
         with pytest.raises(UserError, match=rf"--tools: the '{family}' family cannot take tool replies with images"):

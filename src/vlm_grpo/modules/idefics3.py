@@ -51,6 +51,18 @@ class Idefics3Module(VLMModule):
         _, rows, cols = processor.image_processor.get_number_of_image_patches(height, width, {})
         return _prompt_tokens(processor, rows, cols) + self.image_template_overhead(processor)
 
+    def row_image_tokens(self, processor: Any, sizes: list[tuple[int, int]]) -> int:
+        """The template's own tokens for images (``User:`` instead of ``User: `` when the turn opens with one)
+        come once per turn, not once per image."""
+        overhead = self.image_template_overhead(processor)
+        return sum(self.num_image_tokens(processor, w, h) - overhead for w, h in sizes) + (overhead if sizes else 0)
+
+    def rows_forward_kwargs(self, mm: dict[str, Any], start: int, end: int) -> dict[str, Any]:
+        """No pixels for rows without images: their padding tiles alone leave the vision tower an empty batch."""
+        if mm.get("pixel_values") is None or not mm.get("num_images") or sum(mm["num_images"][start:end]):
+            return {}
+        return {"pixel_values": None, "pixel_attention_mask": None}
+
     def trl_pixel_fields(self, mm: dict[str, Any]) -> dict[str, Any]:
         """``num_tiles`` of one row per sample: TRL otherwise takes these per-sample rows for one row per image
         whenever a batch holds as many images as rows (a two-image sample next to a text-only one), and hands a

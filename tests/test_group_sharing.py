@@ -23,13 +23,14 @@ from vlm_grpo.testing.tiny import FAMILIES
 from vlm_grpo.trainer import VLMGRPOTrainer, rows_forward_kwargs
 
 G = 3
-# Every multimodal input TRL's pass takes (LLaVA-OneVision's image_sizes, Idefics3's pixel_attention_mask, ...).
+# What TRL hands its log-prob pass (None where a family has no such input).
 MM_KEYS = (
     "pixel_values",
     "image_grid_thw",
     "num_images",
     "num_tiles",
     "mm_token_type_ids",
+    "token_type_ids",
     "image_sizes",
     "pixel_attention_mask",
 )

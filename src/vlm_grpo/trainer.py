@@ -29,7 +29,7 @@ from vlm_grpo.fastpath.compiled_layers import resolve_compile_layers
 from vlm_grpo.fastpath.decode import resolve_keep_decode_graphs
 from vlm_grpo.fastpath.process_once import ProcessOnce
 from vlm_grpo.fastpath.route import trl_generation_reason
-from vlm_grpo.fastpath.sharing import packed_logps, shared_prefill_generate
+from vlm_grpo.fastpath.sharing import packed_logps, packed_pass_reason, shared_prefill_generate
 from vlm_grpo.fastpath.vision_attention import use_batched_vision_attention
 from vlm_grpo.fastpath.vision_sync import install_vision_sync, needs_vision_sync
 from vlm_grpo.modules import VLMModule
@@ -276,9 +276,11 @@ class VLMGRPOTrainer(
         """Rows that share a prompt share one forward (``share_prompt``); see :mod:`vlm_grpo.fastpath.sharing`."""
         if not self.tools:
             mm = {**mm, **self.vlm_module.trl_pixel_fields(mm)}
-        extra = {k for k, v in mm.items() if v is not None} - self._SHARED_MM_KEYS - self.vlm_module.packed_mm_keys
+        extra = (
+            {k for k, v in mm.items() if v is not None} - self._SHARED_MM_KEYS - self.vlm_module.grouped_vision_inputs
+        )
         if self.args.share_prompt:  # every rank asks: ranks decide together
-            usable = not compute_aux_loss and not extra
+            usable = packed_pass_reason(self.accelerator.unwrap_model(model), extra, compute_aux_loss) is None
             result = packed_logps(
                 self, model, input_ids, attention_mask, logits_to_keep, compute_entropy, mm, batch_size, usable
             )

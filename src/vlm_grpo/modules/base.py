@@ -58,8 +58,9 @@ class GroupSharingMixin:
     """Hooks ``vlm_grpo.fastpath.sharing`` needs from a family: how pixels split per sample, and positions."""
 
     #: Multimodal inputs besides ``pixel_values`` / ``image_grid_thw`` / ``mm_token_type_ids`` that
-    #: :meth:`group_vision_inputs` handles (e.g. ``image_sizes``); a batch with any other goes through TRL's path.
-    packed_mm_keys: ClassVar[frozenset[str]] = frozenset()
+    #: :meth:`group_vision_inputs` slices per group (Pixtral's and LLaVA-OneVision's ``image_sizes``, Idefics3's
+    #: ``pixel_attention_mask``); the speed path steps aside for any other input.
+    grouped_vision_inputs: ClassVar[frozenset[str]] = frozenset()
 
     def units_per_sample(self, mm: dict[str, Any]) -> list[int] | None:
         """Rows of ``pixel_values`` each sample owns (None: no images in the batch)."""
@@ -144,12 +145,19 @@ class VLMModule(GroupSharingMixin):
             **kwargs,
         )
 
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        """Make a loaded model of this family ready for TRL's trainer (however it was loaded); default: nothing."""
+
     def load_processor(self, path: str, *, trust_remote_code: bool = False, revision: str | None = None) -> Any:
         from transformers import AutoProcessor
 
         processor = AutoProcessor.from_pretrained(
             path, trust_remote_code=trust_remote_code, revision=revision, padding_side="left"
         )
+        return self.prepare_processor(processor)
+
+    def prepare_processor(self, processor: Any) -> Any:
+        """What the trainers need of a loaded processor: left padding, the user's image limits, family fixes."""
         processor.tokenizer.padding_side = "left"
         self.apply_image_limits(processor)
         return processor

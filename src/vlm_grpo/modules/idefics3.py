@@ -37,7 +37,7 @@ class Idefics3Module(VLMModule):
     vision_prefixes: ClassVar[tuple[str, ...]] = ("model.vision_model", "model.connector")
     vision_lora_targets: ClassVar[tuple[str, ...]] = ("out_proj", "fc1", "fc2", "proj")
     templates: ClassVar[dict[str, str]] = {"rec": rec_template("coordinates normalised to 0-1000")}
-    packed_mm_keys: ClassVar[frozenset[str]] = frozenset({"pixel_attention_mask"})
+    grouped_vision_inputs: ClassVar[frozenset[str]] = frozenset({"pixel_attention_mask"})
     # TRL's tool loop runs the image processor on the flat list of a batch's images: Idefics3's takes that for ONE
     # sample's images (one row of all their tiles), which TRL then splits and cuts as one row per image.
     tool_images: ClassVar[bool] = False

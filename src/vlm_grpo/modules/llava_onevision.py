@@ -30,7 +30,7 @@ class LlavaOnevisionModule(VLMModule):
     )
     templates: ClassVar[dict[str, str]] = {"rec": rec_template("fractions of the image width and height (0 to 1)")}
     vision_lora_targets: ClassVar[tuple[str, ...]] = ("out_proj", "fc1", "fc2", "linear_1", "linear_2")
-    packed_mm_keys: ClassVar[frozenset[str]] = frozenset({"image_sizes", "batch_num_images"})
+    grouped_vision_inputs: ClassVar[frozenset[str]] = frozenset({"image_sizes", "batch_num_images"})
 
     def apply_image_limits(self, processor: Any) -> None:
         self.refuse_image_limits(

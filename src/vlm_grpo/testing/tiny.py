@@ -31,13 +31,23 @@ import argparse
 import functools
 import json
 import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vlm_grpo.testing.presets import FAMILIES, PRESETS, TINY_FAMILIES, Preset, get_preset
-from vlm_grpo.testing.tiny_parts import COMMON_SPECIAL_TOKENS, MROPE_SECTION, TEXT_DIMS, TinyFamily
+from vlm_grpo.testing.tiny_parts import (
+    COMMON_SPECIAL_TOKENS,
+    MROPE_SECTION,
+    QWEN3_TINY_VISION,
+    QWEN_SPECIAL_TOKENS,
+    TEXT_DIMS,
+    TinyFamily,
+    qwen3_rope,
+)
 from vlm_grpo.testing.tiny_parts import merged as _merged
+from vlm_grpo.testing.tiny_parts import qwen_processors as _qwen_processors
+from vlm_grpo.testing.tiny_parts import qwen_token_ids as _qwen_token_ids
 from vlm_grpo.testing.tiny_parts import text_config as _text_config
 from vlm_grpo.tools.templates import INTERNVL_IMAGE, INTERNVL_VIDEO, QWEN_IMAGE, QWEN_VIDEO, tool_chat_template
 
@@ -63,7 +73,6 @@ QWEN_SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-QWEN_SPECIAL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 # InternVL's processor reads these four as tokenizer attributes (``extra_special_tokens``).
 INTERNVL_EXTRA_TOKENS = {
     "start_image_token": "<img>",
@@ -241,34 +250,6 @@ def build_tokenizer(family: str, vocab_size: int | None = None) -> Any:
 
 
 # ----------------------------------------------------------------------------- per-family parts
-def _qwen_token_ids(tokenizer: Any) -> dict[str, int]:
-    ids = tokenizer.convert_tokens_to_ids
-    return {
-        "image_token_id": ids("<|image_pad|>"),
-        "video_token_id": ids("<|video_pad|>"),
-        "vision_start_token_id": ids("<|vision_start|>"),
-        "vision_end_token_id": ids("<|vision_end|>"),
-    }
-
-
-def _qwen_processors(
-    patch_size: int, min_pixels: int, max_pixels: int, video_cls: Any, overrides: Mapping[str, Any]
-) -> tuple[Any, Any]:
-    """Image and video processors; ``overrides`` (a preset's ``processor``) replace the tiny limits."""
-    from transformers import Qwen2VLImageProcessor
-
-    min_pixels = overrides.get("min_pixels", min_pixels)
-    max_pixels = overrides.get("max_pixels", max_pixels)
-    size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
-    video_size = {
-        "shortest_edge": overrides.get("video_min_pixels", min_pixels),
-        "longest_edge": overrides.get("video_max_pixels", max_pixels),
-    }
-    common = {"patch_size": patch_size, "temporal_patch_size": 2, "merge_size": 2}
-    common.update({k: list(overrides[k]) for k in ("image_mean", "image_std") if k in overrides})
-    return Qwen2VLImageProcessor(**common, size=size), video_cls(**common, size=video_size)
-
-
 def _qwen_top(tokenizer: Any, preset: Preset) -> dict[str, Any]:
     return _merged({"tie_word_embeddings": True, **_qwen_token_ids(tokenizer)}, preset.model)
 
@@ -330,24 +311,9 @@ def _qwen2_5_vl(tokenizer: Any, preset: Preset) -> tuple[Any, Any]:
 def _qwen3_vl(tokenizer: Any, preset: Preset) -> tuple[Any, Any]:
     from transformers import Qwen3VLConfig, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
-    rope = {"rope_type": "default", "mrope_section": MROPE_SECTION, "mrope_interleaved": True, "rope_theta": 5e6}
     config = Qwen3VLConfig(
-        text_config=_merged(_text_config(tokenizer, head_dim=16, rope_parameters=rope), preset.text),
-        vision_config=_merged(
-            {
-                "depth": 2,
-                "hidden_size": 32,
-                "intermediate_size": 64,
-                "num_heads": 2,
-                "out_hidden_size": TEXT_DIMS["hidden_size"],
-                "patch_size": 16,
-                "spatial_merge_size": 2,
-                "temporal_patch_size": 2,
-                "num_position_embeddings": 64,  # an 8x8 grid, interpolated to the image's grid
-                "deepstack_visual_indexes": [0],
-            },
-            preset.vision,
-        ),
+        text_config=_merged(_text_config(tokenizer, head_dim=16, rope_parameters=qwen3_rope()), preset.text),
+        vision_config=_merged(QWEN3_TINY_VISION, preset.vision),
         **_qwen_top(tokenizer, preset),
     )
     # Patch 16 x merge 2 = 32 px per image token: 64x64 .. 128x128 px gives 4 .. 16 tokens.
@@ -421,6 +387,11 @@ _SPECS: dict[str, TinyFamily] = {
 }
 #: Families built by their own file: ``family -> "module"`` whose ``SPEC`` is the family's :class:`TinyFamily`.
 TINY_FAMILY_FILES: dict[str, str] = {
+    "glm4v": "vlm_grpo.testing.tiny_glm4v",
+    "glm4v_moe": "vlm_grpo.testing.tiny_glm4v_moe",
+    "qwen3_vl_moe": "vlm_grpo.testing.tiny_qwen3_vl_moe",
+    "gemma3": "vlm_grpo.testing.tiny_gemma3",
+    "mistral3": "vlm_grpo.testing.tiny_mistral3",
     "llava_onevision": "vlm_grpo.testing.tiny_llava_onevision",
     "idefics3": "vlm_grpo.testing.tiny_idefics3",
     "smolvlm": "vlm_grpo.testing.tiny_smolvlm",
@@ -509,6 +480,9 @@ def build_model(
     with torch.random.fork_rng(devices=rng_devices), device:
         torch.manual_seed(seed)
         model = AutoModelForImageTextToText.from_config(config, dtype=dtype or torch.bfloat16)
+        init_weights = family_spec(p.family).init_weights
+        if init_weights is not None:
+            init_weights(model)
     _set_generation_config(model, processor.tokenizer, p)
     if out_dir is not None:
         out = Path(out_dir)

@@ -38,15 +38,10 @@ logger = logging.getLogger(__name__)
 # (Generation keeps share_prefill / fast_decode: the first turn shares its prompt, later turns decode fast.)
 _SPEED_FEATURES = ("share_prompt",)
 _VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
-_VISION_TOKENS += (
-    "<IMG_CONTEXT>",
-    "<img>",
-    "</img>",
-    "<video>",
-    "<image>",
-    "<fake_token_around_image>",
-    "<global-img>",
-)
+_VISION_TOKENS += ("<IMG_CONTEXT>", "<img>", "</img>", "<video>")
+_VISION_TOKENS += ("<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|begin_of_video|>", "<|end_of_video|>")
+_VISION_TOKENS += ("<|video|>",)
+_VISION_TOKENS += ("<image>", "<fake_token_around_image>", "<global-img>")
 
 
 def tile_fields(image_processor: Any, images: list | None, fields: dict[str, Any]) -> dict[str, Any]:

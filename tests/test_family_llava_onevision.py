@@ -229,15 +229,29 @@ def test_trls_pass_cuts_idefics3_pixels_per_sample(tiny_models, one_image_rows, 
         trl_pass(trainer, model, ids, mask, 3, batch_size=1, **mm)
 
 
-@pytest.mark.parametrize("family", ["idefics3", "smolvlm"])
-def test_tool_runs_are_refused_for_idefics3_layouts(family, tiny_models, tmp_path):
-    from e2e_utils import base_args, make_dataset
-    from vlm_grpo.grpo_jsonl import main, parse_args
-
-    data, plugin = make_dataset(tmp_path / "data", kinds=("single",), n=1)
-    argv = [*base_args(tiny_models[family], data, plugin, tmp_path / "out"), "--tools", "zoom_in"]
-    with pytest.raises(UserError, match="cannot take tool replies with images"):
-        main(*parse_args(argv))
+def test_idefics3_tool_images_regrouped_per_row(tiny_models):
+    """TRL's tool loop runs the image processor on the batch's images as one sample's: one row per batch row again,
+    each with its own tiles (counted from its <image> tokens), and num_tiles of one row each."""
+    module, processor = loaded(tiny_models, "idefics3")
+    images = [noise(60, 30, 1), noise(30, 90, 2), noise(40, 40, 3)]
+    flat = processor.image_processor(images=images, return_tensors="pt")
+    assert flat["pixel_values"].size(0) == 1  # the layout the adapter must undo
+    per_image = [processor.image_processor(images=[[image]], return_tensors="pt") for image in images]
+    tiles = [p["pixel_values"].size(1) for p in per_image]
+    seq = processor.image_seq_len
+    token = processor.image_token_id
+    rows = [[token] * seq * (tiles[0] + tiles[1]), [], [token] * seq * tiles[2]]  # two images, none, one
+    width = max(len(r) for r in rows) + 2
+    input_ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    out = module.tool_pixel_fields(processor, dict(flat), input_ids)
+    assert out["num_tiles"] == [1, 1, 1] and out["pixel_values"].shape[:2] == (3, tiles[0] + tiles[1])
+    torch.testing.assert_close(out["pixel_values"][0, : tiles[0]], per_image[0]["pixel_values"][0])
+    torch.testing.assert_close(out["pixel_values"][0, tiles[0] : tiles[0] + tiles[1]], per_image[1]["pixel_values"][0])
+    assert not out["pixel_values"][1].any()  # the text-only row: padding, which the model drops
+    torch.testing.assert_close(out["pixel_values"][2, : tiles[2]], per_image[2]["pixel_values"][0])
+    bad = input_ids.clone()
+    bad[2, -seq:] = 0  # a tile short: the counts do not match the pixels, left to TRL (which then fails loudly)
+    assert module.tool_pixel_fields(processor, dict(flat), bad) == {}
 
 
 @pytest.mark.parametrize("family", FAMILIES)

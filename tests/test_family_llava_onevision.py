@@ -13,12 +13,11 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from trl import GRPOTrainer
 
 import vlm_grpo.fastpath.sharing as sharing
 from test_group_sharing import G, _generate_both, assert_parity, make_trainer, real_batch
 from vlm_grpo.cli_errors import UserError
-from vlm_grpo.data import prepare_rows, read_rows
-from vlm_grpo.data.jsonl import DataValidationError
 from vlm_grpo.modules import ImageLimits, get_vlm_module
 
 FAMILIES = ("llava_onevision", "idefics3", "smolvlm")
@@ -150,24 +149,109 @@ def test_coordinate_frame_and_rec_prompt(family, frame, tiny_models):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_rows_with_several_images_are_bad_rows(family, tiny_models, tmp_path):
-    """TRL's log-prob pass cannot give these families several images in one sample correctly: refused, by line."""
+def test_a_rows_image_tokens_equal_what_the_processor_expands_with_several_images(family, tiny_models):
+    """LLaVA-OneVision leaves images that share a sample untiled (one tile and a newline each)."""
     module, processor = loaded(tiny_models, family)
-    noise(40, 40).save(tmp_path / "a.png")
-    rows = [
-        {"image": "a.png", "conversations": [{"from": "human", "value": "<image>?"}, {"from": "gpt", "value": "1"}]},
-        {
-            "image": ["a.png", "a.png"],
-            "conversations": [{"from": "human", "value": "<image><image>?"}, {"from": "gpt", "value": "2"}],
-        },
-    ]
-    path = tmp_path / "rows.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    read, bad = read_rows([str(path)], task_type="raw")
-    with pytest.raises(DataValidationError, match=r"rows\.jsonl:2.*2 images in one sample.*at most 1"):
-        prepare_rows(read, bad, module, processor)
-    read, bad = read_rows([str(path)], task_type="raw")
-    assert len(prepare_rows(read, bad, module, processor, skip_bad_rows=True)) == 1
+    sizes = [(60, 30), (30, 90)]
+    content = [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Which is larger?"}]
+    text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+    plain = processor.apply_chat_template([{"role": "user", "content": content[2:]}], add_generation_prompt=True)
+    images = [[noise(w, h, i) for i, (w, h) in enumerate(sizes)]]
+    ids = processor(text=[text], images=images, return_tensors="pt")["input_ids"]
+    expanded = ids.shape[1] - len(processor.tokenizer(plain, add_special_tokens=False)["input_ids"])
+    assert module.row_image_tokens(processor, sizes) == expanded
+    assert module.row_image_tokens(processor, sizes[:1]) == module.num_image_tokens(processor, *sizes[0])
+    if family == "llava_onevision":  # untiled: less than the two images tiled
+        assert expanded < sum(module.num_image_tokens(processor, w, h) for w, h in sizes)
+
+
+def test_trls_pass_gives_llava_onevision_the_image_count_of_each_sample(tiny_models, one_image_rows, tmp_path):
+    """TRL's per-row pass (in chunks of one row) on a two-image sample next to one-image and text-only ones gives the
+    model's own log-probs on each sample's processor output (which carries batch_num_images); without the trainer's
+    hook the model tiles the two images and fails."""
+    from vlm_grpo.trainer import rows_forward_kwargs
+
+    trainer = make_trainer(tiny_models["llava_onevision"], one_image_rows, tmp_path)
+    processor, model = trainer.processing_class, trainer.model.eval()
+
+    def prompt(n):
+        content = [{"type": "image"}] * n + [{"type": "text", "text": "Hi?"}]
+        return processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+
+    texts, images = [prompt(2), prompt(1), prompt(0)], [[noise(60, 30, 1), noise(30, 90, 2)], [noise(40, 40, 3)], []]
+    rows = []
+    for text, imgs in zip(texts, images, strict=True):
+        batch = processor(text=[text], images=[imgs] if imgs else None, return_tensors="pt")
+        with torch.no_grad():
+            logps = model(**batch).logits[0, -4:-1].log_softmax(-1)
+        rows.append((batch["input_ids"][0], logps.gather(-1, batch["input_ids"][0, -3:, None])[:, 0]))
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.stack([torch.nn.functional.pad(ids, (width - len(ids), 0)) for ids, _ in rows])
+    mask = torch.stack([torch.nn.functional.pad(torch.ones_like(ids), (width - len(ids), 0)) for ids, _ in rows])
+    full = processor(text=texts, images=[i for i in images if i], padding=True, return_tensors="pt")
+    mm = {"pixel_values": full["pixel_values"], "image_sizes": full["image_sizes"], "num_images": [2, 1, 0]}
+    trl_pass = GRPOTrainer._get_per_token_logps_and_entropies
+    with torch.no_grad(), rows_forward_kwargs(model, trainer.vlm_module, mm):
+        logps, _, _ = trl_pass(trainer, model, input_ids, mask, 3, batch_size=1, **mm)
+    torch.testing.assert_close(logps, torch.stack([lp for _, lp in rows]), rtol=0, atol=1e-5)
+    with torch.no_grad(), pytest.raises((ValueError, RuntimeError)):
+        trl_pass(trainer, model, input_ids, mask, 3, batch_size=1, **mm)
+
+
+def test_trls_pass_cuts_idefics3_pixels_per_sample(tiny_models, one_image_rows, tmp_path):
+    """As many images as rows (two images, one, none): TRL would cut the per-sample pixel rows per image (the
+    one-image row would get the text-only row's padding); with the adapter's ``num_tiles`` a pass in chunks of one
+    row equals one pass over the batch."""
+    from vlm_grpo.trainer import rows_forward_kwargs
+
+    trainer = make_trainer(tiny_models["idefics3"], one_image_rows, tmp_path)
+    processor, model = trainer.processing_class, trainer.model.eval()
+
+    def prompt(n):
+        content = [{"type": "image"}] * n + [{"type": "text", "text": "Hi?"}]
+        return processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+
+    texts, images = [prompt(2), prompt(1), prompt(0)], [[noise(60, 30, 1), noise(30, 90, 2)], [noise(40, 40, 3)], []]
+    full = processor(text=texts, images=images, padding=True, return_tensors="pt")
+    mm = {k: full[k] for k in ("pixel_values", "pixel_attention_mask")} | {"num_images": [2, 1, 0]}
+    mm |= trainer.vlm_module.trl_pixel_fields(mm)
+    assert mm["num_tiles"] == [1, 1, 1]
+    ids = torch.cat([full["input_ids"], full["input_ids"][:, -3:]], dim=1)  # three "completion" tokens
+    mask = torch.cat([full["attention_mask"], torch.ones_like(full["input_ids"][:, -3:])], dim=1)
+    trl_pass = GRPOTrainer._get_per_token_logps_and_entropies
+    with torch.no_grad():
+        whole, _, _ = trl_pass(trainer, model, ids, mask, 3, batch_size=3, **mm)
+        with rows_forward_kwargs(model, trainer.vlm_module, mm):
+            chunked, _, _ = trl_pass(trainer, model, ids, mask, 3, batch_size=1, **mm)
+    torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-6)
+    del mm["num_tiles"]  # the control: TRL's own cut hands the one-image row the text-only row's padding
+    with torch.no_grad(), pytest.raises((ValueError, RuntimeError)), rows_forward_kwargs(model, trainer.vlm_module, mm):
+        trl_pass(trainer, model, ids, mask, 3, batch_size=1, **mm)
+
+
+def test_idefics3_tool_images_regrouped_per_row(tiny_models):
+    """TRL's tool loop runs the image processor on the batch's images as one sample's: one row per batch row again,
+    each with its own tiles (counted from its <image> tokens), and num_tiles of one row each."""
+    module, processor = loaded(tiny_models, "idefics3")
+    images = [noise(60, 30, 1), noise(30, 90, 2), noise(40, 40, 3)]
+    flat = processor.image_processor(images=images, return_tensors="pt")
+    assert flat["pixel_values"].size(0) == 1  # the layout the adapter must undo
+    per_image = [processor.image_processor(images=[[image]], return_tensors="pt") for image in images]
+    tiles = [p["pixel_values"].size(1) for p in per_image]
+    seq = processor.image_seq_len
+    token = processor.image_token_id
+    rows = [[token] * seq * (tiles[0] + tiles[1]), [], [token] * seq * tiles[2]]  # two images, none, one
+    width = max(len(r) for r in rows) + 2
+    input_ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    out = module.tool_pixel_fields(processor, dict(flat), input_ids)
+    assert out["num_tiles"] == [1, 1, 1] and out["pixel_values"].shape[:2] == (3, tiles[0] + tiles[1])
+    torch.testing.assert_close(out["pixel_values"][0, : tiles[0]], per_image[0]["pixel_values"][0])
+    torch.testing.assert_close(out["pixel_values"][0, tiles[0] : tiles[0] + tiles[1]], per_image[1]["pixel_values"][0])
+    assert not out["pixel_values"][1].any()  # the text-only row: padding, which the model drops
+    torch.testing.assert_close(out["pixel_values"][2, : tiles[2]], per_image[2]["pixel_values"][0])
+    bad = input_ids.clone()
+    bad[2, -seq:] = 0  # a tile short: the counts do not match the pixels, left to TRL (which then fails loudly)
+    assert module.tool_pixel_fields(processor, dict(flat), bad) == {}
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -21,7 +21,6 @@ import torch
 from trl import GRPOTrainer
 
 from vlm_grpo.advantages import AdvantageEstimatorMixin
-from vlm_grpo.cli_errors import UserError
 from vlm_grpo.configs import VLMGRPOConfig
 from vlm_grpo.dynamic_sampling import DynamicSamplingMixin
 from vlm_grpo.fastpath.block_attention import use_block_attention
@@ -61,14 +60,16 @@ logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
-def rows_forward_kwargs(model: torch.nn.Module, module: VLMModule, mm: dict[str, Any]) -> Iterator[None]:
+def rows_forward_kwargs(
+    model: torch.nn.Module, module: VLMModule, mm: dict[str, Any], tool_images: bool = False
+) -> Iterator[None]:
     """Hand each of TRL's per-row forwards the family's ``rows_forward_kwargs`` for the rows it covers.
 
     TRL's pass calls ``model`` on consecutive chunks of rows, in order, with the inputs it knows how to cut: a
     pre-forward hook counts the rows and adds (or replaces) what the family needs besides, e.g. LLaVA-OneVision's
     ``batch_num_images`` (several images in a sample are not tiled), which TRL never passes.
     """
-    if not module.rows_forward_kwargs(mm, 0, 0):
+    if not module.rows_forward_kwargs(mm, 0, 0, tool_images):
         yield
         return
     start = 0
@@ -76,7 +77,7 @@ def rows_forward_kwargs(model: torch.nn.Module, module: VLMModule, mm: dict[str,
     def hook(_: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         nonlocal start
         end = start + kwargs["input_ids"].size(0)
-        extra = module.rows_forward_kwargs(mm, start, end)
+        extra = module.rows_forward_kwargs(mm, start, end, tool_images)
         start = end
         return args, {**kwargs, **extra}
 
@@ -176,11 +177,6 @@ class VLMGRPOTrainer(
         factory = kwargs.get("environment_factory")
         self._tool_turns: ToolTurns | None = None
         if tools or factory is not None:
-            if not vlm_module.tool_images:
-                raise UserError(
-                    f"--tools: the '{vlm_module.name}' family cannot take tool replies with images (TRL's tool loop "
-                    "lays their pixels out as one sample); train it without --tools"
-                )
             prepare_for_tools(args, processing_class)
             self._tool_turns = tool_turns(
                 tools, factory, processing_class, tool_protocol, max_context_tokens, max_tool_images
@@ -292,7 +288,9 @@ class VLMGRPOTrainer(
             # carries ``num_patches``, which TRL's pass does not take (its tile counts come as ``num_tiles``). That
             # is one entry per image, which TRL's own cuts expect: no family inputs are added.
             mm = {k: v for k, v in mm.items() if k in _TRL_LOGP_PARAMS}
-            return super()._get_per_token_logps_and_entropies(*args, **mm)
+            mm |= self.vlm_module.tool_pixel_fields(self.processing_class, mm, input_ids)
+            with rows_forward_kwargs(model, self.vlm_module, mm, tool_images=True):
+                return super()._get_per_token_logps_and_entropies(*args, **mm)
         with rows_forward_kwargs(model, self.vlm_module, mm):
             return super()._get_per_token_logps_and_entropies(*args, **mm)
 
@@ -308,7 +306,11 @@ class VLMGRPOTrainer(
             self.processing_class = ProcessOnce(processor, self.accelerator.device)
         try:
             output = super()._generate_and_score_completions(inputs)
-            if not self.tools:  # before TRL splits and shuffles the batch by its pixels
+            # Before TRL splits and shuffles the batch by its pixels
+            if self.tools:
+                ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+                output.update(self.vlm_module.tool_pixel_fields(processor, output, ids))
+            else:
                 output.update(self.vlm_module.trl_pixel_fields(output))
             return output
         finally:

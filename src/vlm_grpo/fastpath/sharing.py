@@ -259,7 +259,10 @@ def _plan_shared_prefill(
         mm["num_images"] = [len(x) if x else 0 for x in images]
     units = module.units_per_sample(mm) if "pixel_values" in mm else None
     if "pixel_values" in mm and (units is None or sum(units) != mm["pixel_values"].size(0)):
-        return None  # e.g. InternVL tiles whose per-sample count is not known here
+        # e.g. InternVL tiles whose per-sample count is not known here, Idefics3's tool images laid out as one sample
+        message = "share_prefill steps aside for pixel rows it cannot assign to the prompts"
+        warn_once(logger, message + ": generation goes through TRL's generate", logging.INFO)
+        return None
     return plan_groups(ids, mask, mm.get("pixel_values"), mm.get("num_images"), units), mm
 
 

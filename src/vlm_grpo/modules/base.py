@@ -110,8 +110,6 @@ class VLMModule(GroupSharingMixin):
     #: Further linear-layer names of the vision tower and projector that ``--lora_include_vision`` adds to the
     #: default targets (matched under ``vision_prefixes`` only): vision towers name their layers their own way.
     vision_lora_targets: ClassVar[tuple[str, ...]] = ()
-    #: Whether tool runs work: TRL's tool loop must lay out the pixels of tool replies the way the model reads them.
-    tool_images: ClassVar[bool] = True
     #: Overrides of ``DEFAULT_TEMPLATES`` for this family (e.g. box coordinate conventions).
     templates: ClassVar[dict[str, str]] = {}
     #: Rewards this family scores its own way (name -> callable or "module:attr"); used with
@@ -229,9 +227,17 @@ class VLMModule(GroupSharingMixin):
         summed, unless the family expands an image differently when it shares the sample with others."""
         return sum(self.num_image_tokens(processor, w, h) for w, h in sizes)
 
-    def rows_forward_kwargs(self, mm: dict[str, Any], start: int, end: int) -> dict[str, Any]:
+    def rows_forward_kwargs(
+        self, mm: dict[str, Any], start: int, end: int, tool_images: bool = False
+    ) -> dict[str, Any]:
         """Model inputs for batch rows ``[start, end)`` that TRL's per-row log-prob pass leaves out or cuts for
-        another layout; they replace what it passes (see ``VLMGRPOTrainer``). {}: nothing to add."""
+        another layout; they replace what it passes (see ``VLMGRPOTrainer``). ``tool_images``: the pixels come
+        from TRL's tool loop (its image processor call on the batch's images). {}: nothing to add."""
+        return {}
+
+    def tool_pixel_fields(self, processor: Any, mm: dict[str, Any], input_ids: torch.Tensor) -> dict[str, Any]:
+        """The pixels of a tool run's batch (``input_ids``: its rows) in the layout TRL cuts per row, where TRL's
+        tool loop lays them out otherwise. {}: as they are."""
         return {}
 
     def trl_pixel_fields(self, mm: dict[str, Any]) -> dict[str, Any]:

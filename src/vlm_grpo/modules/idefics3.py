@@ -38,9 +38,6 @@ class Idefics3Module(VLMModule):
     vision_lora_targets: ClassVar[tuple[str, ...]] = ("out_proj", "fc1", "fc2", "proj")
     templates: ClassVar[dict[str, str]] = {"rec": rec_template("coordinates normalised to 0-1000")}
     grouped_vision_inputs: ClassVar[frozenset[str]] = frozenset({"pixel_attention_mask"})
-    # TRL's tool loop runs the image processor on the flat list of a batch's images: Idefics3's takes that for ONE
-    # sample's images (one row of all their tiles), which TRL then splits and cuts as one row per image.
-    tool_images: ClassVar[bool] = False
 
     def apply_image_limits(self, processor: Any) -> None:
         self.refuse_image_limits(
@@ -50,6 +47,45 @@ class Idefics3Module(VLMModule):
     def num_image_tokens(self, processor: Any, width: int, height: int) -> int:
         _, rows, cols = processor.image_processor.get_number_of_image_patches(height, width, {})
         return _prompt_tokens(processor, rows, cols) + self.image_template_overhead(processor)
+
+    def row_image_tokens(self, processor: Any, sizes: list[tuple[int, int]]) -> int:
+        """The template's own tokens for images (``User:`` instead of ``User: `` when the turn opens with one)
+        come once per turn, not once per image."""
+        overhead = self.image_template_overhead(processor)
+        return sum(self.num_image_tokens(processor, w, h) - overhead for w, h in sizes) + (overhead if sizes else 0)
+
+    def rows_forward_kwargs(
+        self, mm: dict[str, Any], start: int, end: int, tool_images: bool = False
+    ) -> dict[str, Any]:
+        """No pixels for rows without images: their padding tiles alone leave the vision tower an empty batch."""
+        if mm.get("pixel_values") is None or not mm.get("num_images") or sum(mm["num_images"][start:end]):
+            return {}
+        return {"pixel_values": None, "pixel_attention_mask": None}
+
+    def tool_pixel_fields(self, processor: Any, mm: dict[str, Any], input_ids: torch.Tensor) -> dict[str, Any]:
+        """One row per sample from TRL's tool loop's layout: it runs the image processor on the flat list of the
+        batch's images, which Idefics3's takes for ONE sample's (one row of every tile, in row order). Each row's
+        tiles are counted from its ``<image>`` tokens (``image_seq_len`` a tile)."""
+        pixels, mask = mm.get("pixel_values"), mm.get("pixel_attention_mask")
+        rows = input_ids.size(0)
+        if pixels is None or pixels.size(0) != 1 or rows == 1:
+            return {}
+        tiles = ((input_ids == processor.image_token_id).sum(-1) // processor.image_seq_len).tolist()
+        if sum(tiles) != pixels.size(1) or not max(tiles):
+            return {}
+        most = max(tiles)
+
+        def per_row(tensor: torch.Tensor) -> torch.Tensor:
+            parts = torch.split(tensor[0], tiles)
+            out = tensor.new_zeros(rows, most, *tensor.shape[2:])
+            for i, part in enumerate(parts):
+                out[i, : part.size(0)] = part
+            return out
+
+        fields = {"pixel_values": per_row(pixels), "num_tiles": [1] * rows}
+        if mask is not None:
+            fields["pixel_attention_mask"] = per_row(mask)
+        return fields
 
     def trl_pixel_fields(self, mm: dict[str, Any]) -> dict[str, Any]:
         """``num_tiles`` of one row per sample: TRL otherwise takes these per-sample rows for one row per image

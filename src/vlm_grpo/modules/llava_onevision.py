@@ -50,11 +50,20 @@ class LlavaOnevisionModule(VLMModule):
         per_image = processor.num_image_tokens + 1 - (processor.vision_feature_select_strategy == "default")
         return len(sizes) * (per_image + self.image_template_overhead(processor))
 
-    def rows_forward_kwargs(self, mm: dict[str, Any], start: int, end: int) -> dict[str, Any]:
-        """``batch_num_images``, which the model needs to leave several images in a sample untiled."""
+    def rows_forward_kwargs(
+        self, mm: dict[str, Any], start: int, end: int, tool_images: bool = False
+    ) -> dict[str, Any]:
+        """``batch_num_images``, which the model needs to leave several images in a sample untiled (not for tool
+        runs' images, each expanded on its own, tiled); no pixels at all for rows without images (TRL hands them an
+        empty tensor, which the vision tower cannot take)."""
         if mm.get("image_sizes") is None or not mm.get("num_images"):
             return {}
-        return {"batch_num_images": torch.tensor(mm["num_images"][start:end], device=mm["image_sizes"].device)}
+        counts = mm["num_images"][start:end]
+        if not sum(counts):
+            return {"pixel_values": None, "image_sizes": None}
+        if tool_images:
+            return {}
+        return {"batch_num_images": torch.tensor(counts, device=mm["image_sizes"].device)}
 
     def coord_size(self, processor: Any, width: int, height: int) -> tuple[int, int]:
         return (1, 1)

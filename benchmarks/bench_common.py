@@ -459,6 +459,7 @@ def build_policy(
         model.config._name_or_path = str(ref_dir)
     module = get_vlm_module("", get_preset(args.preset).family)
     processor = module.prepare_processor(processor)  # left padding, family fixes (as load_processor)
+    module.prepare_model(model)  # both trainers get the model the package trains
     if lora_r:
         from peft import LoraConfig, get_peft_model
 

@@ -259,7 +259,10 @@ def _plan_shared_prefill(
         mm["num_images"] = [len(x) if x else 0 for x in images]
     units = module.units_per_sample(mm) if "pixel_values" in mm else None
     if "pixel_values" in mm and (units is None or sum(units) != mm["pixel_values"].size(0)):
-        return None  # e.g. InternVL tiles whose per-sample count is not known here
+        # e.g. InternVL tiles whose per-sample count is not known here, Idefics3's tool images laid out as one sample
+        message = "share_prefill steps aside for pixel rows it cannot assign to the prompts"
+        warn_once(logger, message + ": generation goes through TRL's generate", logging.INFO)
+        return None
     return plan_groups(ids, mask, mm.get("pixel_values"), mm.get("num_images"), units), mm
 
 
@@ -309,8 +312,12 @@ def shared_prefill_generate(
     ids, mask = _left_pad(prompt_ids, pad_id, "cpu")
     fields = {k: v for k, v in multimodal_fields.items() if isinstance(v, torch.Tensor)}
     per_token = {k: v for k, v in multimodal_fields.items() if isinstance(v, list)}
-    if isinstance(multimodal_fields.get("pixel_values"), list):  # e.g. InternVL: TRL stacks it for generate
-        fields["pixel_values"] = torch.tensor(np.array(per_token.pop("pixel_values")))
+    for key in (
+        "pixel_values",
+        *module.grouped_vision_inputs,
+    ):  # e.g. InternVL's pixels: TRL stacks such lists for generate
+        if isinstance(multimodal_fields.get(key), list):
+            fields[key] = torch.tensor(np.array(per_token.pop(key)))
     plan = _plan_shared_prefill(module, ids, mask, fields, per_token, images)
     if own_history:
         if plan is None or not trainer.args.fast_decode:

@@ -16,6 +16,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from vlm_grpo.cli_errors import UserError
+
 logger = logging.getLogger(__name__)
 
 # Question templates by task type. `{question}` is replaced by the row's question text.
@@ -55,8 +57,9 @@ class ImageLimits:
 class GroupSharingMixin:
     """Hooks ``vlm_grpo.fastpath.sharing`` needs from a family: how pixels split per sample, and positions."""
 
-    #: Per-image vision inputs besides ``pixel_values`` / ``image_grid_thw`` that :meth:`group_vision_inputs`
-    #: slices per group (e.g. Pixtral's ``image_sizes``); the speed path steps aside for any other input.
+    #: Multimodal inputs besides ``pixel_values`` / ``image_grid_thw`` / ``mm_token_type_ids`` that
+    #: :meth:`group_vision_inputs` slices per group (Pixtral's and LLaVA-OneVision's ``image_sizes``, Idefics3's
+    #: ``pixel_attention_mask``); the speed path steps aside for any other input.
     grouped_vision_inputs: ClassVar[frozenset[str]] = frozenset()
 
     def units_per_sample(self, mm: dict[str, Any]) -> list[int] | None:
@@ -140,6 +143,9 @@ class VLMModule(GroupSharingMixin):
             **kwargs,
         )
 
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        """Make a loaded model of this family ready for TRL's trainer (however it was loaded); default: nothing."""
+
     def load_processor(self, path: str, *, trust_remote_code: bool = False, revision: str | None = None) -> Any:
         from transformers import AutoProcessor
 
@@ -156,6 +162,12 @@ class VLMModule(GroupSharingMixin):
 
     def apply_image_limits(self, processor: Any) -> None:
         """Put ``--min_pixels`` / ``--max_pixels`` / ``--max_anyres_num`` onto the processor."""
+
+    def refuse_image_limits(self, how: str) -> None:
+        """Stop with a user error when an image limit was given that this family has no knob for."""
+        given = [f"--{k}" for k, v in vars(self.limits).items() if v is not None]
+        if given:
+            raise UserError(f"{', '.join(given)}: the '{self.name}' family has no such limit; {how}")
 
     # ----------------------------------------------------------------- structure
     def is_vision_parameter(self, name: str) -> bool:
@@ -209,6 +221,29 @@ class VLMModule(GroupSharingMixin):
         the chat template's tokens for the item plus what the processor expands its placeholder into.
         """
         raise NotImplementedError
+
+    def row_image_tokens(self, processor: Any, sizes: list[tuple[int, int]]) -> int:
+        """Prompt tokens the images of one sample (``(width, height)`` each) become: their ``num_image_tokens``
+        summed, unless the family expands an image differently when it shares the sample with others."""
+        return sum(self.num_image_tokens(processor, w, h) for w, h in sizes)
+
+    def rows_forward_kwargs(
+        self, mm: dict[str, Any], start: int, end: int, tool_images: bool = False
+    ) -> dict[str, Any]:
+        """Model inputs for batch rows ``[start, end)`` that TRL's per-row log-prob pass leaves out or cuts for
+        another layout; they replace what it passes (see ``VLMGRPOTrainer``). ``tool_images``: the pixels come
+        from TRL's tool loop (its image processor call on the batch's images). {}: nothing to add."""
+        return {}
+
+    def tool_pixel_fields(self, processor: Any, mm: dict[str, Any], input_ids: torch.Tensor) -> dict[str, Any]:
+        """The pixels of a tool run's batch (``input_ids``: its rows) in the layout TRL cuts per row, where TRL's
+        tool loop lays them out otherwise. {}: as they are."""
+        return {}
+
+    def trl_pixel_fields(self, mm: dict[str, Any]) -> dict[str, Any]:
+        """Fields that tell TRL how this family's ``pixel_values`` split per sample where its own guess from the
+        shapes goes wrong (added to its batches outside tool runs). {}: none."""
+        return {}
 
     def image_template_overhead(self, processor: Any) -> int:
         """Tokens the chat template writes for one ``{"type": "image"}`` item besides the placeholder.

@@ -71,12 +71,10 @@ class Glm4vMoeModule(Glm4vModule):
     lora_targets: ClassVar[tuple[str, ...]] = ("q_proj", "k_proj", "v_proj", "o_proj")
     vision_lora_targets: ClassVar[tuple[str, ...]] = ("qkv", "proj")
 
-    def load_model(self, path: str, **kwargs: Any) -> torch.nn.Module:
+    def prepare_model(self, model: torch.nn.Module) -> None:
         """GLM-4.5V names its expert count ``n_routed_experts``; TRL's router auxiliary loss (on while the text
-        config's ``router_aux_loss_coef`` is non-zero, as in GLM-4.5V's config) reads ``num_experts``, so the loaded
-        config carries both."""
-        model = super().load_model(path, **kwargs)
+        config's ``router_aux_loss_coef`` is non-zero, as in GLM-4.5V's config) reads ``num_experts``, so the
+        model's config carries both."""
         text = model.config.get_text_config()
         if getattr(text, "n_routed_experts", None) is not None and "num_experts" not in text.to_dict():
             text.num_experts = text.n_routed_experts
-        return model

@@ -392,6 +392,9 @@ TINY_FAMILY_FILES: dict[str, str] = {
     "qwen3_vl_moe": "vlm_grpo.testing.tiny_qwen3_vl_moe",
     "gemma3": "vlm_grpo.testing.tiny_gemma3",
     "mistral3": "vlm_grpo.testing.tiny_mistral3",
+    "llava_onevision": "vlm_grpo.testing.tiny_llava_onevision",
+    "idefics3": "vlm_grpo.testing.tiny_idefics3",
+    "smolvlm": "vlm_grpo.testing.tiny_smolvlm",
 }
 
 

@@ -10,8 +10,6 @@ tool loop needs.
 
 from __future__ import annotations
 
-import copy
-import re
 from dataclasses import dataclass
 
 QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -23,6 +21,8 @@ INTERNVL_VIDEO = "<video>\n"
 # refuse (one more placeholder than images) instead of dropping the video unseen.
 GEMMA3_IMAGE = "<start_of_image>"
 PIXTRAL_IMAGE = "[IMG]"
+LLAVA_IMAGE = "<image>\n"  # LLaVA-OneVision: its Qwen2 turns, the placeholder on a line of its own
+LLAVA_VIDEO = "<video>\n"
 
 _TOOLS_HEADER = (
     "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
@@ -134,29 +134,86 @@ def tool_chat_template(image: str, video: str, default_system: str | None, turns
     )
 
 
-# Where the model's turn starts and what ends it, for the families whose turns are not Qwen's <|im_start|> ones.
-_RESPONSE_TURNS = {
-    "<start_of_turn>": ("<start_of_turn>model\n", "<end_of_turn>"),
-    "[INST]": ("[/INST]", "</s>"),
-}
+def smolvlm_tool_template() -> str:
+    """SmolVLM / Idefics3's turns (``User:`` ... ``<end_of_utterance>``, ``Assistant:`` prompt) with the same tool
+    format: schemas in a ``System:`` turn, ``<tool_call>`` blocks, results as ``<tool_response>`` blocks of one
+    ``User:`` turn. An assistant turn's text after ``Assistant:`` (its leading space, and ``<end_of_utterance>``) is
+    the generation, as the real checkpoints write it."""
+    footer = _TOOLS_FOOTER.replace("<|im_end|>", "<end_of_utterance>")
+    return (
+        "{%- macro render(content) -%}"
+        "{%- if content is string -%}{{- content -}}"
+        "{%- else -%}{%- for item in content -%}"
+        "{%- if item.type == 'image' or 'image' in item or 'image_url' in item -%}{{- '<image>' -}}"
+        "{%- elif 'text' in item -%}{{- item['text'] -}}"
+        "{%- endif -%}"
+        "{%- endfor -%}{%- endif -%}"
+        "{%- endmacro -%}"
+        "{%- macro opens_with_image(content) -%}"
+        "{%- if content is not string and content and content[0].type == 'image' -%}1{%- endif -%}"
+        "{%- endmacro -%}"
+        "{{- '<|im_start|>' -}}"
+        "{%- set has_system = messages and messages[0]['role'] == 'system' -%}"
+        "{%- if tools -%}"
+        "{{- 'System: ' -}}"
+        "{%- if has_system -%}{{- render(messages[0]['content']) + '\\n\\n' -}}{%- endif -%}"
+        f"{{{{- '{_TOOLS_HEADER}' -}}}}"
+        "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
+        f"{{{{- '{footer}' -}}}}"
+        "{%- endif -%}"
+        "{%- for message in messages -%}"
+        "{%- if tools and loop.first and message['role'] == 'system' -%}"
+        "{%- elif message['role'] == 'assistant' -%}"
+        "{{- 'Assistant:' -}}"
+        "{%- generation -%}"
+        "{%- set text = render(message['content']) -%}{{- ' ' + text -}}"
+        "{%- for call in message['tool_calls'] or [] -%}"
+        "{%- set fn = call['function'] if call['function'] is defined else call -%}"
+        "{%- if text or not loop.first -%}{{- '\\n' -}}{%- endif -%}"
+        "{{- '<tool_call>\\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' -}}"
+        "{{- (fn['arguments'] if fn['arguments'] is string else fn['arguments'] | tojson) + '}\\n</tool_call>' -}}"
+        "{%- endfor -%}"
+        "{{- '<end_of_utterance>' -}}{%- endgeneration -%}"
+        "{{- '\\n' -}}"
+        "{%- elif message['role'] == 'tool' -%}"
+        "{%- if loop.first or loop.previtem['role'] != 'tool' -%}{{- 'User:' -}}{%- endif -%}"
+        "{{- '\\n<tool_response>\\n' + render(message['content']) + '\\n</tool_response>' -}}"
+        "{%- if loop.last or loop.nextitem['role'] != 'tool' -%}{{- '<end_of_utterance>\\n' -}}{%- endif -%}"
+        "{%- else -%}"
+        "{{- message['role'] | capitalize -}}"
+        "{{- ':' if opens_with_image(message['content']) else ': ' -}}"
+        "{{- render(message['content']) + '<end_of_utterance>\\n' -}}"
+        "{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- 'Assistant:' -}}{%- endif -%}"
+    )
 
 
-def family_response_template(vocab: dict[str, int]) -> dict:
-    """TRL's parser of Qwen's tool calls (``<tool_call>`` JSON blocks) for the family's turns: the model's turn
-    starts after its own header and its content ends at its own end of turn."""
-    from trl.chat_template_utils import qwen3_template
+def family_response_template(vocab: dict[str, int], opener: str = "", end: str = "") -> dict:
+    """How TRL reads tool calls back out of a completion in the family's turns: Qwen3's format; SmolVLM's turns
+    open with ``Assistant:`` and end with ``<end_of_utterance>``; GLM-4.5V writes GLM-4.5's own call format. Families
+    whose turns end in another token than ``<|im_end|>`` (Gemma 3, Mistral 3) get Qwen3's calls in their own turns:
+    ``opener`` (the chat template's generation prompt) and ``end`` (the tokenizer's end of turn)."""
+    import re
 
-    for marker, (anchor, end) in _RESPONSE_TURNS.items():
-        if marker in vocab:
-            template = copy.deepcopy(qwen3_template)
-            template["start_anchor"] = anchor
-            template["fields"]["content"]["close_pattern"] = re.escape(end) + r"\s*"
-            return template
-    return qwen3_template
+    from trl.chat_template_utils import glm4moe_template, qwen3_template
+
+    if "<|observation|>" in vocab:
+        return glm4moe_template
+    if "<fake_token_around_image>" in vocab:
+        opener, end = "Assistant:", "<end_of_utterance>"
+    elif end in ("", "<|im_end|>") or not opener:
+        return qwen3_template
+    content = {"close_pattern": re.escape(end) + r"\s*", "content": "text"}
+    return {**qwen3_template, "start_anchor": opener, "fields": {**qwen3_template["fields"], "content": content}}
 
 
 def family_tool_template(vocab: dict[str, int]) -> str | None:
     """The tool template for a tokenizer's family, told by its image token (None: unknown family)."""
+    if "<fake_token_around_image>" in vocab:
+        return smolvlm_tool_template()
+    if "<image>" in vocab and "<|im_start|>" in vocab:
+        return tool_chat_template(LLAVA_IMAGE, LLAVA_VIDEO, QWEN_SYSTEM)
     if "<|image_pad|>" in vocab:
         return tool_chat_template(QWEN_IMAGE, QWEN_VIDEO, QWEN_SYSTEM)
     if "<IMG_CONTEXT>" in vocab:

@@ -467,7 +467,8 @@ def build_policy(
     if ref_dir is not None:
         model.config._name_or_path = str(ref_dir)
     module = get_vlm_module("", get_preset(args.preset).family)
-    processor.tokenizer.padding_side = "left"
+    processor = module.prepare_processor(processor)  # left padding, family fixes (as load_processor)
+    module.prepare_model(model)  # both trainers get the model the package trains
     if lora_r:
         from peft import LoraConfig, get_peft_model
 

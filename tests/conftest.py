@@ -17,23 +17,23 @@ class TinyModels(Mapping[str, Path]):
         self._built: dict[str, Path] = {}
 
     def __getitem__(self, family: str) -> Path:
-        from vlm_grpo.testing.tiny import FAMILIES, build_tiny_model
+        from vlm_grpo.testing.tiny import TINY_FAMILIES, build_tiny_model
 
-        if family not in FAMILIES:
+        if family not in TINY_FAMILIES:
             raise KeyError(family)
         if family not in self._built:
             self._built[family] = build_tiny_model(family, self.root / family, seed=0)
         return self._built[family]
 
     def __iter__(self) -> Iterator[str]:
-        from vlm_grpo.testing.tiny import FAMILIES
+        from vlm_grpo.testing.tiny import TINY_FAMILIES
 
-        return iter(FAMILIES)
+        return iter(TINY_FAMILIES)
 
     def __len__(self) -> int:
-        from vlm_grpo.testing.tiny import FAMILIES
+        from vlm_grpo.testing.tiny import TINY_FAMILIES
 
-        return len(FAMILIES)
+        return len(TINY_FAMILIES)
 
 
 @pytest.fixture(scope="session")
@@ -45,9 +45,9 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> TinyModels | dict[s
     process, where building them again would dominate)."""
     prebuilt = os.environ.get("VLM_GRPO_TINY_MODELS")
     if prebuilt:
-        from vlm_grpo.testing.tiny import FAMILIES
+        from vlm_grpo.testing.tiny import TINY_FAMILIES
 
-        return {family: Path(prebuilt) / family for family in FAMILIES}
+        return {family: Path(prebuilt) / family for family in TINY_FAMILIES}
     return TinyModels(tmp_path_factory.mktemp("tiny_models"))
 
 

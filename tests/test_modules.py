@@ -92,6 +92,7 @@ def test_lora_targets_only_language_model_linears(tiny_models, family):
     module = get_vlm_module(str(tiny_models[family]))
     model = AutoModelForImageTextToText.from_pretrained(tiny_models[family])
     regex = module.lora_target_modules()
+    linears = {name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     expected = {
         name
         for name, m in model.named_modules()
@@ -123,6 +124,12 @@ def test_lora_targets_only_language_model_linears(tiny_models, family):
 
     with_vision = module.lora_target_modules(include_vision=True)
     assert all(re.fullmatch(with_vision, n) for n in vision_same_names)
+    # --lora_include_vision reaches every linear layer of the vision tower (the mergers' unnamed Sequential items
+    # aside), and the language model's as before.
+    reached = {name for name in linears if re.fullmatch(with_vision, name)}
+    vision = {name for name in linears if module.is_vision_parameter(name)}
+    assert {n for n in vision - reached if not n.rsplit(".", 1)[-1].isdigit()} == set()
+    assert reached - vision == expected
 
 
 @pytest.mark.parametrize("family", FAMILIES)

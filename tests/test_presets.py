@@ -25,6 +25,13 @@ REAL_PARAMS = {
     "qwen3_vl_2b": 2.13e9,
     "internvl3_1b": 0.94e9,
     "internvl3_2b": 2.09e9,
+    "glm4v_9b": 10.3e9,
+    "glm4v_moe_106b": 108e9,
+    "qwen3_vl_30b_a3b": 31.07e9,
+    "gemma3_4b": 4.30e9,
+    "mistral3_24b": 24.01e9,
+    "llava_onevision_7b": 8.03e9,
+    "smolvlm_2b": 2.25e9,
 }
 REAL = list(REAL_PARAMS)
 # (family, text: hidden, layers, heads, kv heads, intermediate, vocab, tied)
@@ -35,6 +42,13 @@ TEXT_SHAPES = {
     "qwen3_vl_2b": ("qwen3_vl", 2048, 28, 16, 8, 6144, 151936, True),
     "internvl3_1b": ("internvl", 896, 24, 14, 2, 4864, 151674, False),
     "internvl3_2b": ("internvl", 1536, 28, 12, 2, 8960, 151674, False),
+    "glm4v_9b": ("glm4v", 4096, 40, 32, 2, 13696, 151552, False),
+    "glm4v_moe_106b": ("glm4v_moe", 4096, 46, 96, 8, 10944, 151552, False),
+    "qwen3_vl_30b_a3b": ("qwen3_vl_moe", 2048, 48, 32, 4, 6144, 151936, False),
+    "gemma3_4b": ("gemma3", 2560, 34, 8, 4, 10240, 262208, True),
+    "mistral3_24b": ("mistral3", 5120, 40, 32, 8, 32768, 131072, False),
+    "llava_onevision_7b": ("llava_onevision", 3584, 28, 28, 4, 18944, 152128, False),
+    "smolvlm_2b": ("idefics3", 2048, 24, 32, 32, 8192, 49155, False),
 }
 
 
@@ -82,10 +96,11 @@ def test_full_vocab_tokenizer_builds_fast_and_decodes_every_id():
 
 
 def test_preset_table():
-    assert set(REAL) | {f"tiny_{f}" for f in tiny.FAMILIES} == set(PRESETS)
+    assert set(REAL) | {f"tiny_{f}" for f in tiny.TINY_FAMILIES} == set(PRESETS)
+    assert all(p.params for name, p in PRESETS.items() if not p.is_tiny)
     for name in REAL:
         assert not PRESETS[name].is_tiny and PRESETS[name].params == REAL_PARAMS[name]
-    assert all(PRESETS[f"tiny_{f}"].is_tiny for f in tiny.FAMILIES)
+    assert all(PRESETS[f"tiny_{f}"].is_tiny for f in tiny.TINY_FAMILIES)
     with pytest.raises(ValueError, match="Available: tiny_qwen2_vl"):
         get_preset("qwen9_vl_1t")
     with pytest.raises(ValueError, match="Unknown model family"):
@@ -234,3 +249,12 @@ def test_cli(tmp_path, capsys, monkeypatch):
     assert calls[-1][3] == torch.float32
     main(["--preset", "tiny", "--family", "qwen2_vl", "--out", str(tmp_path / "t")])
     assert calls[-1] == ("tiny_qwen2_vl", tmp_path / "t", 0, torch.float32, "cpu")
+
+
+def test_real_llava_onevision_and_smolvlm_processors():
+    # One 384 px tile: the base image (27 x 27) plus its one anyres tile unpadded, each row ending in a newline.
+    assert _image_tokens("llava_onevision_7b", 384, 384)[0] == 729 + 27 * 27 + 27
+    # SmolVLM resizes to a 1536 px longest edge: 4 x 4 tiles and the global image, 81 tokens each.
+    ip = _config("smolvlm_2b")[1].image_processor
+    assert (ip.size["longest_edge"], ip.max_image_size["longest_edge"]) == (1536, 384)
+    assert _image_tokens("smolvlm_2b", 384, 384)[0] == 17 * 81

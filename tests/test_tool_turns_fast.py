@@ -10,7 +10,6 @@ see what the images contribute.
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
@@ -41,20 +40,42 @@ def sharp_models(tmp_path_factory):
     return {f: build_tiny_model(f, root / f, seed=0, init_std=INIT_STD) for f in FAMILIES}
 
 
+def call_turn(family: str, models, call: dict) -> str:
+    """The assistant turn that makes ``call``, as the family's chat template writes it, ended by its end of turn."""
+    from transformers import AutoProcessor
+
+    from vlm_grpo.tools.rollouts import prepare_for_tools
+
+    processor = AutoProcessor.from_pretrained(models[family])
+    prepare_for_tools(None, processor)  # the chat template a tool run renders with
+    tokenizer = processor.tokenizer
+    prompt = [{"role": "user", "content": "Zoom in."}]
+    turn = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]}
+    head = processor.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    whole = processor.apply_chat_template([*prompt, turn], tokenize=False)
+    assert whole.startswith(head)
+    text = whole[len(head) :]
+    end = text.find(tokenizer.eos_token)
+    return text[: end + len(tokenizer.eos_token)] if end >= 0 else text + tokenizer.eos_token
+
+
 def run(
-    family: str, sharp_models, dataset, out, share: bool, blank_tool_images: bool = False, all_bad: bool = False
-) -> dict:
+    family: str, sharp_models, dataset, out, share: bool, blank_tool_images: bool = False, all_bad: bool = False,
+    box: list[int] | None = None, budget: int = 240,
+) -> dict:  # fmt: skip
     """One GRPO step; returns the later turns' token ids and the rows ``fast_decode`` decoded. ``all_bad``: every
-    call fails, so the round after it holds no tool image (only the prompts' own images)."""
+    call fails, so the round after it holds no tool image (only the prompts' own images). ``box``: the zoom box in
+    the family's coordinate frame (default ``BOX[family]``); ``budget``: ``--max_completion_length``."""
     data, plugin = dataset
-    good = {"name": "zoom_in", "arguments": {"bbox_2d": BOX[family], "image_index": 0}}
+    good = {"name": "zoom_in", "arguments": {"bbox_2d": box or BOX[family], "image_index": 0}}
     bad = {"name": "zoom_in", "arguments": {"bbox_2d": [50, 50, 10, 10]}}  # inverted: an error text, no image
-    texts = [f"<tool_call>\n{json.dumps(call)}\n</tool_call><|im_end|>" for call in (good, bad)]
+    calls = [call_turn(family, sharp_models, call) for call in (good, bad)]
     seen: dict = {"later": [], "fast_rows": 0, "tool_images": 0}
     generate, fast = VLMGRPOTrainer._generate_single_turn, decode.fast_decode
 
     def scripted(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if num_generations > 1:  # the first turn: rollouts call the tool, every other one with a bad box
+            texts = calls
             return [
                 self._tokenizer.encode(texts[1 if all_bad else i % 2], add_special_tokens=False)
                 for i in range(len(prompt_ids))
@@ -72,7 +93,7 @@ def run(
 
     argv = base_args(sharp_models[family], data, plugin, out, steps=1)
     argv += ["--generation_kwargs", '{"max_new_tokens": 12, "do_sample": false}', "--share_prefill", str(share)]
-    argv += ["--tools", "zoom_in", "--max_tool_calling_iterations", "1", "--max_completion_length", "160"]
+    argv += ["--tools", "zoom_in", "--max_tool_calling_iterations", "1", "--max_completion_length", str(budget)]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(VLMGRPOTrainer, "_generate_single_turn", scripted)
         mp.setattr(decode, "fast_decode", counted)

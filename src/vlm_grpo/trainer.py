@@ -11,9 +11,10 @@ Losses, logging, DeepSpeed and the rest are TRL's, unmodified.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from vlm_grpo.fastpath.compiled_layers import resolve_compile_layers
 from vlm_grpo.fastpath.decode import resolve_keep_decode_graphs
 from vlm_grpo.fastpath.process_once import ProcessOnce
 from vlm_grpo.fastpath.route import trl_generation_reason
-from vlm_grpo.fastpath.sharing import packed_logps, shared_prefill_generate
+from vlm_grpo.fastpath.sharing import packed_logps, packed_pass_reason, shared_prefill_generate
 from vlm_grpo.fastpath.trim import trim_completion_padding
 from vlm_grpo.fastpath.turn_cache import TurnCache, continue_turns, image_pad_id
 from vlm_grpo.fastpath.vision_attention import use_batched_vision_attention
@@ -58,6 +59,37 @@ from vlm_grpo.trainer_common import (
 from vlm_grpo.utils import is_zero3, peft_base
 
 logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def rows_forward_kwargs(
+    model: torch.nn.Module, module: VLMModule, mm: dict[str, Any], tool_images: bool = False
+) -> Iterator[None]:
+    """Hand each of TRL's per-row forwards the family's ``rows_forward_kwargs`` for the rows it covers.
+
+    TRL's pass calls ``model`` on consecutive chunks of rows, in order, with the inputs it knows how to cut: a
+    pre-forward hook counts the rows and adds (or replaces) what the family needs besides, e.g. LLaVA-OneVision's
+    ``batch_num_images`` (several images in a sample are not tiled), which TRL never passes.
+    """
+    if not module.rows_forward_kwargs(mm, 0, 0, tool_images):
+        yield
+        return
+    start = 0
+
+    def hook(_: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        nonlocal start
+        end = start + kwargs["input_ids"].size(0)
+        extra = module.rows_forward_kwargs(mm, start, end, tool_images)
+        start = end
+        return args, {**kwargs, **extra}
+
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 _TRL_LOGP_PARAMS = frozenset(inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters)
 
 
@@ -246,23 +278,31 @@ class VLMGRPOTrainer(
         **mm: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Rows that share a prompt share one forward (``share_prompt``); see :mod:`vlm_grpo.fastpath.sharing`."""
-        extra = {k for k, v in mm.items() if v is not None} - self._SHARED_MM_KEYS
+        if not self.tools:
+            mm = {**mm, **self.vlm_module.trl_pixel_fields(mm)}
+        extra = (
+            {k for k, v in mm.items() if v is not None} - self._SHARED_MM_KEYS - self.vlm_module.grouped_vision_inputs
+        )
         if "token_type_ids" not in self._forward_parameters():
             extra.discard("token_type_ids")  # TRL's tool-image pass adds it for families whose forward ignores it
         if self.args.share_prompt:  # every rank asks: ranks decide together
-            usable = not compute_aux_loss and not extra
+            usable = packed_pass_reason(self.accelerator.unwrap_model(model), extra, compute_aux_loss) is None
             result = packed_logps(
                 self, model, input_ids, attention_mask, logits_to_keep, compute_entropy, mm, batch_size, usable
             )
             if result is not None:
                 return (*result, None)
+        args = (model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss)
         if self.tools:
             # Tool images reach TRL's old/reference passes as everything the image processor returned; InternVL's
-            # carries ``num_patches``, which TRL's pass does not take (its tile counts come as ``num_tiles``).
+            # carries ``num_patches``, which TRL's pass does not take (its tile counts come as ``num_tiles``). That
+            # is one entry per image, which TRL's own cuts expect: no family inputs are added.
             mm = {k: v for k, v in mm.items() if k in _TRL_LOGP_PARAMS}
-        return super()._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **mm
-        )
+            mm |= self.vlm_module.tool_pixel_fields(self.processing_class, mm, input_ids)
+            with rows_forward_kwargs(model, self.vlm_module, mm, tool_images=True):
+                return super()._get_per_token_logps_and_entropies(*args, **mm)
+        with rows_forward_kwargs(model, self.vlm_module, mm):
+            return super()._get_per_token_logps_and_entropies(*args, **mm)
 
     def _prepare_inputs(self, generation_batch: Any) -> dict[str, Any]:
         """TRL's micro-batch, its completions cut to its own longest one (``trim_completion_padding``)."""
@@ -280,7 +320,14 @@ class VLMGRPOTrainer(
         if self.args.process_prompts_once:
             self.processing_class = ProcessOnce(processor, self.accelerator.device)
         try:
-            return super()._generate_and_score_completions(inputs)
+            output = super()._generate_and_score_completions(inputs)
+            # Before TRL splits and shuffles the batch by its pixels
+            if self.tools:
+                ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+                output.update(self.vlm_module.tool_pixel_fields(processor, output, ids))
+            else:
+                output.update(self.vlm_module.trl_pixel_fields(output))
+            return output
         finally:
             self.processing_class = processor
             drop_stacked_input_grad_hooks(self.model)

@@ -77,6 +77,7 @@ def prepare_vlm(
         init_kwargs.setdefault("trust_remote_code", trust_remote_code)
         model = vlm_module.load_model(model, **init_kwargs)
         args.model_init_kwargs = None  # consumed here; TRL would warn that they are ignored
+    vlm_module.prepare_model(model)
     if processing_class is None:
         processing_class = vlm_module.load_processor(name_or_path, trust_remote_code=trust_remote_code)
     apply_adapter_options(

@@ -20,7 +20,7 @@ from typing import Any
 
 from vlm_grpo.data.chatml import chatml_row
 from vlm_grpo.data.images import ImageError, decode_rgb, pixel_limit
-from vlm_grpo.data.jsonl import BadRow, _source_order, prompt_lengths, validate_rows
+from vlm_grpo.data.jsonl import BadRow, _source_order, prompt_lengths, row_image_tokens, validate_rows
 from vlm_grpo.data.preprocess import TASK_TAGS, canonical_task, coordinate_problem
 from vlm_grpo.data.records import iter_records, read_any_rows, sft_messages, vlm_r1_row, write_rows
 from vlm_grpo.data.sources import read_sources
@@ -232,7 +232,7 @@ def check(
     )
     report.images = sum(len(r["image_path"]) for r in rows)
     if module is not None:
-        tokens = [sum(module.num_image_tokens(processor, w, h) for w, h in r["image_sizes"]) for r in rows]
+        tokens = [row_image_tokens(module, processor, r["image_sizes"]) for r in rows]
         report.image_tokens = distribution(tokens)
         report.text_length = distribution(prompt_lengths(rows, module, processor)) if rows else distribution([])
         report.text_length_unit = "prompt tokens, images included"

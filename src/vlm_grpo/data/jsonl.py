@@ -314,6 +314,12 @@ def _pool_of(source: str | None) -> Any:
     return None
 
 
+def row_image_tokens(module: Any, processor: Any, sizes: Sequence[Sequence[int]]) -> int:
+    """Prompt tokens of one row's images (the adapter's ``row_image_tokens``; duck-typed stand-ins: the sum)."""
+    own = getattr(module, "row_image_tokens", None)  # a VLMModule has it
+    return own(processor, sizes) if own else sum(module.num_image_tokens(processor, w, h) for w, h in sizes)
+
+
 def prompt_lengths(rows: Sequence[dict], module: Any, processor: Any, batch_size: int = 256) -> list[int]:
     """Prompt tokens (text after the chat template + image tokens) without decoding any pixels."""
     lengths: list[int] = []
@@ -330,7 +336,7 @@ def prompt_lengths(rows: Sequence[dict], module: Any, processor: Any, batch_size
         ]
         ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
         for r, tok in zip(chunk, ids, strict=True):
-            lengths.append(len(tok) + sum(module.num_image_tokens(processor, w, h) for w, h in r["image_sizes"]))
+            lengths.append(len(tok) + row_image_tokens(module, processor, r["image_sizes"]))
     return lengths
 
 
@@ -350,7 +356,7 @@ def validate_rows(
     for row in rows:
         try:  # the processor refuses some shapes (e.g. aspect ratio over 200): a bad row, not a crash
             row["coord_sizes"] = [list(module.coord_size(processor, w, h)) for w, h in row["image_sizes"]]
-            image_tokens = sum(module.num_image_tokens(processor, w, h) for w, h in row["image_sizes"])
+            image_tokens = row_image_tokens(module, processor, row["image_sizes"])
             grids = [image_grid(processor, w, h) for w, h in row["image_sizes"]] if image_grid else []
             row["image_grids"] = [list(g) for g in grids if g is not None]
         except ValueError as exc:

@@ -74,6 +74,19 @@ SELECT_IN_GRAPH = True
 _SELECT_IN_STEP_WITHOUT_GRAPH = False
 
 
+def has_local_layers(model: Any) -> bool:
+    """Whether some decoder layers attend within a window (Gemma 3's local layers, Mistral's sliding window).
+
+    The speed path's masks (packed blocks, the decode step's cache windows) are global: such a model's passes
+    go through TRL's path.
+    """
+    text_config = peft_base(model).config.get_text_config(decoder=True)
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types is None:
+        return getattr(text_config, "sliding_window", None) is not None
+    return any(t != "full_attention" for t in layer_types)
+
+
 def unsupported_reason(model: Any) -> str | None:
     """Why this model must decode with ``generate`` (after the shared prefill) instead; None if it need not."""
     base = peft_base(model)
@@ -81,7 +94,7 @@ def unsupported_reason(model: Any) -> str | None:
     attn = as_sdpa(getattr(text_config, "_attn_implementation", None))
     if attn not in _ATTENTION:
         return f"attention implementation {attn!r} (fast decode supports {', '.join(_ATTENTION)})"
-    if any(t != "full_attention" for t in getattr(text_config, "layer_types", None) or ["full_attention"]):
+    if has_local_layers(model):
         return "sliding-window or hybrid attention layers"
     # Generation options (beam search, stop strings, ...) never reach this point: see vlm_grpo.fastpath.route.
     return None

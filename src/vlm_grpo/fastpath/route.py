@@ -16,6 +16,7 @@ import logging
 import os
 from typing import Any
 
+from vlm_grpo.fastpath.decode import has_local_layers
 from vlm_grpo.utils import is_zero3, peft_base
 
 logger = logging.getLogger(__name__)
@@ -106,6 +107,8 @@ def trl_generation_reason(trainer: Any, own_history: bool = False, token_type_id
     else:
         model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
         reason = patched_generate(model) or unhonoured_generation_option(model, trainer.generation_config)
+        if reason is None and has_local_layers(model):
+            reason = "sliding-window or hybrid attention layers (the shared prefill's cache is global)"
     if reason is not None and reason not in _logged:
         _logged.add(reason)
         logger.info("share_prefill/fast_decode cannot honour %s: generation goes through TRL's generate", reason)

@@ -148,6 +148,25 @@ def build_mask(prefix: int, blocks: int, block_len: int, total: int, dtype: torc
     return torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, torch.finfo(dtype).min)
 
 
+def packed_pass_reason(model: Any, extra: set[str], compute_aux_loss: bool) -> str | None:
+    """Why this log-prob pass goes through TRL's per-row pass instead of the packed one (None: packed).
+
+    Logged once per reason (at info). ``extra``: multimodal inputs the packed layout does not build (Gemma 3's
+    ``token_type_ids``, Pixtral's ``image_sizes``, ...). ``compute_aux_loss``: a MoE model's router loss, which TRL
+    averages over its per-row pass (packed, a prompt's tokens would count once instead of G times).
+    """
+    if compute_aux_loss:
+        reason = "the MoE router's auxiliary loss (router_aux_loss_coef) is computed on TRL's per-row pass"
+    elif extra:
+        reason = f"model inputs the packed pass does not build ({', '.join(sorted(extra))})"
+    elif decode.has_local_layers(model):
+        reason = "sliding-window or hybrid attention layers (the packed blocks' mask is global)"
+    else:
+        return None
+    warn_once(logger, f"share_prompt steps aside: {reason}; log-probs through TRL's per-row pass", logging.INFO)
+    return reason
+
+
 def packed_logps(
     trainer: Any,
     model: Any,
@@ -304,14 +323,21 @@ def _plan_shared_prefill(
     module: Any, ids: torch.Tensor, mask: torch.Tensor, fields: dict, per_token: dict, images: list | None
 ) -> tuple[list[Group], dict[str, Any]] | None:
     """The groups to prefill once each and their multimodal inputs, or None for inputs this path does not know."""
-    if set(fields) - {"pixel_values", "image_grid_thw"} or set(per_token) - {"mm_token_type_ids"}:
+    known = {"pixel_values", "image_grid_thw", *module.grouped_vision_inputs}
+    unknown = (set(fields) - known) | (set(per_token) - {"mm_token_type_ids"})
+    if unknown:
+        message = f"share_prefill/fast_decode step aside for inputs they do not build ({', '.join(sorted(unknown))})"
+        warn_once(logger, message + ": generation goes through TRL's generate", logging.INFO)
         return None
     mm: dict[str, Any] = dict(fields)
     if images is not None:
         mm["num_images"] = [len(x) if x else 0 for x in images]
     units = module.units_per_sample(mm) if "pixel_values" in mm else None
     if "pixel_values" in mm and (units is None or sum(units) != mm["pixel_values"].size(0)):
-        return None  # e.g. InternVL tiles whose per-sample count is not known here
+        # e.g. InternVL tiles whose per-sample count is not known here, Idefics3's tool images laid out as one sample
+        message = "share_prefill steps aside for pixel rows it cannot assign to the prompts"
+        warn_once(logger, message + ": generation goes through TRL's generate", logging.INFO)
+        return None
     return plan_groups(ids, mask, mm.get("pixel_values"), mm.get("num_images"), units), mm
 
 
@@ -361,8 +387,12 @@ def shared_prefill_generate(
     ids, mask = _left_pad(prompt_ids, pad_id, "cpu")
     fields = {k: v for k, v in multimodal_fields.items() if isinstance(v, torch.Tensor)}
     per_token = {k: v for k, v in multimodal_fields.items() if isinstance(v, list)}
-    if isinstance(multimodal_fields.get("pixel_values"), list):  # e.g. InternVL: TRL stacks it for generate
-        fields["pixel_values"] = torch.tensor(np.array(per_token.pop("pixel_values")))
+    for key in (
+        "pixel_values",
+        *module.grouped_vision_inputs,
+    ):  # e.g. InternVL's pixels: TRL stacks such lists for generate
+        if isinstance(multimodal_fields.get(key), list):
+            fields[key] = torch.tensor(np.array(per_token.pop(key)))
     plan = _plan_shared_prefill(module, ids, mask, fields, per_token, images)
     if own_history:
         if plan is None or not trainer.args.fast_decode:

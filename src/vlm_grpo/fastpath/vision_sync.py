@@ -54,7 +54,7 @@ class VisionSync:
         self.pending = False
         #: Dummy vision passes run so far (tests read it).
         self.dummy_passes = 0
-        language_model = backbone.language_model
+        language_model = backbone.get_decoder()  # language_model; Idefics3 / SmolVLM: text_model
         self._handles = [
             backbone.register_forward_pre_hook(self._note_inputs, with_kwargs=True),
             # prepend: run before DeepSpeed's own pre-hook on the language model, so the dummy vision
@@ -87,7 +87,7 @@ def vision_backbone(model: torch.nn.Module) -> torch.nn.Module | None:
     """The ``*Model`` that runs ``get_image_features`` and then ``language_model`` (PEFT unwrapped)."""
     inner = peft_base(model)
     backbone = getattr(inner, "model", None)
-    if backbone is None or not hasattr(backbone, "get_image_features") or not hasattr(backbone, "language_model"):
+    if backbone is None or not hasattr(backbone, "get_image_features") or not hasattr(backbone, "get_decoder"):
         return None
     return backbone
 

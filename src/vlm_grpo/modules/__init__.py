@@ -23,6 +23,14 @@ VLM_MODULES.register("qwen2_vl", "vlm_grpo.modules.qwen2_vl:Qwen2VLModule")
 VLM_MODULES.register("qwen2_5_vl", "vlm_grpo.modules.qwen2_5_vl:Qwen25VLModule")
 VLM_MODULES.register("qwen3_vl", "vlm_grpo.modules.qwen3_vl:Qwen3VLModule")
 VLM_MODULES.register("internvl", "vlm_grpo.modules.internvl:InternVLModule")
+VLM_MODULES.register("glm4v", "vlm_grpo.modules.glm4v:Glm4vModule")
+VLM_MODULES.register("glm4v_moe", "vlm_grpo.modules.glm4v:Glm4vMoeModule")
+VLM_MODULES.register("qwen3_vl_moe", "vlm_grpo.modules.qwen3_vl_moe:Qwen3VLMoeModule")
+VLM_MODULES.register("gemma3", "vlm_grpo.modules.gemma3:Gemma3Module")
+VLM_MODULES.register("mistral3", "vlm_grpo.modules.mistral3:Mistral3Module")
+VLM_MODULES.register("llava_onevision", "vlm_grpo.modules.llava_onevision:LlavaOnevisionModule")
+VLM_MODULES.register("idefics3", "vlm_grpo.modules.idefics3:Idefics3Module")
+VLM_MODULES.register("smolvlm", "vlm_grpo.modules.idefics3:SmolVLMModule")
 
 
 def read_model_type(model_name_or_path: str, revision: str | None = None) -> str:

@@ -16,6 +16,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from vlm_grpo.cli_errors import UserError
+
 logger = logging.getLogger(__name__)
 
 # Question templates by task type. `{question}` is replaced by the row's question text.
@@ -54,6 +56,11 @@ class ImageLimits:
 
 class GroupSharingMixin:
     """Hooks ``vlm_grpo.fastpath.sharing`` needs from a family: how pixels split per sample, and positions."""
+
+    #: Multimodal inputs besides ``pixel_values`` / ``image_grid_thw`` / ``mm_token_type_ids`` that
+    #: :meth:`group_vision_inputs` slices per group (Pixtral's and LLaVA-OneVision's ``image_sizes``, Idefics3's
+    #: ``pixel_attention_mask``); the speed path steps aside for any other input.
+    grouped_vision_inputs: ClassVar[frozenset[str]] = frozenset()
 
     def units_per_sample(self, mm: dict[str, Any]) -> list[int] | None:
         """Rows of ``pixel_values`` each sample owns (None: no images in the batch)."""
@@ -119,6 +126,9 @@ class VLMModule(GroupSharingMixin):
         "up_proj",
         "down_proj",
     )
+    #: Further linear-layer names of the vision tower and projector that ``--lora_include_vision`` adds to the
+    #: default targets (matched under ``vision_prefixes`` only): vision towers name their layers their own way.
+    vision_lora_targets: ClassVar[tuple[str, ...]] = ()
     #: Overrides of ``DEFAULT_TEMPLATES`` for this family (e.g. box coordinate conventions).
     templates: ClassVar[dict[str, str]] = {}
     #: Rewards this family scores its own way (name -> callable or "module:attr"); used with
@@ -152,18 +162,31 @@ class VLMModule(GroupSharingMixin):
             **kwargs,
         )
 
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        """Make a loaded model of this family ready for TRL's trainer (however it was loaded); default: nothing."""
+
     def load_processor(self, path: str, *, trust_remote_code: bool = False, revision: str | None = None) -> Any:
         from transformers import AutoProcessor
 
         processor = AutoProcessor.from_pretrained(
             path, trust_remote_code=trust_remote_code, revision=revision, padding_side="left"
         )
+        return self.prepare_processor(processor)
+
+    def prepare_processor(self, processor: Any) -> Any:
+        """What the trainers need of a loaded processor: left padding, the user's image limits, family fixes."""
         processor.tokenizer.padding_side = "left"
         self.apply_image_limits(processor)
         return processor
 
     def apply_image_limits(self, processor: Any) -> None:
         """Put ``--min_pixels`` / ``--max_pixels`` / ``--max_anyres_num`` onto the processor."""
+
+    def refuse_image_limits(self, how: str) -> None:
+        """Stop with a user error when an image limit was given that this family has no knob for."""
+        given = [f"--{k}" for k, v in vars(self.limits).items() if v is not None]
+        if given:
+            raise UserError(f"{', '.join(given)}: the '{self.name}' family has no such limit; {how}")
 
     # ----------------------------------------------------------------- structure
     def is_vision_parameter(self, name: str) -> bool:
@@ -189,12 +212,20 @@ class VLMModule(GroupSharingMixin):
         return frozen
 
     def lora_target_modules(self, targets: list[str] | None = None, include_vision: bool = False) -> str:
-        """A PEFT regex: the given (or default) layer names, outside the vision tower unless asked."""
+        """A PEFT regex: the given (or default) layer names, outside the vision tower unless asked.
+
+        With ``include_vision`` and the default names, the family's ``vision_lora_targets`` join them inside the
+        vision tower, so LoRA really reaches it whatever its layers are called."""
         names = "|".join(re.escape(t) for t in (targets or self.lora_targets))
-        if include_vision or not self.vision_prefixes:
+        if not self.vision_prefixes:
             return rf".*\.({names})"
         vision = "|".join(re.escape(p) for p in self.vision_prefixes)
-        return rf"(?!(?:{vision})\.).*\.({names})"
+        if not include_vision:
+            return rf"(?!(?:{vision})\.).*\.({names})"
+        if targets or not self.vision_lora_targets:
+            return rf".*\.({names})"
+        extra = "|".join(re.escape(t) for t in self.vision_lora_targets)
+        return rf"(?:{vision})(?:\..*)?\.({extra})|.*\.({names})"
 
     # ----------------------------------------------------------------- prompts and images
     def question_template(self, task_type: str | None) -> str:
@@ -209,6 +240,29 @@ class VLMModule(GroupSharingMixin):
         the chat template's tokens for the item plus what the processor expands its placeholder into.
         """
         raise NotImplementedError
+
+    def row_image_tokens(self, processor: Any, sizes: list[tuple[int, int]]) -> int:
+        """Prompt tokens the images of one sample (``(width, height)`` each) become: their ``num_image_tokens``
+        summed, unless the family expands an image differently when it shares the sample with others."""
+        return sum(self.num_image_tokens(processor, w, h) for w, h in sizes)
+
+    def rows_forward_kwargs(
+        self, mm: dict[str, Any], start: int, end: int, tool_images: bool = False
+    ) -> dict[str, Any]:
+        """Model inputs for batch rows ``[start, end)`` that TRL's per-row log-prob pass leaves out or cuts for
+        another layout; they replace what it passes (see ``VLMGRPOTrainer``). ``tool_images``: the pixels come
+        from TRL's tool loop (its image processor call on the batch's images). {}: nothing to add."""
+        return {}
+
+    def tool_pixel_fields(self, processor: Any, mm: dict[str, Any], input_ids: torch.Tensor) -> dict[str, Any]:
+        """The pixels of a tool run's batch (``input_ids``: its rows) in the layout TRL cuts per row, where TRL's
+        tool loop lays them out otherwise. {}: as they are."""
+        return {}
+
+    def trl_pixel_fields(self, mm: dict[str, Any]) -> dict[str, Any]:
+        """Fields that tell TRL how this family's ``pixel_values`` split per sample where its own guess from the
+        shapes goes wrong (added to its batches outside tool runs). {}: none."""
+        return {}
 
     def image_template_overhead(self, processor: Any) -> int:
         """Tokens the chat template writes for one ``{"type": "image"}`` item besides the placeholder.

@@ -40,6 +40,8 @@ class Qwen2VLModule(VLMModule):
     name: ClassVar[str] = "qwen2_vl"
     vision_prefixes: ClassVar[tuple[str, ...]] = ("model.visual",)
     varlen_vision: ClassVar[bool] = True  # also Qwen2.5-VL (windows) and Qwen3-VL: same attention dispatch
+    # Vision blocks' attention and MLP: fc1/fc2 (Qwen2-VL), gated MLP (Qwen2.5-VL), linear_fc1/2 (Qwen3-VL).
+    vision_lora_targets: ClassVar[tuple[str, ...]] = ("qkv", "proj", "fc1", "fc2", "linear_fc1", "linear_fc2")
     templates: ClassVar[dict[str, str]] = {"rec": rec_template("coordinates normalised to 0-1000")}
 
     def apply_image_limits(self, processor: Any) -> None:

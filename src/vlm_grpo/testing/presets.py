@@ -18,7 +18,28 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from vlm_grpo.testing.presets_gemma3 import GEMMA3_4B
+from vlm_grpo.testing.presets_glm4v import GLM4V_9B, GLM4V_MOE_106B
+from vlm_grpo.testing.presets_idefics3 import SMOLVLM_2B
+from vlm_grpo.testing.presets_llava_onevision import LLAVA_ONEVISION_7B
+from vlm_grpo.testing.presets_mistral3 import MISTRAL3_24B
+from vlm_grpo.testing.presets_qwen3_vl_moe import QWEN3_VL_30B_A3B
+
+#: The families every per-feature test runs on.
 FAMILIES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl")
+#: Further families with a tiny offline build (each in ``tiny_<family>.py``), covered by the family matrix.
+MORE_FAMILIES: tuple[str, ...] = (
+    "glm4v",
+    "glm4v_moe",
+    "qwen3_vl_moe",
+    "gemma3",
+    "mistral3",
+    "llava_onevision",
+    "idefics3",
+    "smolvlm",
+)
+#: Every family ``python -m vlm_grpo.testing.tiny --family`` can build.
+TINY_FAMILIES: tuple[str, ...] = FAMILIES + MORE_FAMILIES
 
 
 def _frozen(d: Mapping[str, Any] | None = None) -> Mapping[str, Any]:
@@ -48,8 +69,8 @@ class Preset:
     params: float | None = None
 
     def __post_init__(self) -> None:
-        if self.family not in FAMILIES:
-            raise ValueError(f"Unknown model family '{self.family}'. Available: {', '.join(FAMILIES)}")
+        if self.family not in TINY_FAMILIES:
+            raise ValueError(f"Unknown model family '{self.family}'. Available: {', '.join(TINY_FAMILIES)}")
         for name in ("text", "vision", "model", "processor", "generation"):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
 
@@ -134,7 +155,7 @@ INTERNVIT_300M = {
 QWEN2_ROPE = {"rope_type": "default", "mrope_section": [16, 24, 24], "rope_theta": 1e6}
 
 # ----------------------------------------------------------------------------- the presets
-PRESETS: dict[str, Preset] = {f"tiny_{family}": Preset(family=family, reference="tiny") for family in FAMILIES}
+PRESETS: dict[str, Preset] = {f"tiny_{family}": Preset(family=family, reference="tiny") for family in TINY_FAMILIES}
 
 PRESETS["qwen2_vl_2b"] = Preset(
     family="qwen2_vl",
@@ -243,6 +264,15 @@ PRESETS["internvl3_2b"] = Preset(
     generation=INTERNVL_GENERATION,
     params=2.09e9,
 )
+PRESETS["glm4v_9b"] = Preset(family="glm4v", **GLM4V_9B)
+PRESETS["glm4v_moe_106b"] = Preset(family="glm4v_moe", **GLM4V_MOE_106B)
+
+PRESETS["qwen3_vl_30b_a3b"] = Preset(**QWEN3_VL_30B_A3B, processor=QWEN3_PIXELS, generation=QWEN_GENERATION)
+PRESETS["gemma3_4b"] = Preset(**GEMMA3_4B)
+PRESETS["mistral3_24b"] = Preset(**MISTRAL3_24B)
+
+PRESETS["llava_onevision_7b"] = Preset(**LLAVA_ONEVISION_7B)
+PRESETS["smolvlm_2b"] = Preset(**SMOLVLM_2B)
 
 
 def get_preset(name: str) -> Preset:

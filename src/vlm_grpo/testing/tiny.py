@@ -28,21 +28,43 @@ Nothing is cached on disk outside ``out_dir``. Usage::
 from __future__ import annotations
 
 import argparse
-import copy
 import functools
 import json
 import random
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vlm_grpo.testing.presets import FAMILIES, PRESETS, Preset, get_preset
+from vlm_grpo.testing.presets import FAMILIES, PRESETS, TINY_FAMILIES, Preset, get_preset
+from vlm_grpo.testing.tiny_parts import (
+    COMMON_SPECIAL_TOKENS,
+    MROPE_SECTION,
+    QWEN3_TINY_VISION,
+    QWEN_SPECIAL_TOKENS,
+    TEXT_DIMS,
+    TinyFamily,
+    qwen3_rope,
+)
+from vlm_grpo.testing.tiny_parts import merged as _merged
+from vlm_grpo.testing.tiny_parts import qwen_processors as _qwen_processors
+from vlm_grpo.testing.tiny_parts import qwen_token_ids as _qwen_token_ids
+from vlm_grpo.testing.tiny_parts import text_config as _text_config
 from vlm_grpo.tools.templates import INTERNVL_IMAGE, INTERNVL_VIDEO, QWEN_IMAGE, QWEN_VIDEO, tool_chat_template
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FAMILIES", "PRESETS", "Preset", "build_config", "build_model", "build_tiny_model", "build_tokenizer"]
+__all__ = [
+    "FAMILIES",
+    "PRESETS",
+    "TINY_FAMILIES",
+    "Preset",
+    "TinyFamily",
+    "build_config",
+    "build_model",
+    "build_tiny_model",
+    "build_tokenizer",
+]
 
 VOCAB_SIZE = 1536  # target for BPE training; the reached size is reported by ``len(tokenizer)``
 
@@ -51,8 +73,6 @@ QWEN_SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-COMMON_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-QWEN_SPECIAL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 # InternVL's processor reads these four as tokenizer attributes (``extra_special_tokens``).
 INTERNVL_EXTRA_TOKENS = {
     "start_image_token": "<img>",
@@ -184,12 +204,6 @@ def _extended_bpe(size: int) -> Any:
     return tok
 
 
-def _special_tokens(family: str) -> tuple[list[str], dict[str, str]]:
-    if family == "internvl":
-        return COMMON_SPECIAL_TOKENS + list(INTERNVL_EXTRA_TOKENS.values()), dict(INTERNVL_EXTRA_TOKENS)
-    return COMMON_SPECIAL_TOKENS + QWEN_SPECIAL_TOKENS, {}
-
-
 def _add_special_tokens(tok: Any, specials: list[str]) -> None:
     from tokenizers import AddedToken
 
@@ -216,82 +230,26 @@ def build_tokenizer(family: str, vocab_size: int | None = None) -> Any:
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
-    _check_family(family)
-    specials, extra = _special_tokens(family)
+    spec = family_spec(family)
+    specials = list(spec.specials)
     if vocab_size is None:
         tok = Tokenizer.from_str(_trained_bpe_json())
         _add_special_tokens(tok, specials)
     else:
         tok = _full_vocab_backend(tuple(specials), vocab_size)
-    template = INTERNVL_CHAT_TEMPLATE if family == "internvl" else QWEN_CHAT_TEMPLATE
-    kwargs: dict[str, Any] = {"extra_special_tokens": extra} if extra else {}
+    kwargs: dict[str, Any] = {"extra_special_tokens": dict(spec.extra_tokens)} if spec.extra_tokens else {}
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
+        eos_token=spec.eos,
+        pad_token=spec.pad,
         padding_side="left",
-        chat_template=template,
+        chat_template=spec.chat_template,
         model_max_length=32768,
         **kwargs,
     )
 
 
 # ----------------------------------------------------------------------------- per-family parts
-TEXT_DIMS = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 4096,
-}
-MROPE_SECTION = [2, 3, 3]  # sums to head_dim / 2 = 64 / 4 / 2
-
-
-def _qwen_token_ids(tokenizer: Any) -> dict[str, int]:
-    ids = tokenizer.convert_tokens_to_ids
-    return {
-        "image_token_id": ids("<|image_pad|>"),
-        "video_token_id": ids("<|video_pad|>"),
-        "vision_start_token_id": ids("<|vision_start|>"),
-        "vision_end_token_id": ids("<|vision_end|>"),
-    }
-
-
-def _text_config(tokenizer: Any, **extra: Any) -> dict[str, Any]:
-    return {
-        **TEXT_DIMS,
-        "vocab_size": len(tokenizer),
-        "bos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-        "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        "pad_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-        **extra,
-    }
-
-
-def _qwen_processors(
-    patch_size: int, min_pixels: int, max_pixels: int, video_cls: Any, overrides: Mapping[str, Any]
-) -> tuple[Any, Any]:
-    """Image and video processors; ``overrides`` (a preset's ``processor``) replace the tiny limits."""
-    from transformers import Qwen2VLImageProcessor
-
-    min_pixels = overrides.get("min_pixels", min_pixels)
-    max_pixels = overrides.get("max_pixels", max_pixels)
-    size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
-    video_size = {
-        "shortest_edge": overrides.get("video_min_pixels", min_pixels),
-        "longest_edge": overrides.get("video_max_pixels", max_pixels),
-    }
-    common = {"patch_size": patch_size, "temporal_patch_size": 2, "merge_size": 2}
-    common.update({k: list(overrides[k]) for k in ("image_mean", "image_std") if k in overrides})
-    return Qwen2VLImageProcessor(**common, size=size), video_cls(**common, size=video_size)
-
-
-def _merged(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """``base`` updated with (a deep copy of) a preset's overrides."""
-    return {**base, **copy.deepcopy(dict(overrides))}
-
-
 def _qwen_top(tokenizer: Any, preset: Preset) -> dict[str, Any]:
     return _merged({"tie_word_embeddings": True, **_qwen_token_ids(tokenizer)}, preset.model)
 
@@ -353,24 +311,9 @@ def _qwen2_5_vl(tokenizer: Any, preset: Preset) -> tuple[Any, Any]:
 def _qwen3_vl(tokenizer: Any, preset: Preset) -> tuple[Any, Any]:
     from transformers import Qwen3VLConfig, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
-    rope = {"rope_type": "default", "mrope_section": MROPE_SECTION, "mrope_interleaved": True, "rope_theta": 5e6}
     config = Qwen3VLConfig(
-        text_config=_merged(_text_config(tokenizer, head_dim=16, rope_parameters=rope), preset.text),
-        vision_config=_merged(
-            {
-                "depth": 2,
-                "hidden_size": 32,
-                "intermediate_size": 64,
-                "num_heads": 2,
-                "out_hidden_size": TEXT_DIMS["hidden_size"],
-                "patch_size": 16,
-                "spatial_merge_size": 2,
-                "temporal_patch_size": 2,
-                "num_position_embeddings": 64,  # an 8x8 grid, interpolated to the image's grid
-                "deepstack_visual_indexes": [0],
-            },
-            preset.vision,
-        ),
+        text_config=_merged(_text_config(tokenizer, head_dim=16, rope_parameters=qwen3_rope()), preset.text),
+        vision_config=_merged(QWEN3_TINY_VISION, preset.vision),
         **_qwen_top(tokenizer, preset),
     )
     # Patch 16 x merge 2 = 32 px per image token: 64x64 .. 128x128 px gives 4 .. 16 tokens.
@@ -434,26 +377,50 @@ def _internvl(tokenizer: Any, preset: Preset) -> tuple[Any, Any]:
     return config, processor
 
 
-_BUILDERS: dict[str, Callable[[Any, Preset], tuple[Any, Any]]] = {
-    "qwen2_vl": _qwen2_vl,
-    "qwen2_5_vl": _qwen2_5_vl,
-    "qwen3_vl": _qwen3_vl,
-    "internvl": _internvl,
+_QWEN_SPECIALS = COMMON_SPECIAL_TOKENS + QWEN_SPECIAL_TOKENS
+_INTERNVL_SPECIALS = COMMON_SPECIAL_TOKENS + tuple(INTERNVL_EXTRA_TOKENS.values())
+_SPECS: dict[str, TinyFamily] = {
+    "qwen2_vl": TinyFamily(_qwen2_vl, QWEN_CHAT_TEMPLATE, _QWEN_SPECIALS),
+    "qwen2_5_vl": TinyFamily(_qwen2_5_vl, QWEN_CHAT_TEMPLATE, _QWEN_SPECIALS),
+    "qwen3_vl": TinyFamily(_qwen3_vl, QWEN_CHAT_TEMPLATE, _QWEN_SPECIALS),
+    "internvl": TinyFamily(_internvl, INTERNVL_CHAT_TEMPLATE, _INTERNVL_SPECIALS, INTERNVL_EXTRA_TOKENS),
+}
+#: Families built by their own file: ``family -> "module"`` whose ``SPEC`` is the family's :class:`TinyFamily`.
+TINY_FAMILY_FILES: dict[str, str] = {
+    "glm4v": "vlm_grpo.testing.tiny_glm4v",
+    "glm4v_moe": "vlm_grpo.testing.tiny_glm4v_moe",
+    "qwen3_vl_moe": "vlm_grpo.testing.tiny_qwen3_vl_moe",
+    "gemma3": "vlm_grpo.testing.tiny_gemma3",
+    "mistral3": "vlm_grpo.testing.tiny_mistral3",
+    "llava_onevision": "vlm_grpo.testing.tiny_llava_onevision",
+    "idefics3": "vlm_grpo.testing.tiny_idefics3",
+    "smolvlm": "vlm_grpo.testing.tiny_smolvlm",
 }
 
 
+def family_spec(family: str) -> TinyFamily:
+    """The tiny-build spec of ``family`` (its own file is imported on first use)."""
+    _check_family(family)
+    if family not in _SPECS:
+        import importlib
+
+        _SPECS[family] = importlib.import_module(TINY_FAMILY_FILES[family]).SPEC
+    return _SPECS[family]
+
+
 def _check_family(family: str) -> None:
-    if family not in FAMILIES:
-        raise ValueError(f"Unknown tiny-model family '{family}'. Available: {', '.join(FAMILIES)}")
+    if family not in TINY_FAMILIES:
+        raise ValueError(f"Unknown tiny-model family '{family}'. Available: {', '.join(TINY_FAMILIES)}")
 
 
 def _set_generation_config(model: Any, tokenizer: Any, preset: Preset) -> None:
     gen = model.generation_config
     ids = tokenizer.convert_tokens_to_ids
     if not preset.generation:  # tiny: single ids
-        gen.eos_token_id = ids("<|im_end|>")
-        gen.pad_token_id = ids("<|endoftext|>")
-        gen.bos_token_id = ids("<|endoftext|>")
+        spec = family_spec(preset.family)
+        gen.eos_token_id = ids(spec.eos)
+        gen.pad_token_id = ids(spec.pad)
+        gen.bos_token_id = ids(spec.bos)
         return
     settings = dict(preset.generation)
     eos = [ids(t) for t in settings.pop("eos")]
@@ -472,7 +439,7 @@ def build_config(preset: str | Preset) -> tuple[Any, Any]:
     """
     p = get_preset(preset) if isinstance(preset, str) else preset
     tokenizer = build_tokenizer(p.family, vocab_size=p.vocab_size)
-    config, processor = _BUILDERS[p.family](tokenizer, p)
+    config, processor = family_spec(p.family).build(tokenizer, p)
     vocab = config.get_text_config().vocab_size
     if vocab != len(tokenizer):
         raise ValueError(f"config vocab_size {vocab} != tokenizer size {len(tokenizer)}")
@@ -513,12 +480,18 @@ def build_model(
     with torch.random.fork_rng(devices=rng_devices), device:
         torch.manual_seed(seed)
         model = AutoModelForImageTextToText.from_config(config, dtype=dtype or torch.bfloat16)
+        init_weights = family_spec(p.family).init_weights
+        if init_weights is not None:
+            init_weights(model)
     _set_generation_config(model, processor.tokenizer, p)
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(out)
         processor.save_pretrained(out)
+        saved = family_spec(p.family).saved
+        if saved is not None:
+            saved(out)
     return model, processor
 
 
@@ -556,7 +529,9 @@ def main(argv: list[str] | None = None) -> None:
         + ", ".join(f"{name} ({p.reference})" for name, p in PRESETS.items() if not p.is_tiny),
     )
     parser.add_argument(
-        "--family", choices=[*FAMILIES, "all"], help="tiny checkpoints: model family (config.json model_type), or all"
+        "--family",
+        choices=[*TINY_FAMILIES, "all"],
+        help="tiny checkpoints: model family (config.json model_type), or all",
     )
     parser.add_argument("--out", required=True, help="output folder; with --family all, one sub-folder per family")
     parser.add_argument("--seed", type=int, default=0, help="weight-initialisation seed (default 0)")
@@ -575,7 +550,7 @@ def main(argv: list[str] | None = None) -> None:
 
     jobs: list[tuple[str, Path]]
     if preset == "tiny":
-        families = FAMILIES if args.family == "all" else (args.family,)
+        families = TINY_FAMILIES if args.family == "all" else (args.family,)
         jobs = [(f"tiny_{f}", Path(args.out) / f if args.family == "all" else Path(args.out)) for f in families]
     else:
         jobs = [(preset, Path(args.out))]

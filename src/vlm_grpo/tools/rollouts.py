@@ -30,12 +30,15 @@ from vlm_grpo.tools.protocols import (
     images_of,
     resolve_protocol,
 )
-from vlm_grpo.tools.templates import family_tool_template
+from vlm_grpo.tools.templates import family_response_template, family_tool_template
 
 logger = logging.getLogger(__name__)
 
 _VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 _VISION_TOKENS += ("<IMG_CONTEXT>", "<img>", "</img>", "<video>")
+_VISION_TOKENS += ("<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|begin_of_video|>", "<|end_of_video|>")
+_VISION_TOKENS += ("<|video|>",)
+_VISION_TOKENS += ("<image>", "<fake_token_around_image>", "<global-img>")
 
 
 def tile_fields(image_processor: Any, images: list | None, fields: dict[str, Any]) -> dict[str, Any]:
@@ -46,6 +49,9 @@ def tile_fields(image_processor: Any, images: list | None, fields: dict[str, Any
     list fails there, and a tile-indexed tensor needs each rollout's tile count (``num_tiles``, which TRL's
     log-prob pass computes the same way). Other families' fields come back as they are. The trainer's
     ``_generate_single_turn`` leaves ``num_tiles`` out of what reaches ``generate``.
+
+    LLaVA-OneVision's come back as one tensor of tiles per image (``image_sizes`` beside them): they are padded to
+    the largest tile count and stacked, one row per image, as one processor call over the batch lays them out.
     """
     pixels = fields.get("pixel_values")
     if images is None or "image_grid_thw" in fields or not isinstance(pixels, list) or not pixels:
@@ -54,6 +60,14 @@ def tile_fields(image_processor: Any, images: list | None, fields: dict[str, Any
 
     if not all(isinstance(p, torch.Tensor) for p in pixels):
         return fields
+    if "image_sizes" in fields:
+        most = max(p.size(0) for p in pixels)
+        padded = [torch.nn.functional.pad(p, (0, 0, 0, 0, 0, 0, 0, most - p.size(0))) for p in pixels]
+        sizes = torch.stack([torch.as_tensor(s) for s in fields["image_sizes"]])
+        # batch_num_images is per prompt, which TRL's loop cannot cut per rollout; left out, every image is tiled,
+        # as a one-image prompt's is
+        rest = {k: v for k, v in fields.items() if k != "batch_num_images"}
+        return {**rest, "pixel_values": torch.stack(padded), "image_sizes": sizes}
     pixels = torch.cat([p if p.ndim == 4 else p[None] for p in pixels])
     flat = [image for row in images if row for image in row]
     if pixels.size(0) == len(flat):
@@ -155,9 +169,11 @@ def prepare_for_tools(args: Any, processing_class: Any) -> None:
             if tokenizer is not processing_class:
                 tokenizer.chat_template = template
     if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema", None) is None:
-        from trl.chat_template_utils import qwen3_template
-
-        tokenizer.response_template = qwen3_template
+        # What the template writes between a user's words and the reply (Mistral's [/INST], Gemma's model turn).
+        turn = [{"role": "user", "content": "\u2063"}]
+        opener = processing_class.apply_chat_template(turn, add_generation_prompt=True, tokenize=False)
+        opener = opener.rpartition("\u2063")[2]
+        tokenizer.response_template = family_response_template(tokenizer.get_vocab(), opener, tokenizer.eos_token)
     # The model must not write image placeholders itself: tool results are the only source of image tokens
     # after the prompt, and a stray <|image_pad|> or <|video_pad|> breaks the log-prob pass (3D positions, tokens
     # vs features). Random and early policies do sample them.

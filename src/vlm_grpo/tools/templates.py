@@ -1,8 +1,8 @@
 """A tool-capable chat template for checkpoints whose own template cannot render tools.
 
-Qwen2-VL's and Qwen2.5-VL's released templates (and InternVL ``-hf`` ones) render no tools, tool calls or
-tool results, so TRL refuses them for tool runs. This one renders messages as those templates do (same
-turns, image placeholders and, for Qwen, the default system prompt) and adds Qwen2.5's tool format: the
+Qwen2-VL's and Qwen2.5-VL's released templates (and InternVL ``-hf``, Gemma 3 and Mistral-Small-3.1 ones) render
+no tools, tool calls or tool results, so TRL refuses them for tool runs. This one renders messages with the family's
+turns and image placeholders (and, for Qwen, the default system prompt) and adds Qwen2.5's tool format: the
 schemas in the system turn, ``<tool_call>`` blocks in assistant turns, results as ``<tool_response>`` blocks
 of one user turn (their images rendered with the family's placeholder). It is prefix-preserving, as TRL's
 tool loop needs.
@@ -10,11 +10,19 @@ tool loop needs.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 QWEN_VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
 QWEN_SYSTEM = "You are a helpful assistant."
 INTERNVL_IMAGE = "<IMG_CONTEXT>\n"
 INTERNVL_VIDEO = "<video>\n"
+# Gemma 3 and Mistral 3 take no videos: a video item renders the image placeholder, which their processors then
+# refuse (one more placeholder than images) instead of dropping the video unseen.
+GEMMA3_IMAGE = "<start_of_image>"
+PIXTRAL_IMAGE = "[IMG]"
+LLAVA_IMAGE = "<image>\n"  # LLaVA-OneVision: its Qwen2 turns, the placeholder on a line of its own
+LLAVA_VIDEO = "<video>\n"
 
 _TOOLS_HEADER = (
     "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
@@ -23,15 +31,53 @@ _TOOLS_HEADER = (
 _TOOLS_FOOTER = (
     "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
     '<tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": '
-    "<args-json-object>}\\n</tool_call><|im_end|>\\n"
+    "<args-json-object>}\\n</tool_call>"
 )
 
 
-def tool_chat_template(image: str, video: str, default_system: str | None) -> str:
-    """The template, with the family's image / video placeholders and default system prompt (None: none)."""
+@dataclass(frozen=True)
+class Turns:
+    """A family's turn markers, as Jinja expressions of the variable ``role`` (system, user or assistant).
+
+    ``close`` of the assistant's turn is generated (inside ``{% generation %}``); ``after`` follows it outside.
+    """
+
+    open: str
+    close: str
+    after: str = "''"
+    start: str = "''"  # written once, first (e.g. bos_token)
+    prompt: str = "''"  # the generation prompt
+
+
+QWEN_TURNS = Turns(
+    open="'<|im_start|>' + role + '\\n'",
+    close="'<|im_end|>' if role == 'assistant' else '<|im_end|>\\n'",
+    after="'\\n'",
+    prompt="'<|im_start|>assistant\\n'",
+)
+# Gemma's turns (its templates write the assistant's turns as "model"); Gemma 3's own template renders no tools.
+GEMMA_TURNS = Turns(
+    open="'<start_of_turn>' + ('model' if role == 'assistant' else role) + '\\n'",
+    close="'<end_of_turn>' if role == 'assistant' else '<end_of_turn>\\n'",
+    after="'\\n'",
+    start="bos_token",
+    prompt="'<start_of_turn>model\\n'",
+)
+# Mistral-Small-3.1's turns: no generation prompt, the answer follows [/INST] and ends with </s>.
+MISTRAL_TURNS = Turns(
+    open="{'system': '[SYSTEM_PROMPT]', 'user': '[INST]'}.get(role, '')",
+    close="{'system': '[/SYSTEM_PROMPT]', 'user': '[/INST]'}.get(role, eos_token)",
+    start="bos_token",
+)
+
+
+def tool_chat_template(image: str, video: str, default_system: str | None, turns: Turns = QWEN_TURNS) -> str:
+    """The template, with the family's image / video placeholders, default system prompt (None: none) and turns."""
     default = "" if default_system is None else default_system
     return (
         (
+            "{%- macro open(role) -%}{{- __OPEN__ -}}{%- endmacro -%}"
+            "{%- macro close(role) -%}{{- __CLOSE__ -}}{%- endmacro -%}"
             "{%- macro render(content) -%}"
             "{%- if content is string -%}{{- content -}}"
             "{%- else -%}{%- for item in content -%}"
@@ -41,20 +87,21 @@ def tool_chat_template(image: str, video: str, default_system: str | None) -> st
             "{%- endif -%}"
             "{%- endfor -%}{%- endif -%}"
             "{%- endmacro -%}"
+            "{{- __START__ -}}"
             "{%- set has_system = messages and messages[0]['role'] == 'system' -%}"
             "{%- if tools -%}"
-            "{{- '<|im_start|>system\\n' -}}"
+            "{{- open('system') -}}"
             "{%- if has_system -%}{{- render(messages[0]['content']) -}}{%- else -%}{{- DEFAULT -}}{%- endif -%}"
             "{%- if has_system or DEFAULT -%}{{- '\\n\\n' -}}{%- endif -%}"
             f"{{{{- '{_TOOLS_HEADER}' -}}}}"
             "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
-            f"{{{{- '{_TOOLS_FOOTER}' -}}}}"
-            "{%- elif not has_system and DEFAULT -%}{{- '<|im_start|>system\\n' + DEFAULT + '<|im_end|>\\n' -}}"
+            f"{{{{- '{_TOOLS_FOOTER}' + close('system') -}}}}"
+            "{%- elif not has_system and DEFAULT -%}{{- open('system') + DEFAULT + close('system') -}}"
             "{%- endif -%}"
             "{%- for message in messages -%}"
             "{%- if tools and loop.first and message['role'] == 'system' -%}"
             "{%- elif message['role'] == 'assistant' -%}"
-            "{{- '<|im_start|>assistant\\n' -}}"
+            "{{- open('assistant') -}}"
             "{%- generation -%}"
             "{%- set text = render(message['content']) -%}{{- text -}}"
             "{%- for call in message['tool_calls'] or [] -%}"
@@ -63,28 +110,116 @@ def tool_chat_template(image: str, video: str, default_system: str | None) -> st
             "{{- '<tool_call>\\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' -}}"
             "{{- (fn['arguments'] if fn['arguments'] is string else fn['arguments'] | tojson) + '}\\n</tool_call>' -}}"
             "{%- endfor -%}"
-            "{{- '<|im_end|>' -}}{%- endgeneration -%}"
-            "{{- '\\n' -}}"
+            "{{- close('assistant') -}}{%- endgeneration -%}"
+            "{{- __AFTER__ -}}"
             "{%- elif message['role'] == 'tool' -%}"
-            "{%- if loop.first or loop.previtem['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
-            "{{- '\\n<tool_response>\\n' + render(message['content']) + '\\n</tool_response>' -}}"
-            "{%- if loop.last or loop.nextitem['role'] != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+            "{%- if loop.first or loop.previtem['role'] != 'tool' -%}{{- open('user') -}}{%- else -%}{{- '\\n' -}}"
+            "{%- endif -%}"
+            "{{- '<tool_response>\\n' + render(message['content']) + '\\n</tool_response>' -}}"
+            "{%- if loop.last or loop.nextitem['role'] != 'tool' -%}{{- close('user') -}}{%- endif -%}"
             "{%- else -%}"
-            "{{- '<|im_start|>' + message['role'] + '\\n' + render(message['content']) + '<|im_end|>\\n' -}}"
+            "{{- open(message['role']) + render(message['content']) + close(message['role']) -}}"
             "{%- endif -%}"
             "{%- endfor -%}"
-            "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+            "{%- if add_generation_prompt -%}{{- __PROMPT__ -}}{%- endif -%}"
         )
         .replace("IMAGE", repr(image))
         .replace("VIDEO", repr(video))
         .replace("DEFAULT", repr(default))
+        .replace("__OPEN__", turns.open)
+        .replace("__CLOSE__", turns.close)
+        .replace("__AFTER__", turns.after)
+        .replace("__START__", turns.start)
+        .replace("__PROMPT__", turns.prompt)
     )
+
+
+def smolvlm_tool_template() -> str:
+    """SmolVLM / Idefics3's turns (``User:`` ... ``<end_of_utterance>``, ``Assistant:`` prompt) with the same tool
+    format: schemas in a ``System:`` turn, ``<tool_call>`` blocks, results as ``<tool_response>`` blocks of one
+    ``User:`` turn. An assistant turn's text after ``Assistant:`` (its leading space, and ``<end_of_utterance>``) is
+    the generation, as the real checkpoints write it."""
+    footer = _TOOLS_FOOTER.replace("<|im_end|>", "<end_of_utterance>")
+    return (
+        "{%- macro render(content) -%}"
+        "{%- if content is string -%}{{- content -}}"
+        "{%- else -%}{%- for item in content -%}"
+        "{%- if item.type == 'image' or 'image' in item or 'image_url' in item -%}{{- '<image>' -}}"
+        "{%- elif 'text' in item -%}{{- item['text'] -}}"
+        "{%- endif -%}"
+        "{%- endfor -%}{%- endif -%}"
+        "{%- endmacro -%}"
+        "{%- macro opens_with_image(content) -%}"
+        "{%- if content is not string and content and content[0].type == 'image' -%}1{%- endif -%}"
+        "{%- endmacro -%}"
+        "{{- '<|im_start|>' -}}"
+        "{%- set has_system = messages and messages[0]['role'] == 'system' -%}"
+        "{%- if tools -%}"
+        "{{- 'System: ' -}}"
+        "{%- if has_system -%}{{- render(messages[0]['content']) + '\\n\\n' -}}{%- endif -%}"
+        f"{{{{- '{_TOOLS_HEADER}' -}}}}"
+        "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
+        f"{{{{- '{footer}' -}}}}"
+        "{%- endif -%}"
+        "{%- for message in messages -%}"
+        "{%- if tools and loop.first and message['role'] == 'system' -%}"
+        "{%- elif message['role'] == 'assistant' -%}"
+        "{{- 'Assistant:' -}}"
+        "{%- generation -%}"
+        "{%- set text = render(message['content']) -%}{{- ' ' + text -}}"
+        "{%- for call in message['tool_calls'] or [] -%}"
+        "{%- set fn = call['function'] if call['function'] is defined else call -%}"
+        "{%- if text or not loop.first -%}{{- '\\n' -}}{%- endif -%}"
+        "{{- '<tool_call>\\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' -}}"
+        "{{- (fn['arguments'] if fn['arguments'] is string else fn['arguments'] | tojson) + '}\\n</tool_call>' -}}"
+        "{%- endfor -%}"
+        "{{- '<end_of_utterance>' -}}{%- endgeneration -%}"
+        "{{- '\\n' -}}"
+        "{%- elif message['role'] == 'tool' -%}"
+        "{%- if loop.first or loop.previtem['role'] != 'tool' -%}{{- 'User:' -}}{%- endif -%}"
+        "{{- '\\n<tool_response>\\n' + render(message['content']) + '\\n</tool_response>' -}}"
+        "{%- if loop.last or loop.nextitem['role'] != 'tool' -%}{{- '<end_of_utterance>\\n' -}}{%- endif -%}"
+        "{%- else -%}"
+        "{{- message['role'] | capitalize -}}"
+        "{{- ':' if opens_with_image(message['content']) else ': ' -}}"
+        "{{- render(message['content']) + '<end_of_utterance>\\n' -}}"
+        "{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- 'Assistant:' -}}{%- endif -%}"
+    )
+
+
+def family_response_template(vocab: dict[str, int], opener: str = "", end: str = "") -> dict:
+    """How TRL reads tool calls back out of a completion in the family's turns: Qwen3's format; SmolVLM's turns
+    open with ``Assistant:`` and end with ``<end_of_utterance>``; GLM-4.5V writes GLM-4.5's own call format. Families
+    whose turns end in another token than ``<|im_end|>`` (Gemma 3, Mistral 3) get Qwen3's calls in their own turns:
+    ``opener`` (the chat template's generation prompt) and ``end`` (the tokenizer's end of turn)."""
+    import re
+
+    from trl.chat_template_utils import glm4moe_template, qwen3_template
+
+    if "<|observation|>" in vocab:
+        return glm4moe_template
+    if "<fake_token_around_image>" in vocab:
+        opener, end = "Assistant:", "<end_of_utterance>"
+    elif end in ("", "<|im_end|>") or not opener:
+        return qwen3_template
+    content = {"close_pattern": re.escape(end) + r"\s*", "content": "text"}
+    return {**qwen3_template, "start_anchor": opener, "fields": {**qwen3_template["fields"], "content": content}}
 
 
 def family_tool_template(vocab: dict[str, int]) -> str | None:
     """The tool template for a tokenizer's family, told by its image token (None: unknown family)."""
+    if "<fake_token_around_image>" in vocab:
+        return smolvlm_tool_template()
+    if "<image>" in vocab and "<|im_start|>" in vocab:
+        return tool_chat_template(LLAVA_IMAGE, LLAVA_VIDEO, QWEN_SYSTEM)
     if "<|image_pad|>" in vocab:
         return tool_chat_template(QWEN_IMAGE, QWEN_VIDEO, QWEN_SYSTEM)
     if "<IMG_CONTEXT>" in vocab:
         return tool_chat_template(INTERNVL_IMAGE, INTERNVL_VIDEO, None)
+    if "<start_of_turn>" in vocab and "<start_of_image>" in vocab:
+        return tool_chat_template(GEMMA3_IMAGE, GEMMA3_IMAGE, None, GEMMA_TURNS)
+    if "[INST]" in vocab and "[IMG]" in vocab:
+        return tool_chat_template(PIXTRAL_IMAGE, PIXTRAL_IMAGE, None, MISTRAL_TURNS)
     return None

@@ -1,4 +1,5 @@
-# Source at the start of a device-machine command: installs the carried wheels (.whl/: trl, deepspeed, datasets and
+# Source at the start of a device-machine command: installs the carried wheels (.whl/, fetched here by
+# benchmarks/device_wheels.sh: trl, deepspeed, datasets and
 # the other packages a bare GPU image lacks, fetched with pip download) into /tmp/site, puts them and src/ on
 # PYTHONPATH and prints the versions.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

@@ -5,7 +5,7 @@
 
 Scenarios (``--tool_scenarios``): ``T2`` / ``T4``: every rollout makes 2 / 4 tool rounds (``zoom_in`` calls, each
 returning a 448 px image), then answers with ``completion_length`` sampled tokens (forced with
-``min_new_tokens``); ``T4h``: half the rollouts answer after the first round, the other half make 4 rounds.
+``min_new_tokens``); ``T4h``: half the rollouts answer after one tool call, the other half make 4 tool calls.
 Random weights never call tools, so a tool turn is scripted: the model decodes as many tokens as the call has,
 and the call's tokens replace them (both trainers alike). Everything else, tool execution, images in the
 conversation, the log-prob passes and the loss, is each trainer's own path. Same card, model, data and seed for

@@ -2,7 +2,8 @@
 
 ``matrix_dist_entry.py PLAN.json``: each plan entry (``out``, ``argv``) is one run of the command line's ``main``;
 after it, what each rank saw goes into ``out`` (as ``dist_entry.py`` writes it). A run that fails writes its
-error into ``error<rank>.txt`` and ends the launch (the other rank may wait in a collective). Accelerate's state
+error into ``error<rank>.txt``; the next run starts when both ranks failed alike (e.g. loading the model), else the
+launch ends (the other rank waits in a collective of the failed run). Accelerate's state
 (its DeepSpeed plugin above all) is reset between runs; the process group stays, so one launch serves every family.
 """
 
@@ -33,6 +34,20 @@ def run_one(argv: list[str], out: Path, rank: int) -> None:
         sync.remove()
 
 
+def _both_failed() -> bool:
+    """Whether the other rank failed here too (then the next run can start): a rank that did not is inside a
+    collective of the failed run, which the barrier does not meet within its timeout."""
+    import datetime
+
+    import torch.distributed as dist
+
+    try:
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
+    except RuntimeError:
+        return False
+    return True
+
+
 if __name__ == "__main__":
     rank = int(os.environ.get("RANK", 0))
     for entry in json.loads(Path(sys.argv[1]).read_text()):
@@ -43,8 +58,9 @@ if __name__ == "__main__":
             run_one(entry["argv"], out, rank)
         except Exception:  # one family's failure must not hide the others'
             (out / f"error{rank}.txt").write_text(traceback.format_exc())
-            end_distributed(synchronize=False)
-            raise
+            if not _both_failed():
+                end_distributed(synchronize=False)
+                raise
         AcceleratorState._reset_state()
         print(f"[matrix] rank {rank}: {out} in {time.perf_counter() - start:.1f} s", flush=True)
     end_distributed(synchronize=True)

@@ -44,7 +44,10 @@ def call_turn(family: str, models, call: dict) -> str:
     """The assistant turn that makes ``call``, as the family's chat template writes it, ended by its end of turn."""
     from transformers import AutoProcessor
 
+    from vlm_grpo.tools.rollouts import prepare_for_tools
+
     processor = AutoProcessor.from_pretrained(models[family])
+    prepare_for_tools(None, processor)  # the chat template a tool run renders with
     tokenizer = processor.tokenizer
     prompt = [{"role": "user", "content": "Zoom in."}]
     turn = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]}
@@ -58,11 +61,11 @@ def call_turn(family: str, models, call: dict) -> str:
 
 def run(
     family: str, sharp_models, dataset, out, share: bool, blank_tool_images: bool = False, all_bad: bool = False,
-    box: list[int] | None = None,
+    box: list[int] | None = None, budget: int = 240,
 ) -> dict:  # fmt: skip
     """One GRPO step; returns the later turns' token ids and the rows ``fast_decode`` decoded. ``all_bad``: every
     call fails, so the round after it holds no tool image (only the prompts' own images). ``box``: the zoom box in
-    the family's coordinate frame (default ``BOX[family]``)."""
+    the family's coordinate frame (default ``BOX[family]``); ``budget``: ``--max_completion_length``."""
     data, plugin = dataset
     good = {"name": "zoom_in", "arguments": {"bbox_2d": box or BOX[family], "image_index": 0}}
     bad = {"name": "zoom_in", "arguments": {"bbox_2d": [50, 50, 10, 10]}}  # inverted: an error text, no image
@@ -90,7 +93,7 @@ def run(
 
     argv = base_args(sharp_models[family], data, plugin, out, steps=1)
     argv += ["--generation_kwargs", '{"max_new_tokens": 12, "do_sample": false}', "--share_prefill", str(share)]
-    argv += ["--tools", "zoom_in", "--max_tool_calling_iterations", "1", "--max_completion_length", "240"]
+    argv += ["--tools", "zoom_in", "--max_tool_calling_iterations", "1", "--max_completion_length", str(budget)]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(VLMGRPOTrainer, "_generate_single_turn", scripted)
         mp.setattr(decode, "fast_decode", counted)

@@ -251,7 +251,7 @@ def _plan_shared_prefill(
     known = {"pixel_values", "image_grid_thw", *module.grouped_vision_inputs}
     unknown = (set(fields) - known) | (set(per_token) - {"mm_token_type_ids"})
     if unknown:
-        message = f"share_prefill steps aside for inputs it does not build ({', '.join(sorted(unknown))})"
+        message = f"share_prefill/fast_decode step aside for inputs they do not build ({', '.join(sorted(unknown))})"
         warn_once(logger, message + ": generation goes through TRL's generate", logging.INFO)
         return None
     mm: dict[str, Any] = dict(fields)

@@ -35,12 +35,19 @@ class Mistral3Module(VLMModule):
     grouped_vision_inputs: ClassVar[frozenset[str]] = frozenset({"image_sizes"})
 
     def prepare_processor(self, processor: Any) -> Any:
-        """The Pixtral processor, with its text returned as lists unless a call asks for tensors.
+        """The Pixtral processor, with its text returned as lists unless a call asks for tensors, and its image
+        processor rounding to the merged patch (28 px) on its own.
 
         ``PixtralProcessor`` defaults ``return_tensors="pt"`` for text, so a batch of prompts of different lengths
-        cannot come back unpadded, as TRL's GRPO asks for them; images keep their tensor default.
+        cannot come back unpadded, as TRL's GRPO asks for them; images keep their tensor default. It also passes
+        ``patch_size * spatial_merge_size`` to its image processor on every call, while TRL's tool loop calls the
+        image processor directly for tool images: with its own 14 px, their sizes would not match the tokens the
+        processor writes for them. (A checkpoint saved by the trainer keeps that 28 px, which the processor
+        would pass anyway.)
         """
         processor.text_kwargs = {k: v for k, v in processor.text_kwargs.items() if k != "return_tensors"}
+        merged = processor.patch_size * processor.spatial_merge_size
+        processor.image_processor.patch_size = {"height": merged, "width": merged}
         return super().prepare_processor(processor)
 
     def apply_image_limits(self, processor: Any) -> None:

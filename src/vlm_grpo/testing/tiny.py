@@ -489,6 +489,9 @@ def build_model(
         out.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(out)
         processor.save_pretrained(out)
+        saved = family_spec(p.family).saved
+        if saved is not None:
+            saved(out)
     return model, processor
 
 

@@ -61,6 +61,7 @@ class TinyFamily:
     pad: str = "<|endoftext|>"
     bos: str = "<|endoftext|>"
     init_weights: Callable[[Any], None] | None = None
+    saved: Callable[[Any], None] | None = None  # saved(out_dir): rewrite the saved weights as the hub stores them
 
 
 def text_config(tokenizer: Any, spec: TinyFamily | None = None, **extra: Any) -> dict[str, Any]:

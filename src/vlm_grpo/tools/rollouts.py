@@ -171,7 +171,11 @@ def prepare_for_tools(args: Any, processing_class: Any) -> None:
             if tokenizer is not processing_class:
                 tokenizer.chat_template = template
     if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema", None) is None:
-        tokenizer.response_template = family_response_template(tokenizer.get_vocab())
+        # What the template writes between a user's words and the reply (Mistral's [/INST], Gemma's model turn).
+        turn = [{"role": "user", "content": "\u2063"}]
+        opener = processing_class.apply_chat_template(turn, add_generation_prompt=True, tokenize=False)
+        opener = opener.rpartition("\u2063")[2]
+        tokenizer.response_template = family_response_template(tokenizer.get_vocab(), opener, tokenizer.eos_token)
     # The model must not write image placeholders itself: tool results are the only source of image tokens
     # after the prompt, and a stray <|image_pad|> or <|video_pad|> breaks the log-prob pass (3D positions, tokens
     # vs features). Random and early policies do sample them.

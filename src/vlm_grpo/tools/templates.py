@@ -189,17 +189,23 @@ def smolvlm_tool_template() -> str:
     )
 
 
-def family_response_template(vocab: dict[str, int]) -> dict:
-    """How TRL reads tool calls back out of a completion in the family's turns (Qwen3's format; SmolVLM's turns
-    open with ``Assistant:`` and end with ``<end_of_utterance>``; GLM-4.5's own call format)."""
+def family_response_template(vocab: dict[str, int], opener: str = "", end: str = "") -> dict:
+    """How TRL reads tool calls back out of a completion in the family's turns: Qwen3's format; SmolVLM's turns
+    open with ``Assistant:`` and end with ``<end_of_utterance>``; GLM-4.5V writes GLM-4.5's own call format. Families
+    whose turns end in another token than ``<|im_end|>`` (Gemma 3, Mistral 3) get Qwen3's calls in their own turns:
+    ``opener`` (the chat template's generation prompt) and ``end`` (the tokenizer's end of turn)."""
+    import re
+
     from trl.chat_template_utils import glm4moe_template, qwen3_template
 
-    if "<|observation|>" in vocab:  # GLM-4.5V writes calls as GLM-4.5 does (<tool_call>NAME <arg_key>/<arg_value>)
+    if "<|observation|>" in vocab:
         return glm4moe_template
-    if "<fake_token_around_image>" not in vocab:
+    if "<fake_token_around_image>" in vocab:
+        opener, end = "Assistant:", "<end_of_utterance>"
+    elif end in ("", "<|im_end|>") or not opener:
         return qwen3_template
-    content = {"close_pattern": r"<end_of_utterance>\s*", "content": "text"}
-    return {**qwen3_template, "start_anchor": "Assistant:", "fields": {**qwen3_template["fields"], "content": content}}
+    content = {"close_pattern": re.escape(end) + r"\s*", "content": "text"}
+    return {**qwen3_template, "start_anchor": opener, "fields": {**qwen3_template["fields"], "content": content}}
 
 
 def family_tool_template(vocab: dict[str, int]) -> str | None:

@@ -1,6 +1,6 @@
 """Tiny Qwen3-VL-MoE: Qwen3-VL's processor, template and vision tower, with a sparse-MoE language model.
 
-Every decoder layer routes each token to 2 of 4 small experts (``moe_intermediate_size`` 24: 2 x 24 is not the
+Every decoder layer routes each token to 2 of 4 small experts (``moe_intermediate_size`` 48: 2 x 48 is not the
 hidden size, so the hub layout of the experts, transposed, is told apart by its shape), as the real
 checkpoints route to 8 of 128; ``output_router_logits`` is in the config, so TRL's router auxiliary loss applies.
 """
@@ -24,7 +24,7 @@ from vlm_grpo.testing.tiny_parts import (
 from vlm_grpo.tools.templates import QWEN_IMAGE, QWEN_VIDEO, tool_chat_template
 
 CHAT_TEMPLATE = tool_chat_template(QWEN_IMAGE, QWEN_VIDEO, default_system=None)
-MOE_DIMS = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24, "decoder_sparse_step": 1}
+MOE_DIMS = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "decoder_sparse_step": 1}
 
 
 def build(tokenizer: Any, preset: Preset) -> tuple[Any, Any]:

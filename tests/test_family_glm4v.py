@@ -3,6 +3,7 @@ template's image wrapper, the box frame, LoRA off GLM-4.5V's fused experts, and 
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 
@@ -102,3 +103,26 @@ def test_glm45v_trains_with_trls_router_auxiliary_loss(tiny_models, tmp_path, ca
     aux = [entry["aux_loss"] for entry in trainer.state.log_history if "aux_loss" in entry]
     assert aux and all(torch.isfinite(torch.tensor(a)) and a > 0 for a in aux)
     assert any("router's auxiliary loss" in r.getMessage() for r in caplog.records)
+
+
+def test_tool_runs_read_and_write_glm45s_call_format(tiny_models):
+    """A GLM checkpoint whose template renders no tools (GLM-4.1V-Thinking's) gets GLM's turns with GLM-4.5's tool
+    format, and TRL's parser of that format reads a call back."""
+    from transformers import AutoProcessor
+    from trl.chat_template_utils import glm4moe_template, parse_response
+
+    from vlm_grpo.tools.rollouts import prepare_for_tools
+    from vlm_grpo.tools.templates import glm_tool_template
+
+    processor = AutoProcessor.from_pretrained(tiny_models["glm4v"])
+    plain = "[gMASK]<sop>{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}{% endfor %}<|assistant|>"
+    processor.chat_template = processor.tokenizer.chat_template = plain
+    prepare_for_tools(None, processor)
+    assert processor.chat_template == glm_tool_template()
+    assert processor.tokenizer.response_template == glm4moe_template
+    turn = "\n<tool_call>zoom_in\n<arg_key>bbox_2d</arg_key>\n<arg_value>[1, 2, 30, 40]</arg_value>\n</tool_call>"
+    tokenizer = processor.tokenizer
+    ids = tokenizer.encode(turn + "<|endoftext|>", add_special_tokens=False)
+    prefix = tokenizer.encode("[gMASK]<sop><|user|>\nZoom in.<|assistant|>", add_special_tokens=False)
+    call = parse_response(tokenizer, ids, prefix=prefix)["tool_calls"][0]["function"]
+    assert call["name"] == "zoom_in" and json.loads(str(call["arguments"]["bbox_2d"])) == [1, 2, 30, 40]

@@ -17,8 +17,9 @@ new family is checked for everything a user relies on. Rows, per family:
   family and both stages (a launch per family would cost the suite minutes); in ``test_family_matrix_dist.py``, so
   the suite's workers run it beside these rows.
 
-Costs are kept per family: one sharp tiny checkpoint per family per session (shared with the generation parity
-tests), one batch for all speed-path rows, one training run (plus the resumed step) for the training rows.
+Costs are kept per family: one sharp tiny checkpoint per family for this file (``sharp_models``, the generation
+parity tests' fixture) and the session's tiny one, one batch for all speed-path rows, one training run (plus the
+resumed step) for the training rows.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import json
 import logging
 import re
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -48,7 +48,6 @@ from vlm_grpo.testing.presets import TINY_FAMILIES
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-REPO = Path(__file__).resolve().parents[1]
 TOL = 1e-5
 EACH_FAMILY = pytest.mark.parametrize("family", TINY_FAMILIES)
 
@@ -175,8 +174,9 @@ def test_two_lora_steps_on_mixed_batches_then_resume(family, tiny_models, tmp_pa
 
 
 # ----------------------------------------------------------------------------- a multi-turn tool step
-#: Families whose tool runs are refused with an error: TRL's tool loop lays out their tool images' pixels as one sample.
-TOOLS_REFUSED = {"idefics3", "smolvlm"}
+#: Families whose tool runs are refused with an error (none today; Idefics3 / SmolVLM, whose tool images TRL's loop
+#: lays out as one sample, are regrouped per row by their adapter).
+TOOLS_REFUSED: set[str] = set()
 
 
 @pytest.fixture(scope="module")

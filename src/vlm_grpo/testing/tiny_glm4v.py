@@ -14,6 +14,7 @@ from typing import Any
 
 from vlm_grpo.testing.presets import Preset
 from vlm_grpo.testing.tiny_parts import MROPE_SECTION, TEXT_DIMS, TinyFamily, merged, text_config
+from vlm_grpo.tools.templates import glm_tool_template
 
 GLM_SPECIALS = (
     "<|endoftext|>",
@@ -35,68 +36,8 @@ GLM_SPECIALS = (
     "<|begin_of_box|>",
     "<|end_of_box|>",
 )
-GLM_IMAGE = "<|begin_of_image|><|image|><|end_of_image|>"
-GLM_VIDEO = "<|begin_of_video|><|video|><|end_of_video|>"
 
-# GLM-4.5V's turns: [gMASK]<sop>, then <|system|> / <|user|> / <|assistant|> / <|observation|> (no end-of-turn token:
-# generation stops at <|user|>, <|observation|> or <|endoftext|>); tools as GLM-4.5 writes them (schemas in a system
-# turn, calls as <tool_call>NAME + <arg_key>/<arg_value> pairs, results as <tool_response> blocks of one
-# <|observation|> turn, their images rendered too), and {% generation %} around assistant content for SFT.
-_TOOLS = (
-    "<|system|>\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
-)
-_TOOLS_END = (
-    "\n</tools>\n\nFor each function call, output the function name and arguments within the following XML "
-    "format:\n<tool_call>{function-name}\n<arg_key>{arg-key-1}</arg_key>\n<arg_value>{arg-value-1}</arg_value>\n"
-    "...\n</tool_call>"
-)
-GLM_CHAT_TEMPLATE = (
-    (
-        "{%- macro render(content) -%}"
-        "{%- if content is string -%}{{- content -}}"
-        "{%- else -%}{%- for item in content -%}"
-        "{%- if item.type == 'image' or 'image' in item or 'image_url' in item -%}{{- IMAGE -}}"
-        "{%- elif item.type == 'video' or 'video' in item -%}{{- VIDEO -}}"
-        "{%- elif 'text' in item -%}{{- item['text'] -}}"
-        "{%- endif -%}"
-        "{%- endfor -%}{%- endif -%}"
-        "{%- endmacro -%}"
-        "{{- '[gMASK]<sop>' -}}"
-        "{%- if tools -%}"
-        f"{{{{- '{_TOOLS}' -}}}}"
-        "{%- for tool in tools -%}{{- '\n' + (tool | tojson) -}}{%- endfor -%}"
-        f"{{{{- '{_TOOLS_END}' -}}}}"
-        "{%- endif -%}"
-        "{%- for message in messages -%}"
-        "{%- if message['role'] == 'assistant' -%}"
-        "{{- '<|assistant|>' -}}"
-        "{%- generation -%}"
-        "{%- set text = render(message['content'] or '') -%}"
-        "{%- if text -%}{{- '\n' + text -}}{%- endif -%}"
-        "{%- for call in message['tool_calls'] or [] -%}"
-        "{%- set fn = call['function'] if call['function'] is defined else call -%}"
-        "{{- '\n<tool_call>' + fn['name'] + '\n' -}}"
-        "{%- set args = fn['arguments'] if fn['arguments'] is mapping else {} -%}"
-        "{%- for key, value in args.items() -%}"
-        "{{- '<arg_key>' + key + '</arg_key>\n<arg_value>' -}}"
-        "{{- (value if value is string else value | tojson) + '</arg_value>\n' -}}"
-        "{%- endfor -%}"
-        "{{- '</tool_call>' -}}"
-        "{%- endfor -%}"
-        "{%- endgeneration -%}"
-        "{%- elif message['role'] == 'tool' -%}"
-        "{%- if loop.first or loop.previtem['role'] != 'tool' -%}{{- '<|observation|>' -}}{%- endif -%}"
-        "{{- '\n<tool_response>\n' + render(message['content']) + '\n</tool_response>' -}}"
-        "{%- else -%}"
-        "{{- '<|' + message['role'] + '|>\n' + render(message['content']) -}}"
-        "{%- endif -%}"
-        "{%- endfor -%}"
-        "{%- if add_generation_prompt -%}{{- '<|assistant|>' -}}{%- endif -%}"
-    )
-    .replace("IMAGE", repr(GLM_IMAGE))
-    .replace("VIDEO", repr(GLM_VIDEO))
-)
+GLM_CHAT_TEMPLATE = glm_tool_template()
 
 # GLM's processors budget t * h * w with t = 2 (an image is two identical frames): 56x56 .. 112x112 px here,
 # i.e. 4 .. 16 image tokens (patch 14, 2x2 merge).

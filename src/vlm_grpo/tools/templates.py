@@ -189,6 +189,73 @@ def smolvlm_tool_template() -> str:
     )
 
 
+GLM_IMAGE = "<|begin_of_image|><|image|><|end_of_image|>"
+GLM_VIDEO = "<|begin_of_video|><|video|><|end_of_video|>"
+# GLM-4.5V's turns: [gMASK]<sop>, then <|system|> / <|user|> / <|assistant|> / <|observation|> (no end-of-turn token:
+# generation stops at <|user|>, <|observation|> or <|endoftext|>); tools as GLM-4.5 writes them (schemas in a system
+# turn, calls as <tool_call>NAME + <arg_key>/<arg_value> pairs, results as <tool_response> blocks of one
+# <|observation|> turn, their images rendered too), and {% generation %} around assistant content for SFT.
+_GLM_TOOLS_HEADER = (
+    "<|system|>\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+_GLM_TOOLS_FOOTER = (
+    "\n</tools>\n\nFor each function call, output the function name and arguments within the following XML "
+    "format:\n<tool_call>{function-name}\n<arg_key>{arg-key-1}</arg_key>\n<arg_value>{arg-value-1}</arg_value>\n"
+    "...\n</tool_call>"
+)
+
+
+def glm_tool_template() -> str:
+    """GLM-4.1V / GLM-4.5V turns with GLM-4.5's tool format (for checkpoints whose template renders no tools)."""
+    return (
+        (
+            "{%- macro render(content) -%}"
+            "{%- if content is string -%}{{- content -}}"
+            "{%- else -%}{%- for item in content -%}"
+            "{%- if item.type == 'image' or 'image' in item or 'image_url' in item -%}{{- IMAGE -}}"
+            "{%- elif item.type == 'video' or 'video' in item -%}{{- VIDEO -}}"
+            "{%- elif 'text' in item -%}{{- item['text'] -}}"
+            "{%- endif -%}"
+            "{%- endfor -%}{%- endif -%}"
+            "{%- endmacro -%}"
+            "{{- '[gMASK]<sop>' -}}"
+            "{%- if tools -%}"
+            f"{{{{- '{_GLM_TOOLS_HEADER}' -}}}}"
+            "{%- for tool in tools -%}{{- '\n' + (tool | tojson) -}}{%- endfor -%}"
+            f"{{{{- '{_GLM_TOOLS_FOOTER}' -}}}}"
+            "{%- endif -%}"
+            "{%- for message in messages -%}"
+            "{%- if message['role'] == 'assistant' -%}"
+            "{{- '<|assistant|>' -}}"
+            "{%- generation -%}"
+            "{%- set text = render(message['content'] or '') -%}"
+            "{%- if text -%}{{- '\n' + text -}}{%- endif -%}"
+            "{%- for call in message['tool_calls'] or [] -%}"
+            "{%- set fn = call['function'] if call['function'] is defined else call -%}"
+            "{{- '\n<tool_call>' + fn['name'] + '\n' -}}"
+            "{%- set args = fn['arguments'] if fn['arguments'] is mapping else {} -%}"
+            "{%- for key, value in args.items() -%}"
+            "{{- '<arg_key>' + key + '</arg_key>\n<arg_value>' -}}"
+            "{{- (value if value is string else value | tojson) + '</arg_value>\n' -}}"
+            "{%- endfor -%}"
+            "{{- '</tool_call>' -}}"
+            "{%- endfor -%}"
+            "{%- endgeneration -%}"
+            "{%- elif message['role'] == 'tool' -%}"
+            "{%- if loop.first or loop.previtem['role'] != 'tool' -%}{{- '<|observation|>' -}}{%- endif -%}"
+            "{{- '\n<tool_response>\n' + render(message['content']) + '\n</tool_response>' -}}"
+            "{%- else -%}"
+            "{{- '<|' + message['role'] + '|>\n' + render(message['content']) -}}"
+            "{%- endif -%}"
+            "{%- endfor -%}"
+            "{%- if add_generation_prompt -%}{{- '<|assistant|>' -}}{%- endif -%}"
+        )
+        .replace("IMAGE", repr(GLM_IMAGE))
+        .replace("VIDEO", repr(GLM_VIDEO))
+    )
+
+
 def family_response_template(vocab: dict[str, int], opener: str = "", end: str = "") -> dict:
     """How TRL reads tool calls back out of a completion in the family's turns: Qwen3's format; SmolVLM's turns
     open with ``Assistant:`` and end with ``<end_of_utterance>``; GLM-4.5V writes GLM-4.5's own call format. Families
@@ -210,6 +277,8 @@ def family_response_template(vocab: dict[str, int], opener: str = "", end: str =
 
 def family_tool_template(vocab: dict[str, int]) -> str | None:
     """The tool template for a tokenizer's family, told by its image token (None: unknown family)."""
+    if "<|observation|>" in vocab:
+        return glm_tool_template()
     if "<fake_token_around_image>" in vocab:
         return smolvlm_tool_template()
     if "<image>" in vocab and "<|im_start|>" in vocab:

@@ -81,10 +81,8 @@ def build_trainer(
 ) -> tuple[VLMSFTTrainer, str | None]:
     """Everything before ``train()``: the trainer and the checkpoint to resume from (None: a fresh run)."""
     # Imported here, not at the top: `--help` needs none of it (see vlm_grpo.help_cache).
-    from trl import get_peft_config
-
     from vlm_grpo.recipe import evaluates, load_datasets, load_model, pick_module, preflight, resolve_run
-    from vlm_grpo.sft_trainer import SFTTransform, VLMSFTTrainer, assistant_masks_supported
+    from vlm_grpo.sft_trainer import SFTTransform, assistant_masks_supported
 
     check_tool_flags(script_args)
     refuse_reward_flags(script_args)
@@ -113,7 +111,25 @@ def build_trainer(
     logger.info("Data: %d training rows, %d evaluation rows", len(train_dataset), len(eval_dataset or []))
 
     model = load_model(module, model_args, training_args.trust_remote_code)
-    trainer = VLMSFTTrainer(
+    return make_trainer(model, training_args, model_args, module, processor, train_dataset, eval_dataset), resume
+
+
+def make_trainer(
+    model: Any,
+    training_args: VLMSFTConfig,
+    model_args: VLMModelConfig,
+    module: Any,
+    processor: Any,
+    train_dataset: Any,
+    eval_dataset: Any,
+    **extra: Any,
+) -> VLMSFTTrainer:
+    """The SFT trainer around a loaded model (``extra``: e.g. a ``data_collator``)."""
+    from trl import get_peft_config
+
+    from vlm_grpo.sft_trainer import VLMSFTTrainer
+
+    return VLMSFTTrainer(
         model=model,
         args=training_args,
         vlm_module=module,
@@ -123,8 +139,8 @@ def build_trainer(
         peft_config=get_peft_config(model_args),
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
+        **extra,
     )
-    return trainer, resume
 
 
 def check_tool_flags(script_args: GRPOScriptArguments) -> None:
@@ -157,12 +173,10 @@ def build_tool_trainer(
     eval_dataset: Any,
 ) -> VLMSFTTrainer:
     """The trainer for ``--tools``: rows replayed as the GRPO run's tool rollouts (:mod:`vlm_grpo.sft_tools`)."""
-    from trl import get_peft_config
 
     from vlm_grpo.cli_errors import UserError
     from vlm_grpo.recipe import load_model
     from vlm_grpo.sft_tools import ToolRolloutCollator, tool_rollout_dataset, type_key
-    from vlm_grpo.sft_trainer import VLMSFTTrainer
 
     if training_args.max_length is not None or not training_args.assistant_only_loss:
         given = "--max_length" if training_args.max_length is not None else "--assistant_only_loss false"
@@ -179,18 +193,8 @@ def build_tool_trainer(
     training_args.assistant_only_loss = training_args.completion_only_loss = False
     model = load_model(module, model_args, training_args.trust_remote_code)
     tokenizer = getattr(processor, "tokenizer", processor)
-    return VLMSFTTrainer(
-        model=model,
-        args=training_args,
-        vlm_module=module,
-        freeze_vision_modules=model_args.freeze_vision_modules,
-        lora_include_vision=model_args.lora_include_vision,
-        processing_class=processor,
-        peft_config=get_peft_config(model_args),
-        train_dataset=train,
-        eval_dataset=evaluation,
-        data_collator=ToolRolloutCollator(tokenizer.pad_token_id, type_key(model)),
-    )
+    collator = ToolRolloutCollator(tokenizer.pad_token_id, type_key(model))
+    return make_trainer(model, training_args, model_args, module, processor, train, evaluation, data_collator=collator)
 
 
 _TOOL_BUDGETS = ("max_turn_tokens", "max_tool_images", "max_context_tokens")

@@ -37,6 +37,20 @@ def is_zero3(accelerator: Any) -> bool:
 _warned: set[str] = set()
 
 
+def generation_model(trainer: Any) -> Any:
+    """TRL's ``unwrap_model_for_generation`` with the trainer's settings: the model to generate with (ZeRO-3
+    parameters gathered when ``ds3_gather_for_generation``), as TRL's own generation enters it."""
+    from trl.models.utils import unwrap_model_for_generation
+
+    return unwrap_model_for_generation(
+        trainer.model_wrapped,
+        trainer.accelerator,
+        gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
+        generation_kwargs=trainer.generation_kwargs,
+        gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
+    )
+
+
 def warn_once(log: logging.Logger, message: str, level: int = logging.WARNING) -> None:
     """Log ``message`` once per process (at ``level``): the paths that call this run every step."""
     if message not in _warned:

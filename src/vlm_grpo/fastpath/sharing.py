@@ -37,7 +37,7 @@ from vlm_grpo.fastpath import decode
 from vlm_grpo.fastpath.block_attention import LAYOUT_KWARG, PackedLayout, packing, use_block_attention, varlen_layout
 from vlm_grpo.fastpath.compiled_layers import compiled_layers
 from vlm_grpo.fastpath.turn_cache import remember_shared
-from vlm_grpo.utils import is_zero3, peft_base, warn_once
+from vlm_grpo.utils import generation_model, is_zero3, peft_base, warn_once
 
 logger = logging.getLogger(__name__)
 
@@ -377,7 +377,6 @@ def shared_prefill_generate(
     shared, but ``fast_decode`` still beats ``generate``: these rows take this path when it is on. The
     decision is this rank's alone (ranks may be in different turns; see :mod:`vlm_grpo.fastpath.route`).
     """
-    from trl.models.utils import unwrap_model_for_generation
 
     module = trainer.vlm_module
     device = trainer.accelerator.device
@@ -411,13 +410,7 @@ def shared_prefill_generate(
     order = [r for g in groups for r in g.rows]
 
     with (
-        unwrap_model_for_generation(
-            trainer.model_wrapped,
-            trainer.accelerator,
-            gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
-            generation_kwargs=trainer.generation_kwargs,
-            gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
-        ) as unwrapped,
+        generation_model(trainer) as unwrapped,
         torch.no_grad(),
     ):
         from transformers import DynamicCache

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from vlm_grpo.fastpath import decode
-from vlm_grpo.utils import peft_base, warn_once
+from vlm_grpo.utils import generation_model, peft_base, warn_once
 
 logger = logging.getLogger(__name__)
 
@@ -227,7 +227,6 @@ def continue_turns(
 
     Returns the completions (cut after the first EOS) in the rows' order, or None for inputs this path does not
     know (the caller then prefills the whole history)."""
-    from trl.models.utils import unwrap_model_for_generation
 
     reason = _unhonoured(trainer.generation_config)
     if fields.get("pixel_values_videos") is not None:
@@ -267,13 +266,7 @@ def continue_turns(
         image_start += n_images
 
     with (
-        unwrap_model_for_generation(
-            trainer.model_wrapped,
-            trainer.accelerator,
-            gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
-            generation_kwargs=trainer.generation_kwargs,
-            gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
-        ) as unwrapped,
+        generation_model(trainer) as unwrapped,
         torch.no_grad(),
     ):
         base = peft_base(unwrapped)

@@ -213,7 +213,8 @@ def test_parquet_bytes_save_to_disk_and_hub_cache_train_two_steps(tiny_models, t
     i = argv.index("--image_folders")
     del argv[i : i + 2]  # the images are embedded: no folder (a folder that does not exist would be refused)
     argv += ["--prompt_key", "question", "--answer_key", "gt", "--image_key", "pics"]
-    argv += ["--eval_file_paths", str(tmp_path / "eval.parquet")]
+    # Evaluation at step 1000 of 2: the eval rows are read and checked, and no evaluation runs.
+    argv += ["--eval_file_paths", str(tmp_path / "eval.parquet"), "--eval_strategy", "steps", "--eval_steps", "1000"]
     argv += ["--format_prompt", str(REPO / "configs" / "templates" / "r1v.jinja")]
     trainer = main(*parse_args(argv))
     assert trainer.state.global_step == 2

@@ -343,11 +343,15 @@ def load_datasets(
 
     ``evaluates=False`` (``--eval_strategy no`` without ``--eval_on_start``): the eval files are not read, since
     nothing would use them (a run config that names them, as a converted EasyR1 YAML does, still starts when
-    they are absent here); one info line says so."""
+    they are absent here); one warning says so."""
     rows = load_checked_rows(script_args, module, processor)
     eval_files = script_args.eval_file_paths
     if eval_files and not evaluates:
-        logger.info("--eval_file_paths %s not read: the run never evaluates (--eval_strategy no)", eval_files)
+        logger.warning(
+            "--eval_file_paths %s not read: the run never evaluates (--eval_strategy no); to evaluate, add "
+            "--eval_strategy steps --eval_steps N (or --eval_on_start)",
+            eval_files,
+        )
         eval_files = None
     if not eval_files:
         return to_datasets(rows, module, script_args.val_split_ratio, seed)

@@ -12,7 +12,8 @@ from PIL import Image
 from vlm_grpo.rewards import REWARDS, completion_text
 from vlm_grpo.rewards.turns import final_answer, final_turn, model_turns, tool_observations
 from vlm_grpo.tools.protocols import PROTOCOLS, PYVISION_NO_CODE, function_call, resolve_protocol
-from vlm_grpo.tools.rollouts import MALFORMED_CALL, ToolTurns, build_tool_environment, rollout_messages, tool_turns
+from vlm_grpo.tools.rollout_text import rollout_messages
+from vlm_grpo.tools.rollouts import MALFORMED_CALL, ToolTurns, build_tool_environment, tool_turns
 
 PYTHON = "python"
 ZOOM = '<tool_call>\n{"name": "zoom_in", "arguments": {"bbox_2d": [1, 2, 30, 40]}}\n</tool_call>'

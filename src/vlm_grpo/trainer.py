@@ -37,6 +37,7 @@ from vlm_grpo.fastpath.vision_sync import install_vision_sync, needs_vision_sync
 from vlm_grpo.modules import VLMModule
 from vlm_grpo.rewards import build_reward_funcs
 from vlm_grpo.rollout_log import RolloutLogMixin
+from vlm_grpo.tools.rollout_text import rollout_messages, rollout_tool_stats
 from vlm_grpo.tools.rollouts import (
     MALFORMED_CALL,
     ToolBatch,
@@ -44,8 +45,6 @@ from vlm_grpo.tools.rollouts import (
     build_tool_environment,
     parse_with_protocol,
     prepare_for_tools,
-    rollout_messages,
-    rollout_tool_stats,
     tile_fields,
     tool_turns,
 )
@@ -459,7 +458,7 @@ class VLMGRPOTrainer(
 
     def _generate(self, prompts: list):
         """TRL's; with tools, each completion handed on (rewards, ``--rollout_log``, the completions table) is the
-        rollout as the model wrote and read it (:func:`~vlm_grpo.tools.rollouts.rollout_messages`), rebuilt from
+        rollout as the model wrote and read it (:func:`~vlm_grpo.tools.rollout_text.rollout_messages`), rebuilt from
         its tokens: TRL's parsed messages move ``<think>`` and the calls out of the text."""
         if self.tools and self.args.share_prefill and self.args.fast_decode:
             # Each rollout's KV cache is held from one turn to the next (see vlm_grpo.fastpath.turn_cache).

@@ -33,7 +33,7 @@ import copy
 import inspect
 import logging
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +43,8 @@ from vlm_grpo.fastpath import decode_attention as attention_module
 from vlm_grpo.fastpath import decode_mlp
 from vlm_grpo.fastpath.block_attention import as_sdpa
 from vlm_grpo.fastpath.decode_attention import SHARED_KWARG, decode_attention
+from vlm_grpo.fastpath.decode_autocast import AutocastState
+from vlm_grpo.fastpath.decode_autocast import without_cast_cache as _autocast
 from vlm_grpo.fastpath.decode_cache import cache_restored, decode_cache
 from vlm_grpo.fastpath.decode_fusion import fused_nbytes, fused_projections, kept_tensors, release_kept, stand_in
 from vlm_grpo.fastpath.decode_select import InStep, Selection, in_graph_blocker, signature
@@ -98,39 +100,6 @@ def unsupported_reason(model: Any) -> str | None:
         return "sliding-window or hybrid attention layers"
     # Generation options (beam search, stop strings, ...) never reach this point: see vlm_grpo.fastpath.route.
     return None
-
-
-# (device type, dtype) of the autocast a forward runs under; None: none.
-AutocastState = tuple[str, torch.dtype] | None
-
-
-@contextlib.contextmanager
-def autocast_seen(module: torch.nn.Module) -> Iterator[list[AutocastState]]:
-    """Record the autocast ``module`` first runs under inside the block (the list gets one entry).
-
-    ``generate`` calls the model's own forward, which may enter an autocast: accelerate wraps a prepared model's
-    forward in its mixed-precision autocast (``--bf16`` without DeepSpeed), and TRL generates through it. The
-    decode step calls the decoder directly, past that wrapper, so it re-enters what the prefill ran under."""
-    seen: list[AutocastState] = []
-
-    def hook(mod: torch.nn.Module, args: Any, kwargs: Any) -> None:
-        if not seen:
-            kind = next(mod.parameters()).device.type
-            seen.append((kind, torch.get_autocast_dtype(kind)) if torch.is_autocast_enabled(kind) else None)
-
-    handle = module.register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        yield seen
-    finally:
-        handle.remove()
-
-
-def _autocast(state: AutocastState) -> contextlib.AbstractContextManager:
-    """``state``'s autocast without its cast cache: a weight cast cached during a warm-up pass would be reused,
-    not recorded, by the graph capture (torch's CUDA-graph notes ask for ``cache_enabled=False``)."""
-    if state is None:
-        return contextlib.nullcontext()
-    return torch.autocast(state[0], dtype=state[1], cache_enabled=False)
 
 
 def cache_kwarg(model: Any, cache: Any) -> dict[str, Any]:
@@ -252,7 +221,7 @@ class _Step:
     def _forward(self, decoder: Any, head: Any) -> torch.Tensor:
         if self.in_step is not None:
             self.in_step.before()
-        # Grouped K/V not copied per query head (sdpa); the prefill's autocast (see autocast_seen).
+        # Grouped K/V not copied per query head (sdpa); the prefill's autocast (see decode_autocast.autocast_seen).
         with decode_attention(decoder.config), _autocast(self.autocast):
             logits = self._fn(decoder, head, self.tokens, self.positions, self.mask, self._cache_kwarg)
         if self.in_step is not None:
@@ -380,7 +349,7 @@ def fast_decode(
     unique prompt of row k. ``next_positions`` are the rotary positions of each unique prompt's last
     token: ``(U,)`` for 1-D models, ``(3, U)`` for mrope. Returns ``(rows, steps)`` token ids, pad after
     EOS, like ``generate(...)[:, prompt_len:]``. ``fuse``: q|k|v and gate|up run as one GEMM each
-    (:mod:`vlm_grpo.fastpath.decode_fusion`). ``autocast``: what the prefill ran under (:func:`autocast_seen`).
+    (:mod:`vlm_grpo.fastpath.decode_fusion`). ``autocast``: the prefill's (``autocast_seen``).
     ``keep``: keep the workspace (cache, buffers, captured graphs) and the fused copy for the next call, which
     then replays the graphs instead of capturing them again, as long as the batch's rows, the settings, the
     model's module modes and the addresses of its tensors are the same and the cache is long enough (else it

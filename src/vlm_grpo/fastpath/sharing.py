@@ -36,6 +36,7 @@ import torch
 from vlm_grpo.fastpath import decode
 from vlm_grpo.fastpath.block_attention import LAYOUT_KWARG, PackedLayout, packing, use_block_attention, varlen_layout
 from vlm_grpo.fastpath.compiled_layers import compiled_layers
+from vlm_grpo.fastpath.decode_autocast import autocast_seen
 from vlm_grpo.fastpath.turn_cache import remember_shared
 from vlm_grpo.utils import generation_model, is_zero3, peft_base, warn_once
 
@@ -424,7 +425,7 @@ def shared_prefill_generate(
         positions = _generation_positions(base, lead_ids[:, :-1], prefill)
         if positions is not None:
             prefill["position_ids"] = positions
-        with decode.autocast_seen(base.get_decoder()) as amp:
+        with autocast_seen(base.get_decoder()) as amp:
             unwrapped(input_ids=lead_ids[:, :-1], **decode.cache_kwarg(unwrapped, cache), use_cache=True, **prefill)
         decode_positions = _next_positions(positions, getattr(backbone, "rope_deltas", None))
         reason = _fast_decode_blocker(trainer, unwrapped, decode_positions)

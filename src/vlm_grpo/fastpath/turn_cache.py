@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from vlm_grpo.fastpath import decode
+from vlm_grpo.fastpath.decode_autocast import autocast_seen
 from vlm_grpo.utils import generation_model, peft_base, warn_once
 
 logger = logging.getLogger(__name__)
@@ -377,7 +378,7 @@ def _prefill_and_decode(
         inputs["mm_token_type_ids"] = (chunk_ids == turns.image_pad_id).long()
     if "logits_to_keep" in accepted:
         inputs["logits_to_keep"] = 1
-    with decode.autocast_seen(base.get_decoder()) as amp:
+    with autocast_seen(base.get_decoder()) as amp:
         if width:
             unwrapped(
                 input_ids=chunk_ids,

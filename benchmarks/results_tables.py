@@ -305,9 +305,9 @@ def summary(files: list[tuple[Path, dict[str, Any]]]) -> list[str]:
     """One row per file that holds vanilla TRL and the default VLMGRPOTrainer (`ours`) side by side."""
     out = [
         "## Summary: VLMGRPOTrainer against vanilla TRL\n",
-        "Qwen2.5-VL-3B shapes, G=8, 2 prompts per step, bf16, gradient checkpointing, one card.\n",
-        "| scenario | card | vanilla s/step | vlm-grpo s/step | speed-up | peak GiB (vanilla → vlm-grpo) | file |",
-        "|---|---|---|---|---|---|---|",
+        "Real architectures' shapes (`--preset`), G=8, 2 prompts per step, bf16, gradient checkpointing, one card.\n",
+        "| model | scenario | card | vanilla s/step | vlm-grpo s/step | speed-up | peak GiB (vanilla → vlm-grpo) | file |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for path, data in files:
         if _kind(data) not in ("grpo", "tools"):
@@ -321,7 +321,7 @@ def summary(files: list[tuple[Path, dict[str, Any]]]) -> list[str]:
             label = r["scenario"] + (f", LoRA r{data['args']['lora_r']}" if data["args"].get("lora_r") else "")
             label += ", tools" if _kind(data) == "tools" else ""
             out.append(
-                f"| {label} | {data.get('device')} | {_fmt(base['step_s'])} | {_fmt(r['step_s'])} "
+                f"| {data['args'].get('preset', '-')} | {label} | {data.get('device')} | {_fmt(base['step_s'])} | {_fmt(r['step_s'])} "
                 f"| **{base['step_s'] / r['step_s']:.1f}x** | {_fmt(base.get('peak_mem_gib'), 1)} → "
                 f"{_fmt(r.get('peak_mem_gib'), 1)} | [{path.stem}](#{path.stem}) |"
             )

@@ -141,9 +141,10 @@ def geo3k_questions(n: int, seed: int) -> list[str]:
 @torch.no_grad()
 def install_eos_bias(model: Any, eos_id: int, mean: int, seed: int = 0) -> float:
     """Give the LM head a bias on ``eos_id`` so that a sampled token (temperature 1) is EOS with probability about
-    ``1 / mean``. Calibrated on random token ids through the model's own decoder: the bias is the wanted log-odds
-    minus the median log-odds of EOS without it. The head keeps its (possibly tied) weight; the bias does not train.
-    Returns the bias."""
+    ``1 / mean``. Calibrated on random token ids through the model's own decoder: the bias makes the EOS probability
+    averaged over those positions ``1 / mean`` (a geometric length's mean is 1 / the average stop probability; the
+    median log-odds would overshoot it, as the probability is convex in them). The head keeps its (possibly tied)
+    weight; the bias does not train. Returns the bias."""
     from vlm_grpo.utils import peft_base
 
     base = peft_base(model)
@@ -156,8 +157,7 @@ def install_eos_bias(model: Any, eos_id: int, mean: int, seed: int = 0) -> float
     eos = logits[..., eos_id].clone()
     logits[..., eos_id] = -math.inf
     log_odds = eos - torch.logsumexp(logits, dim=-1)
-    p = 1.0 / mean
-    bias_value = math.log(p / (1 - p)) - float(log_odds.median())
+    bias_value = calibrated_bias(log_odds.flatten(), 1.0 / mean)
     biased = torch.nn.Linear(head.in_features, head.out_features, bias=True, device=head.weight.device)
     biased.weight = head.weight  # the same Parameter: a tie with the input embedding stays a tie
     biased.bias = torch.nn.Parameter(torch.zeros(vocab, dtype=head.weight.dtype, device=head.weight.device))
@@ -165,6 +165,15 @@ def install_eos_bias(model: Any, eos_id: int, mean: int, seed: int = 0) -> float
     biased.bias.requires_grad_(False)
     base.set_output_embeddings(biased)
     return bias_value
+
+
+def calibrated_bias(log_odds: torch.Tensor, p: float) -> float:
+    """The bias b with mean(sigmoid(b + log_odds)) = p (bisection: the mean rises with b)."""
+    lo, hi = -100.0, 100.0
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if float(torch.sigmoid(log_odds.double() + mid).mean()) < p else (lo, mid)
+    return (lo + hi) / 2
 
 
 def length_stats(lengths: list[float]) -> dict[str, float]:

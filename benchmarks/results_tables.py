@@ -306,7 +306,8 @@ def summary(files: list[tuple[Path, dict[str, Any]]]) -> list[str]:
     out = [
         "## Summary: VLMGRPOTrainer against vanilla TRL\n",
         "Real architectures' shapes (`--preset`), G=8, 2 prompts per step, bf16, gradient checkpointing, one card.\n",
-        "| model | scenario | card | vanilla s/step | vlm-grpo s/step | speed-up | peak GiB (vanilla → vlm-grpo) | file |",
+        "| model | scenario | card | vanilla s/step | vlm-grpo s/step | speed-up "
+        "| peak GiB (vanilla → vlm-grpo) | file |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for path, data in files:
@@ -321,7 +322,8 @@ def summary(files: list[tuple[Path, dict[str, Any]]]) -> list[str]:
             label = r["scenario"] + (f", LoRA r{data['args']['lora_r']}" if data["args"].get("lora_r") else "")
             label += ", tools" if _kind(data) == "tools" else ""
             out.append(
-                f"| {data['args'].get('preset', '-')} | {label} | {data.get('device')} | {_fmt(base['step_s'])} | {_fmt(r['step_s'])} "
+                f"| {data['args'].get('preset', '-')} | {label} | {data.get('device')} "
+                f"| {_fmt(base['step_s'])} | {_fmt(r['step_s'])} "
                 f"| **{base['step_s'] / r['step_s']:.1f}x** | {_fmt(base.get('peak_mem_gib'), 1)} → "
                 f"{_fmt(r.get('peak_mem_gib'), 1)} | [{path.stem}](#{path.stem}) |"
             )

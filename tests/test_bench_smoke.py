@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -265,7 +266,7 @@ def test_shape_eos_bias_sets_the_stop_probability():
 
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
-        from bench_shape import install_eos_bias, parse_shape
+        from bench_shape import calibrated_bias, install_eos_bias, parse_shape
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
     from vlm_grpo.testing.tiny import build_model
@@ -281,8 +282,14 @@ def test_shape_eos_bias_sets_the_stop_probability():
 
     assert p_eos() < 0.01  # control: the random model alone almost never stops
     install_eos_bias(model, eos, mean=20)
-    assert 0.5 / 20 < p_eos() < 2 / 20
+    assert 0.8 / 20 < p_eos() < 1.25 / 20
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # the tie is kept
+    # Spread log-odds: the average stop probability is what sets a geometric mean length, not the median's.
+    spread = torch.tensor([-9.0, -6.0, -3.0])
+    b = calibrated_bias(spread, 1 / 500)
+    assert float(torch.sigmoid(spread + b).mean()) == pytest.approx(1 / 500, rel=1e-6)
+    from_median = math.log((1 / 500) / (1 - 1 / 500)) - float(spread.median())
+    assert float(torch.sigmoid(spread + from_median).mean()) > 1.5 / 500  # control: the median's bias stops early
     with pytest.raises(SystemExit, match="must split into 4 updates"):
         parse_shape("easyr1_geo3k:prompts=3")
     with pytest.raises(SystemExit, match="'bogus' is not a shape field"):

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from vlm_grpo.fastpath import decode_attention as attention_module
+from vlm_grpo.fastpath import decode_compact as compaction
 from vlm_grpo.fastpath import decode_mlp
 from vlm_grpo.fastpath.block_attention import as_sdpa
 from vlm_grpo.fastpath.decode_attention import SHARED_KWARG, decode_attention
@@ -270,8 +271,9 @@ class _Step:
 @dataclass(eq=False)
 class _Workspace:
     """What the decode steps read and write besides the model: the static cache (``slots`` per row), the fed
-    tokens and positions, the mask, the graphs' memory pool, the token selection's buffers, and one step per
-    attention window (by its length).
+    tokens and positions, the mask, the graphs' memory pool, the token selection's buffers, the batch row each
+    row holds (``order``, see :mod:`vlm_grpo.fastpath.decode_compact`), a view per width, and one step per
+    width and attention window (by the two).
     Made per generation call, or kept for the next one (see :func:`fast_decode`'s ``keep``) under ``key`` (every
     setting a step's graph bakes in) and ``pointers`` (the addresses of every tensor of the model it reads)."""
 
@@ -284,8 +286,10 @@ class _Workspace:
     mask: torch.Tensor
     pool: Any
     selection: Selection
+    order: torch.Tensor
     shared: tuple[torch.Tensor, torch.Tensor] | None = None
-    steps: dict[int, _Step] = field(default_factory=dict)
+    views: dict[int, compaction.View] = field(default_factory=dict)
+    steps: dict[tuple[int, int], _Step] = field(default_factory=dict)
 
 
 # One kept workspace per decoder (keep_decode_graphs); its steps hold no reference to the model.
@@ -418,7 +422,7 @@ def fast_decode(
         try:
             out = _decode(
                 decoder, head, ws, layers, index, input_ids, attention_mask, next_positions, gc, processors,
-                prefix, steps, windowed, use_graph, compile, autocast, in_step,
+                prefix, steps, windowed, use_graph, compile, autocast, in_step, export is not None,
             )  # fmt: skip
             if export is not None:
                 export.append(ws.cache)
@@ -490,25 +494,20 @@ def _workspace(
     if attn == "sdpa" and attention_module.SHARED_PROMPT:  # int32: what decode_kernel's shared takes
         int32 = {"dtype": torch.int32, "device": device}
         shared = (torch.zeros(rows, **int32), torch.zeros((), **int32))  # first rows (per call), prompt slots
-    return _Workspace(key, pointers, slots, cache, tokens, positions, mask, pool, selection, shared)
-
-
-def _first_rows(index: torch.Tensor) -> torch.Tensor:
-    """Per row, the first row with the same unique prompt (``index[k]``): the rows whose prompt slots it copies."""
-    rows = torch.arange(index.numel(), device=index.device)
-    first = torch.full_like(rows, index.numel())  # one entry per unique prompt at most (index < rows): no host sync
-    return first.scatter_reduce(0, index, rows, "amin")[index]
+    order = torch.arange(rows, device=device)
+    return _Workspace(key, pointers, slots, cache, tokens, positions, mask, pool, selection, order, shared)
 
 
 def _decode(
     decoder: Any, head: Any, ws: _Workspace, layers: Any, index, input_ids, attention_mask, next_positions,
     gc: Any, processors: Any, prefix: int, steps: int, windowed: bool, use_graph: bool, compile: bool,
-    autocast: AutocastState, in_step: bool,
+    autocast: AutocastState, in_step: bool, exported: bool,
 ) -> torch.Tensor:  # fmt: skip
     """The decode loop of :func:`fast_decode` over the workspace ``ws``; ``head``: the LM head or its stand-in.
-    ``in_step``: each step (its graph) selects the next token itself; else the loop does, after each replay."""
-    device = input_ids.device
+    ``in_step``: each step (its graph) selects the next token itself; else the loop does, after each replay.
+    ``exported``: the cache is handed on, so its rows are put back in batch order after a compaction."""
     prompt_len = input_ids.size(1)
+    rows = input_ids.size(0)
     cache, mask, tokens, positions, sel = ws.cache, ws.mask, ws.tokens, ws.positions, ws.selection
     size = ws.slots - 1 if windowed else ws.slots
     if mask.dtype == torch.bool:
@@ -528,48 +527,76 @@ def _decode(
     tokens.copy_(input_ids[:, -1:])
     positions.copy_(next_positions[..., index].unsqueeze(-1))
     sel.load(input_ids, prefix, gc, processors)
+    ws.order.copy_(torch.arange(rows, device=ws.order.device))
     del layers
-    selector = InStep(sel, mask, attend, gc.do_sample, tokens, positions, compile) if in_step else None
+    if ws.shared is not None:  # the decode attention reads each prompt's slots from its first row (see _workspace)
+        ws.shared[0].copy_(compaction.first_rows(index))
+        ws.shared[1].fill_(prefix)
+    compact = compaction.enabled(processors, rows, sel.eos is not None)
+
+    # Per width (rows leave the batch: decode_compact), the selection in the step and how the decoder takes the cache.
+    per_width: dict[int, tuple[InStep | None, dict[str, Any]]] = {}
+
+    def step_for(width: int, length: int) -> _Step:
+        step = ws.steps.get((width, length))
+        if step is None:  # a width or window not reached before: its step captures on its first call
+            v = compaction.view(ws, width)
+            if width not in per_width:
+                fed = (v.tokens, v.positions)
+                select = InStep(v.selection, v.mask, attend, gc.do_sample, *fed, compile) if in_step else None
+                shared = {SHARED_KWARG: v.shared} if v.shared is not None else {}
+                per_width[width] = (select, {**cache_kwarg(decoder, v.cache), **shared})
+            selector, cache_kw = per_width[width]
+            view = _window_mask(v.mask, length, compile) if windowed else v.mask
+            warmups = 1 if ws.steps else 2  # later steps: the kernels are compiled and loaded already
+            step = ws.steps[width, length] = _Step(
+                v.cache, cache_kw, v.tokens, v.positions, view, use_graph, compile, warmups, ws.pool,
+                warm_up=windowed, autocast=autocast, in_step=selector,
+            )  # fmt: skip
+        return step
 
     # The selection counts, on the device, the steps produced while some row was unfinished (the output length
     # generate would return); the host checks for "all finished" only every _CHECK_EVERY tokens, not every token.
     # generate draws once per token it returns; this loop may run up to _CHECK_EVERY - 1 steps past the end.
     # The sampler's state before each draw since the last check is kept, to hand back what generate leaves.
-    rng = _default_generator(device) if gc.do_sample else None
+    rng = _default_generator(input_ids.device) if gc.do_sample else None
     states: dict[int, torch.Tensor] = {}
-    cache_kw = cache_kwarg(decoder, cache)
-    if ws.shared is not None:  # the decode attention reads each prompt's slots from its first row (see _workspace)
-        ws.shared[0].copy_(_first_rows(index))
-        ws.shared[1].fill_(prefix)
-        cache_kw[SHARED_KWARG] = ws.shared
+    stats = compaction.last_stats = compaction.DecodeStats(rows=rows, widths=[rows])
+    width, length = rows, 0
     step: _Step | None = None
     t = -1
     for t in range(steps):
         if t in windows:
-            length = windows[t]
-            step = ws.steps.get(length)
-            if step is None:  # a window not reached before: its step captures on its first call
-                view = _window_mask(mask, length, compile) if windowed else mask
-                warmups = 1 if ws.steps else 2  # later windows: the kernels are compiled and loaded already
-                step = ws.steps[length] = _Step(
-                    cache, cache_kw, tokens, positions, view, use_graph, compile, warmups, ws.pool,
-                    warm_up=windowed, autocast=autocast, in_step=selector,
-                )  # fmt: skip
-        if selector is not None:
-            if rng is not None:
-                states[t] = rng.get_state()  # host-side (CPU state, or CUDA seed + offset): no device sync
+            length, step = windows[t], None
+        if step is None:
+            step = step_for(width, length)
+        if rng is not None:
+            states[t] = rng.get_state()  # host-side (CPU state, or CUDA seed + offset): no device sync
+        if in_step:
             step(decoder, head)
         else:
-            sel.open(mask, attend)
+            v = compaction.view(ws, width)
+            v.selection.open(mask, attend)
             logits = step(decoder, head)  # consumed (copied) by the selection before the next replay
-            if rng is not None:
-                states[t] = rng.get_state()
-            sel.select(logits, processors, sel.out[:, : prompt_len + t], gc.do_sample, tokens, positions)
+            ids = v.selection.out[:, : prompt_len + t]
+            v.selection.select(logits, processors, ids, gc.do_sample, v.tokens, v.positions)
+        stats.steps, stats.row_steps = t + 1, stats.row_steps + width
         if sel.eos is not None and (t + 1) % _CHECK_EVERY == 0:
-            if not bool(sel.unfinished.any()):
+            live = int(sel.unfinished[:width].sum())
+            if not live:
                 break
             states.clear()  # some row goes on: the output is longer than t + 1 tokens
+            new = compaction.narrower(rows, width, live) if compact and t + 1 < steps else None
+            if new is not None:
+                compaction.compact(ws, width, new, prefix + t + 1, prompt_len + t + 1, index)
+                width, step = new, None
+                stats.widths.append(width)
     length = int(sel.produced) if sel.eos is not None else steps
     if rng is not None and length < t + 1:
         rng.set_state(states[length])  # the sampler as generate leaves it: later draws (next step, next batch) agree
-    return sel.out[:, prompt_len : prompt_len + length].clone()  # a kept workspace's buffer: the next call reuses it
+    out = sel.out[:, prompt_len : prompt_len + length]
+    if width == rows:
+        return out.clone()  # a kept workspace's buffer: the next call reuses it
+    if exported:
+        compaction.cache_in_batch_order(ws, prefix + t + 1)
+    return compaction.in_batch_order(ws, out)

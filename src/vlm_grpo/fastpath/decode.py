@@ -19,6 +19,11 @@ it; its warm-up passes write into the live cache mid-decode, so :func:`cache_res
 wrote. Eager attention keeps one window over the whole cache (transformers' eager path adds the mask to
 scores over every slot).
 
+Finished rows leave the batch (:mod:`vlm_grpo.fastpath.decode_compact`): at the host's checks for "every row ended"
+(every ``_CHECK_EVERY`` tokens), once the live rows fit half the batch or less, they move to the front of the
+workspace and the loop goes on over a narrower width, with steps (graphs) made per width and window. Tokens are
+unchanged; a narrowed selection draws its noise for the whole batch, each row taking its own.
+
 Kept graphs (``keep_decode_graphs``): capturing costs two warm-up passes and the capture, ~0.04-0.08 s per call
 at 3B on an H100. A kept :class:`_Workspace` (cache, buffers, mask, the steps and their graphs) and the kept fused
 copy serve the next call: it loads its prompt into the same buffers and replays. It is used only while nothing a
@@ -41,13 +46,13 @@ import torch
 
 from vlm_grpo.fastpath import decode_attention as attention_module
 from vlm_grpo.fastpath import decode_compact as compaction
-from vlm_grpo.fastpath import decode_mlp
+from vlm_grpo.fastpath import decode_keep, decode_mlp
 from vlm_grpo.fastpath.block_attention import as_sdpa
 from vlm_grpo.fastpath.decode_attention import SHARED_KWARG, decode_attention
 from vlm_grpo.fastpath.decode_autocast import AutocastState
 from vlm_grpo.fastpath.decode_autocast import without_cast_cache as _autocast
 from vlm_grpo.fastpath.decode_cache import cache_restored, decode_cache
-from vlm_grpo.fastpath.decode_fusion import fused_nbytes, fused_projections, kept_tensors, release_kept, stand_in
+from vlm_grpo.fastpath.decode_fusion import fused_nbytes, fused_projections, release_kept, stand_in
 from vlm_grpo.fastpath.decode_select import InStep, Selection, in_graph_blocker, signature
 from vlm_grpo.fastpath.fallback import EagerOnFailure
 from vlm_grpo.utils import peft_base, warn_once
@@ -64,9 +69,6 @@ CACHE_BUCKET = 256
 # holds its prompt + t + 1 tokens (capped at the cache length). One graph per window; 0: one window, the whole
 # cache (the behaviour before windows). Smaller windows read fewer unwritten slots but capture more graphs.
 ATTENTION_WINDOW = 256
-# keep_decode_graphs None: keep the decode workspace and the fused copy between generation calls when together
-# they take at most this fraction of the card's memory (3B on an 80 GB card: ~4.6 GB, kept; 7B: ~10 GB, not).
-KEEP_FRACTION = 0.1
 # Tests: take the windowed path (a step per window, its warm-ups under cache_restored, sliced attention)
 # without CUDA graphs too, so that CPU runs cover it.
 _WINDOWS_WITHOUT_GRAPH = False
@@ -296,26 +298,6 @@ class _Workspace:
 _KEPT: weakref.WeakKeyDictionary[torch.nn.Module, _Workspace] = weakref.WeakKeyDictionary()
 
 
-def _pointers(decoder: Any, head: Any) -> tuple:
-    """Address, shape and strides of every tensor a decode step reads from the model: its parameters and buffers,
-    the head's, and the fused copies (a graph replays reads from these addresses as it laid them out when captured;
-    ZeRO-3 or ``model.to`` would move them)."""
-    tensors = (*decoder.parameters(), *decoder.buffers(), *head.parameters(), *head.buffers(), *kept_tensors(decoder))
-    return tuple((t.data_ptr(), tuple(t.shape), t.stride()) for t in tensors)
-
-
-def _modes(decoder: Any) -> tuple:
-    """Per module, what a forward reads besides tensors and a graph would bake in: its class, train / eval, and a
-    LoRA layer's active adapters, their switches and scalings."""
-    modes = []
-    for m in decoder.modules():
-        mode: tuple = (type(m), m.training)
-        if hasattr(m, "active_adapters") and hasattr(m, "scaling"):
-            mode += (tuple(m.active_adapters), m.disable_adapters, m.merged, tuple(sorted(m.scaling.items())))
-        modes.append(mode)
-    return tuple(modes)
-
-
 def _prepared_generation_config(base: Any, generation_config: Any, prompt_len: int, device) -> Any:
     """The generation config ``generate`` would use: model defaults merged, special tokens as tensors."""
     gc, _ = base._prepare_generation_config(copy.deepcopy(generation_config))
@@ -357,7 +339,8 @@ def fast_decode(
     ``keep``: keep the workspace (cache, buffers, captured graphs) and the fused copy for the next call, which
     then replays the graphs instead of capturing them again, as long as the batch's rows, the settings, the
     model's module modes and the addresses of its tensors are the same and the cache is long enough (else it
-    makes a new one); None: keep them under a CUDA graph when they take at most ``KEEP_FRACTION`` of the card.
+    makes a new one); None: keep them under a CUDA graph when they take at most ``decode_keep.KEEP_FRACTION`` of
+    the card.
     ``export``: a list that gets the decode's static cache appended (the prompt's K/V from slot 0, then the fed
     tokens' from slot ``prompt_len - 1``); read it before the next call, which may reuse it.
     """
@@ -395,7 +378,8 @@ def fast_decode(
     key = (
         rows, tuple((x.dtype, x.size(1), x.size(-1)) for layer in layers for x in (layer.keys, layer.values)),
         attn, windowed, tuple(next_positions.shape[:-1]), use_graph, compile, (fuse, decode_mlp.switches()), autocast,
-        _modes(decoder), eos_count, in_step and (gc.do_sample, signature(processors)), attention_module.SHARED_PROMPT,
+        decode_keep.modes(decoder), eos_count, in_step and (gc.do_sample, signature(processors)),
+        attention_module.SHARED_PROMPT,
     )  # fmt: skip
     if keep is None:
         kept = _KEPT.get(decoder)
@@ -404,14 +388,14 @@ def fast_decode(
             x.size(1) * x.size(-1) * x.element_size() for layer in layers for x in (layer.keys, layer.values)
         )
         fused = fused_nbytes(decoder, cast, head, rows) if fuse else 0
-        keep = _keep_by_default(use_graph, device, fused + held * rows * per_slot)
+        keep = decode_keep.keep_by_default(use_graph, device, fused + held * rows * per_slot)
         if not keep:  # over the budget now (a longer decode): what was kept goes
             _KEPT.pop(decoder, None)
             release_kept(decoder)
     # keep False leaves a kept workspace alone: it is neither used nor freed by this call.
     with fused_projections(decoder, cast, head, keep=keep, rows=rows) if fuse else contextlib.nullcontext():
         head = stand_in(decoder, head)
-        pointers = _pointers(decoder, head) if keep else ()
+        pointers = decode_keep.pointers(decoder, head) if keep else ()
         ws = _KEPT.pop(decoder, None) if keep else None
         if ws is not None and (ws.key != key or ws.slots < slots or ws.pointers != pointers):
             ws = None  # its graphs bake in something else, or read tensors that moved: freed before the new one
@@ -457,23 +441,6 @@ def resolve_keep_decode_graphs(setting: bool | None, sharded: bool) -> bool | No
             "keep_decode_graphs=False (or leave it unset)."
         )
     return False if sharded else setting
-
-
-def _keep_by_default(use_graph: bool, device: torch.device, nbytes: int) -> bool:
-    """``keep`` None: keep under a CUDA graph when the kept copy and cache take at most KEEP_FRACTION of the card."""
-    if not use_graph:
-        return False
-    total = torch.cuda.get_device_properties(device).total_memory
-    if nbytes <= KEEP_FRACTION * total:
-        return True
-    warn_once(
-        logger,
-        f"keep_decode_graphs: the decode graphs are captured again at every generation call: kept, the fused "
-        f"weights and the cache would hold {nbytes / 2**30:.1f} GiB between calls, more than {KEEP_FRACTION:.0%} of "
-        f"the card's {total / 2**30:.0f} GiB. Set keep_decode_graphs=True to keep them anyway.",
-        logging.INFO,
-    )
-    return False
 
 
 def _workspace(

@@ -50,7 +50,7 @@ def _config(model, sample: bool, eos: list[int] | None):
     return config
 
 
-def _run(model, config, batch, seed: int = 1, export: list | None = None, keep: bool = False):
+def _run(model, config, batch, seed: int = 1, export: list | None = None, keep: bool = False, compile: bool = False):
     """fast_decode's tokens and generate's for the batch (each after ``torch.manual_seed(seed)``)."""
     ids, mask, index = batch
     base = peft_base(model)
@@ -63,7 +63,17 @@ def _run(model, config, batch, seed: int = 1, export: list | None = None, keep: 
         nxt = _next_positions(positions, getattr(base.model, "rope_deltas", None))
         torch.manual_seed(seed)
         ours = decode.fast_decode(
-            model, cache, index, ids[index], mask[index], nxt, config, use_graph=False, keep=keep, export=export
+            model,
+            cache,
+            index,
+            ids[index],
+            mask[index],
+            nxt,
+            config,
+            use_graph=False,
+            compile=compile,
+            keep=keep,
+            export=export,
         )
         after = torch.rand(1)  # the sampler as the decode leaves it
         torch.manual_seed(seed)
@@ -278,3 +288,23 @@ def test_width_chain():
     assert decode_compact.narrower(320, 320, 7) == 10  # several halvings at once
     assert decode_compact.narrower(320, 3, 1) == 2
     assert decode_compact.narrower(320, 2, 1) is None  # the narrowest
+
+
+def test_a_compiled_step_recompiles_once_for_every_width(model, compacting, monkeypatch):
+    """Compiled: the first narrower width recompiles the step once (the row count turns dynamic), every later width
+    and a second call reuse it; the tokens stay generate's."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(decode, "_compiled_forward", None)
+    torch._dynamo.reset()
+    batch = _batch()
+    eos = _ragged_eos(model, False, batch)
+    config = _config(model, False, eos)
+    counters.clear()
+    graphs = []
+    for _ in range(2):
+        ours, plain, _ = _run(model, config, batch, compile=True)
+        assert ours == plain
+        assert len(decode_compact.last_stats.widths) >= 3
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs == [2, 2], graphs

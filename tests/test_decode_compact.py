@@ -149,6 +149,8 @@ def test_rows_leave_the_batch_and_every_token_stays_generates(sample, windows, m
     expected, widths = _row_steps(plain, eos)
     assert stats.widths == widths and len(widths) >= 3, (stats.widths, widths, str(lengths))
     assert stats.row_steps == expected < stats.full_row_steps, (stats.row_steps, expected, stats.full_row_steps)
+    live = sum(min(n, stats.steps) for n in lengths)  # each row's steps up to and with its EOS
+    assert live <= stats.row_steps < (live + stats.full_row_steps) / 2, (live, stats.row_steps, stats.full_row_steps)
 
 
 def test_in_step_selection_narrows_too(model, compacting, monkeypatch):

@@ -310,3 +310,15 @@ def test_a_compiled_step_recompiles_once_for_every_width(model, compacting, monk
         assert len(decode_compact.last_stats.widths) >= 3
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs == [2, 2], graphs
+
+
+def test_an_eager_attention_model_narrows_with_its_additive_mask(tiny_models, compacting):
+    """Eager attention adds a float mask to the scores: its rows move with the rest."""
+    from vlm_grpo.modules import get_vlm_module
+
+    path = str(tiny_models["qwen2_5_vl"])
+    eager = get_vlm_module(path).load_model(path, dtype=torch.float32, attn_implementation="eager").eval()
+    batch = _batch()
+    eos = _ragged_eos(eager, False, batch)
+    ours, plain, _ = _run(eager, _config(eager, False, eos), batch)
+    assert ours == plain and len(decode_compact.last_stats.widths) >= 3

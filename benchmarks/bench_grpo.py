@@ -22,6 +22,7 @@ Multi-turn tool rollouts (2 tool rounds, each returning an image, vs vanilla TRL
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import gc
 import io
@@ -35,6 +36,7 @@ import sys
 import tempfile
 import traceback
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -56,6 +58,7 @@ from bench_common import (
     hbm_bandwidth,
     is_vanilla,
     parse,
+    parse_variant,
     run_stamp,
     time_vision,
     timed_fast_decode,
@@ -179,6 +182,29 @@ def window_report(
 # --------------------------------------------------------------------------- runs
 
 
+@contextlib.contextmanager
+def counted_row_steps(timer: PhaseTimer, kind: str) -> Iterator[None]:
+    """Counts the rows ``fast_decode`` computes, summed over its steps (``_row_steps``), and what a decode at full
+    width to its last step would (``_full_row_steps``): finished rows leave the batch (fastpath.decode_compact). The
+    variant's ``compact_rows=false`` keeps every decode at full width."""
+    from vlm_grpo.fastpath import decode, decode_compact
+
+    real, compact = decode.fast_decode, decode_compact.COMPACT
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        out = real(*args, **kwargs)
+        timer.totals["_row_steps"] += decode_compact.last_stats.row_steps
+        timer.totals["_full_row_steps"] += decode_compact.last_stats.full_row_steps
+        return out
+
+    decode.fast_decode = counted
+    decode_compact.COMPACT = parse_variant(kind)[1].get("compact_rows", compact) is not False
+    try:
+        yield
+    finally:
+        decode.fast_decode, decode_compact.COMPACT = real, compact
+
+
 def run_one(
     kind: str, args: argparse.Namespace, scenario: Scenario, workdir: Path, paths, shape: Shape | None = None
 ) -> Result:
@@ -220,7 +246,12 @@ def run_one(
         torch.cuda.reset_peak_memory_stats(device)
     status = "ok"
     try:
-        with timed_fast_decode(timer), bench_switches(kind), stopped_by_sigterm(enabled=shape is not None):
+        with (
+            timed_fast_decode(timer),
+            counted_row_steps(timer, kind),
+            bench_switches(kind),
+            stopped_by_sigterm(enabled=shape is not None),
+        ):
             trainer.train()
     except (torch.OutOfMemoryError, TimeLimit) as err:
         if not shape:
@@ -245,6 +276,10 @@ def run_one(
     peak_flops = args.peak_tflops * 1e12 if args.peak_tflops else None
     executed = median("_executed_tokens")
     mfu = 6 * n_params * executed / train_s / peak_flops if peak_flops and train_s > 0 else None
+    if shape and median("_full_row_steps"):  # rows fast_decode computed, against a decode at full width to the end
+        row_steps = {"decode_row_steps": median("_row_steps"), "decode_full_row_steps": median("_full_row_steps")}
+    else:
+        row_steps = {}
     result = Result(
         trainer=kind.partition(":")[0],
         scenario=scenario.name,
@@ -262,7 +297,7 @@ def run_one(
         floor_ms_per_token=floor_ms,
         floor_ratio=(decode_ms or gen_ms) / floor_ms if floor_ms else None,
         status=status,
-        completion_stats=length_stats(timer.lengths) if shape else {},
+        completion_stats={**length_stats(timer.lengths), **row_steps} if shape else {},
         cycle_times_s=[c["_wall"] for c in steps] if shape else [],
     )
     del trainer, model
@@ -300,6 +335,13 @@ def main(argv: list[str] | None = None) -> list[Result]:
     if shape:
         print(f"shape: {shape}; per cycle; {TOKENS_NOTE}")
     print(format_table(results))
+    for r in results:
+        computed, full = r.completion_stats.get("decode_row_steps"), r.completion_stats.get("decode_full_row_steps")
+        if full:
+            print(
+                f"{r.trainer}: fast_decode computed {computed:.0f} row-steps a cycle, {computed / full:.0%} of the "
+                f"{full:.0f} a decode at full width to its last step computes"
+            )
     return results
 
 

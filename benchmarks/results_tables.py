@@ -273,6 +273,15 @@ def shape_table(data: dict[str, Any]) -> list[str]:
             f"| {val(phases.get('old_ref_logps'))} | {val(update)} | {_fmt(r.get('peak_mem_gib'), 1)} | {lengths} "
             f"| {ratio if r is not base else '1.0x'} |"
         )
+    for r in rows:
+        stats = r.get("completion_stats", {})
+        if stats.get("decode_full_row_steps"):
+            computed, full = stats["decode_row_steps"], stats["decode_full_row_steps"]
+            out += [
+                "",
+                f"Decode rows computed ({r['trainer']}, finished rows leave the batch): {computed:,.0f} row-steps a "
+                f"cycle, {computed / full:.0%} of the {full:,.0f} of a decode at full width to its last step.",
+            ]
     warm = data.get("warm_start", {})
     out += [
         "",

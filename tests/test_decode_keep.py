@@ -21,7 +21,7 @@ import test_group_sharing
 from test_decode_speed import _decode, _tiny_qwen
 from test_decode_windows import _windows_on
 from test_group_sharing import _generate_both, make_trainer
-from vlm_grpo.fastpath import decode, decode_fusion, decode_mlp
+from vlm_grpo.fastpath import decode, decode_fusion, decode_keep, decode_mlp
 from vlm_grpo.utils import peft_base
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -159,7 +159,7 @@ def test_what_a_graph_bakes_in_makes_a_new_workspace(tiny_models, monkeypatch):
     assert _kept(model) is not third
     third = _kept(model)
 
-    monkeypatch.setattr(decode, "_pointers", lambda decoder, head: ())  # control: addresses not checked
+    monkeypatch.setattr(decode_keep, "pointers", lambda decoder, head: ())  # control: addresses not checked
     _decode(model, 20, compile=False, keep=True)
     fourth = _kept(model)
     norm.weight.data = norm.weight.data.clone()
@@ -201,10 +201,10 @@ def test_keep_by_default_takes_at_most_a_tenth_of_the_card(monkeypatch, caplog):
     gib = 2**30
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * gib))
     cuda = torch.device("cuda", 0)
-    assert decode._keep_by_default(True, cuda, 5 * gib)
-    assert not decode._keep_by_default(False, cuda, 1)  # no graph: nothing worth keeping
-    with caplog.at_level(logging.INFO, logger=decode.logger.name):
-        assert not decode._keep_by_default(True, cuda, 9 * gib)
+    assert decode_keep.keep_by_default(True, cuda, 5 * gib)
+    assert not decode_keep.keep_by_default(False, cuda, 1)  # no graph: nothing worth keeping
+    with caplog.at_level(logging.INFO, logger=decode_keep.logger.name):
+        assert not decode_keep.keep_by_default(True, cuda, 9 * gib)
     assert "9.0 GiB" in caplog.text and "keep_decode_graphs=True" in caplog.text
 
 

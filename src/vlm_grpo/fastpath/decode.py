@@ -19,6 +19,11 @@ it; its warm-up passes write into the live cache mid-decode, so :func:`cache_res
 wrote. Eager attention keeps one window over the whole cache (transformers' eager path adds the mask to
 scores over every slot).
 
+Finished rows leave the batch (:mod:`vlm_grpo.fastpath.decode_compact`): at the host's checks for "every row ended"
+(every ``_CHECK_EVERY`` tokens), once the live rows fit half the batch or less, they move to the front of the
+workspace and the loop goes on over a narrower width, with steps (graphs) made per width and window. Tokens are
+unchanged; a narrowed selection draws its noise for the whole batch, each row taking its own.
+
 Kept graphs (``keep_decode_graphs``): capturing costs two warm-up passes and the capture, ~0.04-0.08 s per call
 at 3B on an H100. A kept :class:`_Workspace` (cache, buffers, mask, the steps and their graphs) and the kept fused
 copy serve the next call: it loads its prompt into the same buffers and replays. It is used only while nothing a
@@ -40,13 +45,14 @@ from typing import Any
 import torch
 
 from vlm_grpo.fastpath import decode_attention as attention_module
-from vlm_grpo.fastpath import decode_mlp
+from vlm_grpo.fastpath import decode_compact as compaction
+from vlm_grpo.fastpath import decode_keep, decode_mlp
 from vlm_grpo.fastpath.block_attention import as_sdpa
 from vlm_grpo.fastpath.decode_attention import SHARED_KWARG, decode_attention
 from vlm_grpo.fastpath.decode_autocast import AutocastState
 from vlm_grpo.fastpath.decode_autocast import without_cast_cache as _autocast
 from vlm_grpo.fastpath.decode_cache import cache_restored, decode_cache
-from vlm_grpo.fastpath.decode_fusion import fused_nbytes, fused_projections, kept_tensors, release_kept, stand_in
+from vlm_grpo.fastpath.decode_fusion import fused_nbytes, fused_projections, release_kept, stand_in
 from vlm_grpo.fastpath.decode_select import InStep, Selection, in_graph_blocker, signature
 from vlm_grpo.fastpath.fallback import EagerOnFailure
 from vlm_grpo.utils import peft_base, warn_once
@@ -63,9 +69,6 @@ CACHE_BUCKET = 256
 # holds its prompt + t + 1 tokens (capped at the cache length). One graph per window; 0: one window, the whole
 # cache (the behaviour before windows). Smaller windows read fewer unwritten slots but capture more graphs.
 ATTENTION_WINDOW = 256
-# keep_decode_graphs None: keep the decode workspace and the fused copy between generation calls when together
-# they take at most this fraction of the card's memory (3B on an 80 GB card: ~4.6 GB, kept; 7B: ~10 GB, not).
-KEEP_FRACTION = 0.1
 # Tests: take the windowed path (a step per window, its warm-ups under cache_restored, sliced attention)
 # without CUDA graphs too, so that CPU runs cover it.
 _WINDOWS_WITHOUT_GRAPH = False
@@ -270,8 +273,9 @@ class _Step:
 @dataclass(eq=False)
 class _Workspace:
     """What the decode steps read and write besides the model: the static cache (``slots`` per row), the fed
-    tokens and positions, the mask, the graphs' memory pool, the token selection's buffers, and one step per
-    attention window (by its length).
+    tokens and positions, the mask, the graphs' memory pool, the token selection's buffers, the batch row each
+    row holds (``order``, see :mod:`vlm_grpo.fastpath.decode_compact`), a view per width, and one step per
+    width and attention window (by the two).
     Made per generation call, or kept for the next one (see :func:`fast_decode`'s ``keep``) under ``key`` (every
     setting a step's graph bakes in) and ``pointers`` (the addresses of every tensor of the model it reads)."""
 
@@ -284,32 +288,14 @@ class _Workspace:
     mask: torch.Tensor
     pool: Any
     selection: Selection
+    order: torch.Tensor
     shared: tuple[torch.Tensor, torch.Tensor] | None = None
-    steps: dict[int, _Step] = field(default_factory=dict)
+    views: dict[int, compaction.View] = field(default_factory=dict)
+    steps: dict[tuple[int, int], _Step] = field(default_factory=dict)
 
 
 # One kept workspace per decoder (keep_decode_graphs); its steps hold no reference to the model.
 _KEPT: weakref.WeakKeyDictionary[torch.nn.Module, _Workspace] = weakref.WeakKeyDictionary()
-
-
-def _pointers(decoder: Any, head: Any) -> tuple:
-    """Address, shape and strides of every tensor a decode step reads from the model: its parameters and buffers,
-    the head's, and the fused copies (a graph replays reads from these addresses as it laid them out when captured;
-    ZeRO-3 or ``model.to`` would move them)."""
-    tensors = (*decoder.parameters(), *decoder.buffers(), *head.parameters(), *head.buffers(), *kept_tensors(decoder))
-    return tuple((t.data_ptr(), tuple(t.shape), t.stride()) for t in tensors)
-
-
-def _modes(decoder: Any) -> tuple:
-    """Per module, what a forward reads besides tensors and a graph would bake in: its class, train / eval, and a
-    LoRA layer's active adapters, their switches and scalings."""
-    modes = []
-    for m in decoder.modules():
-        mode: tuple = (type(m), m.training)
-        if hasattr(m, "active_adapters") and hasattr(m, "scaling"):
-            mode += (tuple(m.active_adapters), m.disable_adapters, m.merged, tuple(sorted(m.scaling.items())))
-        modes.append(mode)
-    return tuple(modes)
 
 
 def _prepared_generation_config(base: Any, generation_config: Any, prompt_len: int, device) -> Any:
@@ -353,7 +339,8 @@ def fast_decode(
     ``keep``: keep the workspace (cache, buffers, captured graphs) and the fused copy for the next call, which
     then replays the graphs instead of capturing them again, as long as the batch's rows, the settings, the
     model's module modes and the addresses of its tensors are the same and the cache is long enough (else it
-    makes a new one); None: keep them under a CUDA graph when they take at most ``KEEP_FRACTION`` of the card.
+    makes a new one); None: keep them under a CUDA graph when they take at most ``decode_keep.KEEP_FRACTION`` of
+    the card.
     ``export``: a list that gets the decode's static cache appended (the prompt's K/V from slot 0, then the fed
     tokens' from slot ``prompt_len - 1``); read it before the next call, which may reuse it.
     """
@@ -391,7 +378,8 @@ def fast_decode(
     key = (
         rows, tuple((x.dtype, x.size(1), x.size(-1)) for layer in layers for x in (layer.keys, layer.values)),
         attn, windowed, tuple(next_positions.shape[:-1]), use_graph, compile, (fuse, decode_mlp.switches()), autocast,
-        _modes(decoder), eos_count, in_step and (gc.do_sample, signature(processors)), attention_module.SHARED_PROMPT,
+        decode_keep.modes(decoder), eos_count, in_step and (gc.do_sample, signature(processors)),
+        attention_module.SHARED_PROMPT,
     )  # fmt: skip
     if keep is None:
         kept = _KEPT.get(decoder)
@@ -400,14 +388,14 @@ def fast_decode(
             x.size(1) * x.size(-1) * x.element_size() for layer in layers for x in (layer.keys, layer.values)
         )
         fused = fused_nbytes(decoder, cast, head, rows) if fuse else 0
-        keep = _keep_by_default(use_graph, device, fused + held * rows * per_slot)
+        keep = decode_keep.keep_by_default(use_graph, device, fused + held * rows * per_slot)
         if not keep:  # over the budget now (a longer decode): what was kept goes
             _KEPT.pop(decoder, None)
             release_kept(decoder)
     # keep False leaves a kept workspace alone: it is neither used nor freed by this call.
     with fused_projections(decoder, cast, head, keep=keep, rows=rows) if fuse else contextlib.nullcontext():
         head = stand_in(decoder, head)
-        pointers = _pointers(decoder, head) if keep else ()
+        pointers = decode_keep.pointers(decoder, head) if keep else ()
         ws = _KEPT.pop(decoder, None) if keep else None
         if ws is not None and (ws.key != key or ws.slots < slots or ws.pointers != pointers):
             ws = None  # its graphs bake in something else, or read tensors that moved: freed before the new one
@@ -418,7 +406,7 @@ def fast_decode(
         try:
             out = _decode(
                 decoder, head, ws, layers, index, input_ids, attention_mask, next_positions, gc, processors,
-                prefix, steps, windowed, use_graph, compile, autocast, in_step,
+                prefix, steps, windowed, use_graph, compile, autocast, in_step, export is not None,
             )  # fmt: skip
             if export is not None:
                 export.append(ws.cache)
@@ -455,23 +443,6 @@ def resolve_keep_decode_graphs(setting: bool | None, sharded: bool) -> bool | No
     return False if sharded else setting
 
 
-def _keep_by_default(use_graph: bool, device: torch.device, nbytes: int) -> bool:
-    """``keep`` None: keep under a CUDA graph when the kept copy and cache take at most KEEP_FRACTION of the card."""
-    if not use_graph:
-        return False
-    total = torch.cuda.get_device_properties(device).total_memory
-    if nbytes <= KEEP_FRACTION * total:
-        return True
-    warn_once(
-        logger,
-        f"keep_decode_graphs: the decode graphs are captured again at every generation call: kept, the fused "
-        f"weights and the cache would hold {nbytes / 2**30:.1f} GiB between calls, more than {KEEP_FRACTION:.0%} of "
-        f"the card's {total / 2**30:.0f} GiB. Set keep_decode_graphs=True to keep them anyway.",
-        logging.INFO,
-    )
-    return False
-
-
 def _workspace(
     base: Any, layers: Any, rows: int, slots: int, attn: str, next_positions: torch.Tensor, key: tuple,
     pointers: tuple, use_graph: bool, eos_count: int | None,
@@ -490,25 +461,20 @@ def _workspace(
     if attn == "sdpa" and attention_module.SHARED_PROMPT:  # int32: what decode_kernel's shared takes
         int32 = {"dtype": torch.int32, "device": device}
         shared = (torch.zeros(rows, **int32), torch.zeros((), **int32))  # first rows (per call), prompt slots
-    return _Workspace(key, pointers, slots, cache, tokens, positions, mask, pool, selection, shared)
-
-
-def _first_rows(index: torch.Tensor) -> torch.Tensor:
-    """Per row, the first row with the same unique prompt (``index[k]``): the rows whose prompt slots it copies."""
-    rows = torch.arange(index.numel(), device=index.device)
-    first = torch.full_like(rows, index.numel())  # one entry per unique prompt at most (index < rows): no host sync
-    return first.scatter_reduce(0, index, rows, "amin")[index]
+    order = torch.arange(rows, device=device)
+    return _Workspace(key, pointers, slots, cache, tokens, positions, mask, pool, selection, order, shared)
 
 
 def _decode(
     decoder: Any, head: Any, ws: _Workspace, layers: Any, index, input_ids, attention_mask, next_positions,
     gc: Any, processors: Any, prefix: int, steps: int, windowed: bool, use_graph: bool, compile: bool,
-    autocast: AutocastState, in_step: bool,
+    autocast: AutocastState, in_step: bool, exported: bool,
 ) -> torch.Tensor:  # fmt: skip
     """The decode loop of :func:`fast_decode` over the workspace ``ws``; ``head``: the LM head or its stand-in.
-    ``in_step``: each step (its graph) selects the next token itself; else the loop does, after each replay."""
-    device = input_ids.device
+    ``in_step``: each step (its graph) selects the next token itself; else the loop does, after each replay.
+    ``exported``: the cache is handed on, so its rows are put back in batch order after a compaction."""
     prompt_len = input_ids.size(1)
+    rows = input_ids.size(0)
     cache, mask, tokens, positions, sel = ws.cache, ws.mask, ws.tokens, ws.positions, ws.selection
     size = ws.slots - 1 if windowed else ws.slots
     if mask.dtype == torch.bool:
@@ -528,48 +494,76 @@ def _decode(
     tokens.copy_(input_ids[:, -1:])
     positions.copy_(next_positions[..., index].unsqueeze(-1))
     sel.load(input_ids, prefix, gc, processors)
+    ws.order.copy_(torch.arange(rows, device=ws.order.device))
     del layers
-    selector = InStep(sel, mask, attend, gc.do_sample, tokens, positions, compile) if in_step else None
+    if ws.shared is not None:  # the decode attention reads each prompt's slots from its first row (see _workspace)
+        ws.shared[0].copy_(compaction.first_rows(index))
+        ws.shared[1].fill_(prefix)
+    compact = compaction.enabled(processors, rows, sel.eos is not None)
+
+    # Per width (rows leave the batch: decode_compact), the selection in the step and how the decoder takes the cache.
+    per_width: dict[int, tuple[InStep | None, dict[str, Any]]] = {}
+
+    def step_for(width: int, length: int) -> _Step:
+        step = ws.steps.get((width, length))
+        if step is None:  # a width or window not reached before: its step captures on its first call
+            v = compaction.view(ws, width)
+            if width not in per_width:
+                fed = (v.tokens, v.positions)
+                select = InStep(v.selection, v.mask, attend, gc.do_sample, *fed, compile) if in_step else None
+                shared = {SHARED_KWARG: v.shared} if v.shared is not None else {}
+                per_width[width] = (select, {**cache_kwarg(decoder, v.cache), **shared})
+            selector, cache_kw = per_width[width]
+            view = _window_mask(v.mask, length, compile) if windowed else v.mask
+            warmups = 1 if ws.steps else 2  # later steps: the kernels are compiled and loaded already
+            step = ws.steps[width, length] = _Step(
+                v.cache, cache_kw, v.tokens, v.positions, view, use_graph, compile, warmups, ws.pool,
+                warm_up=windowed, autocast=autocast, in_step=selector,
+            )  # fmt: skip
+        return step
 
     # The selection counts, on the device, the steps produced while some row was unfinished (the output length
     # generate would return); the host checks for "all finished" only every _CHECK_EVERY tokens, not every token.
     # generate draws once per token it returns; this loop may run up to _CHECK_EVERY - 1 steps past the end.
     # The sampler's state before each draw since the last check is kept, to hand back what generate leaves.
-    rng = _default_generator(device) if gc.do_sample else None
+    rng = _default_generator(input_ids.device) if gc.do_sample else None
     states: dict[int, torch.Tensor] = {}
-    cache_kw = cache_kwarg(decoder, cache)
-    if ws.shared is not None:  # the decode attention reads each prompt's slots from its first row (see _workspace)
-        ws.shared[0].copy_(_first_rows(index))
-        ws.shared[1].fill_(prefix)
-        cache_kw[SHARED_KWARG] = ws.shared
+    stats = compaction.last_stats = compaction.DecodeStats(rows=rows, widths=[rows])
+    width, length = rows, 0
     step: _Step | None = None
     t = -1
     for t in range(steps):
         if t in windows:
-            length = windows[t]
-            step = ws.steps.get(length)
-            if step is None:  # a window not reached before: its step captures on its first call
-                view = _window_mask(mask, length, compile) if windowed else mask
-                warmups = 1 if ws.steps else 2  # later windows: the kernels are compiled and loaded already
-                step = ws.steps[length] = _Step(
-                    cache, cache_kw, tokens, positions, view, use_graph, compile, warmups, ws.pool,
-                    warm_up=windowed, autocast=autocast, in_step=selector,
-                )  # fmt: skip
-        if selector is not None:
-            if rng is not None:
-                states[t] = rng.get_state()  # host-side (CPU state, or CUDA seed + offset): no device sync
+            length, step = windows[t], None
+        if step is None:
+            step = step_for(width, length)
+        if rng is not None:
+            states[t] = rng.get_state()  # host-side (CPU state, or CUDA seed + offset): no device sync
+        if in_step:
             step(decoder, head)
         else:
-            sel.open(mask, attend)
+            v = compaction.view(ws, width)
+            v.selection.open(mask, attend)
             logits = step(decoder, head)  # consumed (copied) by the selection before the next replay
-            if rng is not None:
-                states[t] = rng.get_state()
-            sel.select(logits, processors, sel.out[:, : prompt_len + t], gc.do_sample, tokens, positions)
+            ids = v.selection.out[:, : prompt_len + t]
+            v.selection.select(logits, processors, ids, gc.do_sample, v.tokens, v.positions)
+        stats.steps, stats.row_steps = t + 1, stats.row_steps + width
         if sel.eos is not None and (t + 1) % _CHECK_EVERY == 0:
-            if not bool(sel.unfinished.any()):
+            live = int(sel.unfinished[:width].sum())
+            if not live:
                 break
             states.clear()  # some row goes on: the output is longer than t + 1 tokens
+            new = compaction.narrower(rows, width, live) if compact and t + 1 < steps else None
+            if new is not None:
+                compaction.compact(ws, width, new, prefix + t + 1, prompt_len + t + 1, index)
+                width, step = new, None
+                stats.widths.append(width)
     length = int(sel.produced) if sel.eos is not None else steps
     if rng is not None and length < t + 1:
         rng.set_state(states[length])  # the sampler as generate leaves it: later draws (next step, next batch) agree
-    return sel.out[:, prompt_len : prompt_len + length].clone()  # a kept workspace's buffer: the next call reuses it
+    out = sel.out[:, prompt_len : prompt_len + length]
+    if width == rows:
+        return out.clone()  # a kept workspace's buffer: the next call reuses it
+    if exported:
+        compaction.cache_in_batch_order(ws, prefix + t + 1)
+    return compaction.in_batch_order(ws, out)

@@ -11,6 +11,7 @@ by one, as with the per-layer counters.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -58,6 +59,21 @@ def decode_cache(config: Any, slots: int, sources: Any, rows: int) -> StaticCach
         layer.lazy_initialization(*(x.new_empty(rows, x.size(1), 0, x.size(-1)) for x in (src.keys, src.values)))
     torch._dynamo.mark_static_address(position)
     return cache
+
+
+def narrowed(cache: StaticCache, rows: int) -> StaticCache:
+    """The first ``rows`` rows of ``cache`` (from :func:`decode_cache`) as a cache of their own: each layer's keys and
+    values are views of the same storage, and the layers share the same write position tensor, so a decode step over
+    the narrow cache writes where the full one would, and the full one sees it."""
+    view = copy.copy(cache)
+    view.layers = []
+    for layer in cache.layers:
+        narrow = copy.copy(layer)
+        narrow.keys, narrow.values, narrow.batch_size = layer.keys[:rows], layer.values[:rows], rows
+        torch._dynamo.mark_static_address(narrow.keys)
+        torch._dynamo.mark_static_address(narrow.values)
+        view.layers.append(narrow)
+    return view
 
 
 @contextlib.contextmanager

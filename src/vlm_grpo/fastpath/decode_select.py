@@ -22,6 +22,7 @@ took 158 us a token on an H100 (3B's vocabulary, 16 rows); compiled, with the dr
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 from collections.abc import Callable, Iterator
@@ -90,14 +91,16 @@ def _sliced(values: torch.Tensor, fill: float) -> torch.Tensor:
     return torch.nn.functional.pad(values, (0, slices * DRAW_SLICE - v), value=fill).view(rows, slices, DRAW_SLICE)
 
 
-def sample_one(scores: torch.Tensor) -> torch.Tensor:
+def sample_one(scores: torch.Tensor, q: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.multinomial(torch.softmax(scores, -1), num_samples=1).squeeze(1)`` spelled out as PyTorch computes
     it, for the compiled selection: the same checks, and the same draw, the first ``argmax(probs / q)`` with ``q ~
     Exp(1)`` from ``exponential_`` on the same generator, hence the same tokens under the same seed
     (tests/test_decode_select.py holds it to torch.multinomial). Every reduction runs over vocabulary slices and
     then over the slices, so inductor fuses them into a few kernels that spread over the card; compiled with
-    ``fallback_random`` (:data:`SELECT_OPTIONS`), ``exponential_`` stays eager's own."""
-    q = torch.empty_like(scores).exponential_()  # first, as multinomial draws it: the checks below fuse with the rest
+    ``fallback_random`` (:data:`SELECT_OPTIONS`), ``exponential_`` stays eager's own. ``q``: the noise, drawn
+    already (:meth:`Selection.noise`)."""
+    if q is None:  # first, as multinomial draws it: the checks below fuse with the rest
+        q = torch.empty_like(scores).exponential_()
     peak = _sliced(scores, -math.inf).amax(-1).amax(-1, keepdim=True)
     exp = torch.exp(scores - peak)
     probs = exp / _sliced(exp, 0.0).sum(-1).sum(-1, keepdim=True)  # the softmax, its sums over slices
@@ -109,6 +112,16 @@ def sample_one(scores: torch.Tensor) -> torch.Tensor:
     best, where = ratio.max(-1)  # the first maximum of each slice
     first = best.argmax(-1)  # the first slice holding the row's maximum
     return first * DRAW_SLICE + where.gather(-1, first[:, None]).squeeze(-1)
+
+
+def multinomial_with(probs: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``torch.multinomial(probs, 1).squeeze(1)`` with its noise ``q`` (``Exp(1)``, ``probs``' shape) given: the same
+    checks and the same draw, the first ``argmax(probs / q)`` (tests/test_decode_compact.py holds it to
+    torch.multinomial)."""
+    valid = (probs.amax() < math.inf) & (probs.amin() >= 0)
+    torch._assert_async(valid, "probability tensor contains either `inf`, `nan` or element < 0")
+    torch._assert_async((probs.sum(-1) != 0).all(), "invalid multinomial distribution (sum of probabilities <= 0)")
+    return (probs / q).argmax(-1)
 
 
 class _MinNewTokensOnDevice:
@@ -133,7 +146,10 @@ class Selection:
     column of ``out``; ``slot``: the cache slot of the token fed next; ``unfinished`` / ``produced``: generate's
     unfinished rows and the steps produced while some row was unfinished (the output length); ``start``: where
     ``min_new_tokens`` starts counting. ``graph_processors``: what a captured graph calls, made at the first
-    :meth:`load` and kept with the graph (it may hold tensors the graph reads)."""
+    :meth:`load` and kept with the graph (it may hold tensors the graph reads).
+
+    ``draw_rows`` / ``draw_width``: set on a :meth:`narrowed` selection, whose rows are ``draw_rows`` (a device
+    tensor, read when a draw runs) of a decode of ``draw_width`` rows: see :meth:`noise`."""
 
     def __init__(self, rows: int, width: int, eos_count: int | None, device: torch.device) -> None:
         def longs(*shape: int) -> torch.Tensor:
@@ -143,6 +159,26 @@ class Selection:
         self.unfinished, self.produced, self.pad = longs(rows), longs(), longs()
         self.eos = longs(eos_count) if eos_count else None
         self.graph_processors: Any = None
+        self.draw_rows: torch.Tensor | None = None
+        self.draw_width = rows
+
+    def narrowed(self, rows: int, draw_rows: torch.Tensor) -> Selection:
+        """The selection of the first ``rows`` rows (views of ``out`` and ``unfinished``; the counters, the special
+        tokens and the processors shared), whose row k draws as row ``draw_rows[k]`` of this one would."""
+        view = copy.copy(self)
+        view.out, view.unfinished = self.out[:rows], self.unfinished[:rows]
+        view.draw_rows, view.draw_width = draw_rows, self.draw_width
+        return view
+
+    def noise(self, scores: torch.Tensor) -> torch.Tensor | None:
+        """For a narrowed selection, the ``Exp(1)`` noise of its rows' draw: drawn for all ``draw_width`` rows, as
+        ``torch.multinomial`` over the whole batch draws it, and the rows ``draw_rows`` taken. The generator then
+        moves as it would at full width, and each row gets the noise it would have got there: the same token under
+        the same seed. None at full width (``torch.multinomial`` draws its own)."""
+        if self.draw_rows is None:
+            return None
+        q = torch.empty(self.draw_width, scores.size(-1), dtype=scores.dtype, device=scores.device).exponential_()
+        return q.index_select(0, self.draw_rows)
 
     def load(self, input_ids: torch.Tensor, prefix: int, gc: Any, processors: Any) -> None:
         """Start a decode: the prompt's ids, the first slot and column, every row unfinished, the special tokens."""
@@ -181,10 +217,13 @@ class Selection:
         ``positions``); ``input_ids``: what the processors see as the ids so far."""
         scores = processors(input_ids, logits.to(copy=True, dtype=torch.float32))
         if do_sample:
+            q = self.noise(scores)
             if torch.compiler.is_compiling():
-                next_tokens = sample_one(scores)
-            else:
+                next_tokens = sample_one(scores, q)
+            elif q is None:
                 next_tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+            else:
+                next_tokens = multinomial_with(torch.softmax(scores, dim=-1), q)
         else:
             next_tokens = torch.argmax(scores, dim=-1)
         if self.eos is not None:

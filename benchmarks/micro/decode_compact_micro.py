@@ -1,0 +1,144 @@
+"""Time ``fast_decode`` on a batch whose rows end at different lengths: finished rows leaving the batch, and not.
+
+    python benchmarks/micro/decode_compact_micro.py --preset qwen2_5_vl_3b --device cuda --out compact.json
+    python benchmarks/micro/decode_compact_micro.py --preset tiny --device cpu --unique 4 --max_new_tokens 24 \\
+        --mean 6 --calls 2                                                                     # smoke test
+
+EasyR1's geo3k shape per GPU by default: 64 random text prompts of ``--prompt_len`` tokens x G=5 rows, sampled at
+temperature 1 up to ``--max_new_tokens`` (2,048), the LM head biased on EOS (``bench_shape.install_eos_bias``) so
+that lengths are geometric with mean ``--mean`` (500). Each call decodes the batch once with row compaction
+(``decode_compact.COMPACT``) and once without, from the same prefill and seed, and records the wall time, the rows
+computed summed over the steps against a decode at full width, the widths the decode ran at, and how many rows
+got the same tokens both ways (under the seed every row should; on a GPU a GEMM over fewer rows may round a logit
+differently, and a sampled row then goes its own way). The first call of each variant pays compilation and graph
+captures and is left out of the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_common.py is in benchmarks/
+
+import torch
+from bench_common import device_defaults, flag_bool, run_stamp
+from bench_shape import install_eos_bias
+
+
+def decode_once(model, config, ids: torch.Tensor, group: int, compile: bool, compact: bool, seed: int) -> dict:
+    """Prefill ``ids`` (unique prompts), decode ``group`` rows each; the call's record and its tokens."""
+    from transformers import DynamicCache
+
+    from vlm_grpo.fastpath import decode, decode_compact
+    from vlm_grpo.fastpath.sharing import _generation_positions, _next_positions
+    from vlm_grpo.utils import peft_base
+
+    base = peft_base(model)
+    device = ids.device
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        prefill = {"attention_mask": mask[:, :-1]}
+        positions = _generation_positions(base, ids[:, :-1], prefill)
+        if positions is not None:
+            prefill["position_ids"] = positions
+        model(input_ids=ids[:, :-1], **decode.cache_kwarg(model, cache), use_cache=True, **prefill)
+        next_pos = _next_positions(positions, getattr(getattr(base, "model", base), "rope_deltas", None))
+        index = torch.arange(ids.size(0), device=device).repeat_interleave(group)
+        index = index[torch.randperm(index.numel(), generator=torch.Generator().manual_seed(seed)).to(device)]
+        real, decode_compact.COMPACT = decode_compact.COMPACT, compact
+        torch.manual_seed(seed)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        try:
+            out = decode.fast_decode(
+                model, cache, index, ids[index], mask[index], next_pos, config, use_graph=device.type == "cuda",
+                compile=compile,
+            )  # fmt: skip
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        finally:
+            decode_compact.COMPACT = real
+    seconds = time.perf_counter() - start
+    stats = decode_compact.last_stats
+    return {
+        "compact": compact,
+        "seconds": seconds,
+        "steps": stats.steps,
+        "ms_per_step": 1e3 * seconds / max(stats.steps, 1),
+        "row_steps": stats.row_steps,
+        "full_row_steps": stats.full_row_steps,
+        "widths": stats.widths,
+        "tokens": out.cpu(),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--unique", type=int, default=64, help="unique prompts per call")
+    p.add_argument("--group", type=int, default=5, help="rows per unique prompt (G)")
+    p.add_argument("--prompt_len", type=int, default=400)
+    p.add_argument("--max_new_tokens", type=int, default=2048)
+    p.add_argument("--mean", type=int, default=500, help="mean completion length (geometric, cut at the maximum)")
+    p.add_argument("--calls", type=int, default=3, help="calls per variant (the first is left out of the medians)")
+    p.add_argument("--compile", type=flag_bool, default=None, help="compile the decode step (default: on a GPU)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    on_gpu = device_defaults(args)
+    device = torch.device(args.device)
+    compile = on_gpu if args.compile is None else args.compile
+
+    from vlm_grpo.testing.tiny import build_model
+
+    model, _ = build_model(args.preset, dtype=torch.bfloat16 if on_gpu else torch.float32, device=device)
+    model.eval()
+    config = model.generation_config
+    eos = config.eos_token_id
+    install_eos_bias(model, eos[0] if isinstance(eos, list) else eos, args.mean)
+    config.max_new_tokens, config.min_new_tokens = args.max_new_tokens, None
+    config.do_sample, config.temperature, config.top_p, config.top_k = True, 1.0, 1.0, 0
+
+    calls = []
+    for n in range(args.calls):
+        g = torch.Generator().manual_seed(n)
+        ids = torch.randint(100, 1000, (args.unique, args.prompt_len), generator=g).to(device)
+        pair = [decode_once(model, config, ids, args.group, compile, compact, seed=n) for compact in (True, False)]
+        same = [a == b for a, b in zip(pair[0]["tokens"].tolist(), pair[1]["tokens"].tolist(), strict=False)]
+        for record in pair:
+            record["rows_with_the_same_tokens"] = f"{sum(same)}/{len(same)}"
+            del record["tokens"]
+            print(json.dumps(record), flush=True)
+            calls.append(record)
+
+    def median(compact: bool, key: str) -> float | None:
+        values = [c[key] for c in calls[2:] if c["compact"] is compact]  # the first call of each compiles
+        return statistics.median(values) if values else None
+
+    summary = {
+        **run_stamp(),
+        "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+        "args": vars(args),
+        "calls": calls,
+        "compact_s": median(True, "seconds"),
+        "full_width_s": median(False, "seconds"),
+        "compact_row_steps": median(True, "row_steps"),
+        "full_width_row_steps": median(False, "row_steps"),
+    }
+    if summary["compact_s"] and summary["full_width_s"]:
+        summary["speedup"] = summary["full_width_s"] / summary["compact_s"]
+    print(json.dumps({k: v for k, v in summary.items() if k != "calls"}))
+    if args.out:
+        Path(args.out).write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -147,6 +147,8 @@ def tool_turns(
             f"(now: {', '.join(sorted(n for n in available if n)) or 'none'})"
         )
     tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    if tokenizer is not None:
+        protocol = protocol.for_vocab(tokenizer.get_vocab())
     return ToolTurns(protocol, tokenizer, max_context_tokens, max_tool_images)
 
 
@@ -351,7 +353,7 @@ class ToolTurns:
         """The assistant message for one turn (``ids``; ``context``: tokens before it), with the calls to run:
         none once the turn answers or the context budget is reached; the hidden tool for a malformed action or an
         unknown tool."""
-        text = self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        text = self.tokenizer.decode(list(ids), skip_special_tokens=not self.protocol.special_text)
         turn = self.protocol.parse(text, message)
         if turn.answered:
             self.calls_after_answer += len(self.protocol.parse(ANSWER.sub("", text), message).calls)

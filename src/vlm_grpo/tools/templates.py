@@ -256,6 +256,80 @@ def glm_tool_template() -> str:
     )
 
 
+# Mistral's own tool format, as mistral-common's v11+ instruct tokenizers (Mistral-Small-3.2, Magistral, Ministral 3,
+# Devstral) and those checkpoints' chat templates write it: the schemas once as [AVAILABLE_TOOLS]<json list>
+# [/AVAILABLE_TOOLS] after the system prompt, each call as [TOOL_CALLS]<name>[ARGS]<json arguments> at the end of the
+# assistant's turn (before </s>), each result as [TOOL_RESULTS]<content>[/TOOL_RESULTS] (its images as [IMG]).
+MISTRAL_TOOL_TOKENS = ("[TOOL_CALLS]", "[ARGS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]")
+
+
+def mistral_tools(vocab: dict[str, int]) -> bool:
+    """The tokenizer has Mistral's v11+ tool tokens (a tokenizer without ``[ARGS]``, e.g. v7's, does not)."""
+    return all(token in vocab for token in MISTRAL_TOOL_TOKENS)
+
+
+def mistral_tool_template() -> str:
+    """Mistral 3's turns with Mistral's own tool format (for checkpoints whose template renders no tools)."""
+    return (
+        "{%- macro render(content) -%}"
+        "{%- if content is string -%}{{- content -}}"
+        "{%- else -%}{%- for item in content -%}"
+        "{%- if item.type == 'image' or 'image' in item or 'image_url' in item -%}{{- '[IMG]' -}}"
+        "{%- elif item.type == 'video' or 'video' in item -%}{{- '[IMG]' -}}"
+        "{%- elif 'text' in item -%}{{- item['text'] -}}"
+        "{%- endif -%}"
+        "{%- endfor -%}{%- endif -%}"
+        "{%- endmacro -%}"
+        "{{- bos_token -}}"
+        "{%- set has_system = messages and messages[0]['role'] == 'system' -%}"
+        "{%- if has_system -%}{{- '[SYSTEM_PROMPT]' + render(messages[0]['content']) + '[/SYSTEM_PROMPT]' -}}"
+        "{%- endif -%}"
+        "{%- if tools -%}{{- '[AVAILABLE_TOOLS]' + (tools | tojson) + '[/AVAILABLE_TOOLS]' -}}{%- endif -%}"
+        "{%- for message in messages -%}"
+        "{%- if loop.first and has_system -%}"
+        "{%- elif message['role'] == 'user' -%}{{- '[INST]' + render(message['content']) + '[/INST]' -}}"
+        "{%- elif message['role'] == 'assistant' -%}"
+        "{%- generation -%}"
+        "{{- render(message['content'] or '') -}}"
+        "{%- for call in message['tool_calls'] or [] -%}"
+        "{%- set fn = call['function'] if call['function'] is defined else call -%}"
+        "{%- set args = fn['arguments'] -%}"
+        "{%- if args is not string -%}{%- set args = args | tojson -%}{%- elif args == '' -%}{%- set args = '{}' -%}"
+        "{%- endif -%}"
+        "{{- '[TOOL_CALLS]' + fn['name'] + '[ARGS]' + args -}}"
+        "{%- endfor -%}"
+        "{{- eos_token -}}{%- endgeneration -%}"
+        "{%- elif message['role'] == 'tool' -%}"
+        "{{- '[TOOL_RESULTS]' + render(message['content']) + '[/TOOL_RESULTS]' -}}"
+        "{%- else -%}"
+        "{{- raise_exception('Only system, user, assistant and tool roles are supported') -}}"
+        "{%- endif -%}"
+        "{%- endfor -%}"
+    )
+
+
+def mistral_response_template(end: str) -> dict:
+    """How TRL reads Mistral's calls back out of a completion: text, then ``[TOOL_CALLS]<name>[ARGS]<json>`` calls
+    (a ``[CALL_ID]<id>`` before ``[ARGS]``, as v11 writes a call that has an id, is read too), up to ``end``
+    (``</s>``). A turn follows ``[/INST]``, or ``[/TOOL_RESULTS]`` after a tool's result."""
+    import re
+
+    return {
+        "defaults": {"role": "assistant"},
+        "start_anchor_pattern": r"\[/INST\]|\[/TOOL_RESULTS\]",
+        "fields": {
+            "tool_calls": {
+                "open_pattern": r"\[TOOL_CALLS\](?P<name>[^\[\]]+?)(?:\[CALL_ID\][^\[\]]*)?\[ARGS\]",
+                "close_pattern": r"(?=\[TOOL_CALLS\])|" + re.escape(end) + r"\s*",
+                "repeats": True,
+                "content": "json",
+                "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
+            },
+            "content": {"close_pattern": re.escape(end) + r"\s*", "content": "text"},
+        },
+    }
+
+
 def family_response_template(vocab: dict[str, int], opener: str = "", end: str = "") -> dict:
     """How TRL reads tool calls back out of a completion in the family's turns: Qwen3's format; SmolVLM's turns
     open with ``Assistant:`` and end with ``<end_of_utterance>``; GLM-4.5V writes GLM-4.5's own call format. Families
@@ -267,6 +341,8 @@ def family_response_template(vocab: dict[str, int], opener: str = "", end: str =
 
     if "<|observation|>" in vocab:
         return glm4moe_template
+    if mistral_tools(vocab):
+        return mistral_response_template(end or "</s>")
     if "<fake_token_around_image>" in vocab:
         opener, end = "Assistant:", "<end_of_utterance>"
     elif end in ("", "<|im_end|>") or not opener:
@@ -290,5 +366,7 @@ def family_tool_template(vocab: dict[str, int]) -> str | None:
     if "<start_of_turn>" in vocab and "<start_of_image>" in vocab:
         return tool_chat_template(GEMMA3_IMAGE, GEMMA3_IMAGE, None, GEMMA_TURNS)
     if "[INST]" in vocab and "[IMG]" in vocab:
+        if mistral_tools(vocab):
+            return mistral_tool_template()
         return tool_chat_template(PIXTRAL_IMAGE, PIXTRAL_IMAGE, None, MISTRAL_TURNS)
     return None

@@ -194,7 +194,8 @@ GLM_VIDEO = "<|begin_of_video|><|video|><|end_of_video|>"
 # GLM-4.5V's turns: [gMASK]<sop>, then <|system|> / <|user|> / <|assistant|> / <|observation|> (no end-of-turn token:
 # generation stops at <|user|>, <|observation|> or <|endoftext|>); tools as GLM-4.5 writes them (schemas in a system
 # turn, calls as <tool_call>NAME + <arg_key>/<arg_value> pairs, results as <tool_response> blocks of one
-# <|observation|> turn, their images rendered too), and {% generation %} around assistant content for SFT.
+# <|observation|> turn, their images rendered too), an assistant turn without reasoning written with an empty
+# <think></think> as GLM-4.5's template writes it, and {% generation %} around assistant content for SFT.
 _GLM_TOOLS_HEADER = (
     "<|system|>\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
@@ -202,7 +203,7 @@ _GLM_TOOLS_HEADER = (
 _GLM_TOOLS_FOOTER = (
     "\n</tools>\n\nFor each function call, output the function name and arguments within the following XML "
     "format:\n<tool_call>{function-name}\n<arg_key>{arg-key-1}</arg_key>\n<arg_value>{arg-value-1}</arg_value>\n"
-    "...\n</tool_call>"
+    "<arg_key>{arg-key-2}</arg_key>\n<arg_value>{arg-value-2}</arg_value>\n...\n</tool_call>"
 )
 
 
@@ -230,6 +231,7 @@ def glm_tool_template() -> str:
             "{{- '<|assistant|>' -}}"
             "{%- generation -%}"
             "{%- set text = render(message['content'] or '') -%}"
+            "{%- if '</think>' not in text -%}{{- '\n<think></think>' -}}{%- endif -%}"
             "{%- if text -%}{{- '\n' + text -}}{%- endif -%}"
             "{%- for call in message['tool_calls'] or [] -%}"
             "{%- set fn = call['function'] if call['function'] is defined else call -%}"

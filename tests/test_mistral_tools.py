@@ -77,6 +77,19 @@ def test_the_template_writes_mistrals_tool_format(processor):
         assert marker in tokens
 
 
+def test_a_tool_run_never_samples_pixtrals_image_tokens(tiny_models):
+    """A sampled ``[IMG]`` would be one more image placeholder than the rollout has images."""
+    from types import SimpleNamespace
+
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(tiny_models["mistral3"])
+    args = SimpleNamespace(generation_kwargs=None)
+    prepare_for_tools(args, processor)
+    image_tokens = processor.tokenizer.convert_tokens_to_ids(["[IMG]", "[IMG_BREAK]", "[IMG_END]"])
+    assert set(image_tokens) <= set(args.generation_kwargs["suppress_tokens"])
+
+
 def test_a_call_turn_is_written_as_the_template_writes_it(tiny_models):
     call = {"name": "zoom_in", "arguments": {"bbox_2d": [100, 100, 800, 800], "image_index": 0}}
     assert call_turn("mistral3", tiny_models, call) == GOOD

@@ -38,6 +38,7 @@ _VISION_TOKENS += ("<IMG_CONTEXT>", "<img>", "</img>", "<video>")
 _VISION_TOKENS += ("<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|begin_of_video|>", "<|end_of_video|>")
 _VISION_TOKENS += ("<|video|>",)
 _VISION_TOKENS += ("<image>", "<fake_token_around_image>", "<global-img>")
+_VISION_TOKENS += ("[IMG]", "[IMG_BREAK]", "[IMG_END]")  # Pixtral's (Mistral 3)
 
 
 def tile_fields(image_processor: Any, images: list | None, fields: dict[str, Any]) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """What the trainer needs for multi-turn tool rollouts on top of TRL's tool loop.
 
-Every family is asked to call tools in the Hermes / Qwen format, ``<tool_call>{"name": ..., "arguments":
+Families are asked to call tools in the Hermes / Qwen format, ``<tool_call>{"name": ..., "arguments":
 {...}}</tool_call>`` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL; InternVL's ``-hf`` checkpoints share the ``<|im_start|>``
-chat format and are given the same one), parsed by TRL's Qwen response template.
+chat format and are given the same one), parsed by TRL's Qwen response template; GLM and Mistral 3 in their own
+formats (see :mod:`vlm_grpo.tools.templates`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""A tool-capable chat template for checkpoints whose own template cannot render tools.
+"""A tool-capable chat template for checkpoints whose own template cannot render tools, and how TRL reads the calls.
 
 Qwen2-VL's and Qwen2.5-VL's released templates (and InternVL ``-hf``, Gemma 3 and Mistral-Small-3.1 ones) render
 no tools, tool calls or tool results, so TRL refuses them for tool runs. This one renders messages with the family's
 turns and image placeholders (and, for Qwen, the default system prompt) and adds Qwen2.5's tool format: the
 schemas in the system turn, ``<tool_call>`` blocks in assistant turns, results as ``<tool_response>`` blocks
-of one user turn (their images rendered with the family's placeholder). It is prefix-preserving, as TRL's
+of one user turn (their images rendered with the family's placeholder). GLM and Mistral 3 get their own tool
+formats instead (:func:`glm_tool_template`, :func:`mistral_tool_template`). Each is prefix-preserving, as TRL's
 tool loop needs.
 """
 
@@ -334,9 +335,10 @@ def mistral_response_template(end: str) -> dict:
 
 def family_response_template(vocab: dict[str, int], opener: str = "", end: str = "") -> dict:
     """How TRL reads tool calls back out of a completion in the family's turns: Qwen3's format; SmolVLM's turns
-    open with ``Assistant:`` and end with ``<end_of_utterance>``; GLM-4.5V writes GLM-4.5's own call format. Families
-    whose turns end in another token than ``<|im_end|>`` (Gemma 3, Mistral 3) get Qwen3's calls in their own turns:
-    ``opener`` (the chat template's generation prompt) and ``end`` (the tokenizer's end of turn)."""
+    open with ``Assistant:`` and end with ``<end_of_utterance>``; GLM-4.5V writes GLM-4.5's own call format, Mistral 3
+    (with Mistral's tool tokens) its ``[TOOL_CALLS]`` calls. Families whose turns end in another token than
+    ``<|im_end|>`` (Gemma 3) get Qwen3's calls in their own turns: ``opener`` (the chat template's generation prompt)
+    and ``end`` (the tokenizer's end of turn)."""
     import re
 
     from trl.chat_template_utils import glm4moe_template, qwen3_template

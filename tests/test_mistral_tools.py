@@ -16,7 +16,7 @@ from e2e_utils import base_args, make_dataset
 from test_tool_turns_fast import call_turn
 from vlm_grpo.grpo_jsonl import main, parse_args
 from vlm_grpo.tools.base import MALFORMED_CALL
-from vlm_grpo.tools.protocols import HERMES_MALFORMED, MISTRAL_MALFORMED
+from vlm_grpo.tools.protocols import HERMES_MALFORMED, MISTRAL_MALFORMED, MISTRAL_V7_MALFORMED
 from vlm_grpo.tools.rollouts import prepare_for_tools, tool_turns
 from vlm_grpo.trainer import VLMGRPOTrainer
 
@@ -153,12 +153,29 @@ def test_plain_turns_and_other_families_are_not_read_as_mistral_calls(processor,
     assert qwen.protocol.calls.malformed == HERMES_MALFORMED and not qwen.protocol.special_text
 
 
-def test_a_scripted_rollout_runs_mistral_calls_and_feeds_back_results(tiny_models, tmp_path):
+V7_GOOD = '[TOOL_CALLS][{"name": "zoom_in", "arguments": {"bbox_2d": [100, 100, 800, 800], "image_index": 0}}]</s>'
+V7_BAD_BOX = '[TOOL_CALLS][{"name": "zoom_in", "arguments": {"bbox_2d": [50, 50, 10, 10]}}]</s>'
+V7_UNREADABLE = '[TOOL_CALLS][{"name": "zoom_in", "arguments": {"bbox_2d": [100, 100</s>'
+
+
+@pytest.mark.parametrize(
+    ("version", "good", "bad_box", "unreadable", "result", "message"),
+    [
+        ("v11", GOOD, BAD_BOX, UNREADABLE, "[TOOL_RESULTS]", MISTRAL_MALFORMED),
+        ("v7", V7_GOOD, V7_BAD_BOX, V7_UNREADABLE, "[TOOL_RESULTS][TOOL_CONTENT]", MISTRAL_V7_MALFORMED),
+    ],
+)
+def test_a_scripted_rollout_runs_mistral_calls_and_feeds_back_results(
+    version, good, bad_box, unreadable, result, message, tiny_models, tmp_path
+):
     """One GRPO step whose first turns are scripted: a good ``zoom_in`` call, one with an inverted box, one whose
     JSON is cut off, and a turn without a call. The next turn's prompt holds each call's result as the template
-    writes it: the zoomed image, the tool's error, the protocol's message; the turn without a call ends there."""
+    writes it: the zoomed image, the tool's error, the protocol's message; the turn without a call ends there.
+    v7: the run's tokenizer is taken for one without ``[ARGS]``."""
+    from vlm_grpo.tools import protocols, templates
+
     data, plugin = make_dataset(tmp_path / "data", kinds=("single",))
-    scripted_turns = [GOOD, BAD_BOX, UNREADABLE, "It is red.</s>"]
+    scripted_turns = [good, bad_box, unreadable, "It is red.</s>"]
     later: list[str] = []
     generate = VLMGRPOTrainer._generate_single_turn
 
@@ -175,11 +192,91 @@ def test_a_scripted_rollout_runs_mistral_calls_and_feeds_back_results(tiny_model
     argv += ["--tools", "zoom_in", "--max_tool_calling_iterations", "1", "--max_completion_length", "400"]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(VLMGRPOTrainer, "_generate_single_turn", scripted)
+        for module in (protocols, templates):
+            mp.setattr(module, "mistral_tools", lambda vocab: version)
         main(*parse_args(argv))
     assert len(later) == 3  # the turn without a call ran no tool
-    good, bad, unreadable = later
-    assert good.count("[TOOL_RESULTS]") == 1 and good.endswith("[/TOOL_RESULTS]")
-    assert good.split(GOOD)[1].startswith("[TOOL_RESULTS]") and "[IMG]" in good.split(GOOD)[1]
-    assert "[IMG]" not in bad.split(BAD_BOX)[1]
-    assert bad.split(BAD_BOX)[1].startswith("[TOOL_RESULTS]{'error': ")
-    assert unreadable.split(UNREADABLE)[1] == "[TOOL_RESULTS]" + str({"error": MISTRAL_MALFORMED}) + "[/TOOL_RESULTS]"
+    good_next, bad_next, unreadable_next = later
+    assert good_next.count("[TOOL_RESULTS]") == 1 and good_next.endswith("[/TOOL_RESULTS]")
+    assert good_next.split(good)[1].startswith(result) and "[IMG]" in good_next.split(good)[1]
+    assert "[IMG]" not in bad_next.split(bad_box)[1]
+    assert bad_next.split(bad_box)[1].startswith(result + "{'error': ")
+    assert unreadable_next.split(unreadable)[1] == result + str({"error": message}) + "[/TOOL_RESULTS]"
+
+
+# ------------------------------------------------------------------ v7 tokenizers (Mistral-Small-3.1): no [ARGS] token
+V7_CALL = '[TOOL_CALLS][{"name": "zoom_in", "arguments": {"bbox_2d": [1, 2, 3, 4]}, "id": "a1b2c3d4e"}]</s>'
+
+
+@pytest.fixture
+def v7(tiny_models):
+    """The tiny processor with the v7 template and parser, as a tokenizer without ``[ARGS]`` gets them."""
+    from transformers import AutoProcessor
+
+    from vlm_grpo.tools.templates import mistral_response_template, mistral_tool_template
+
+    processor = AutoProcessor.from_pretrained(tiny_models["mistral3"])
+    processor.chat_template = processor.tokenizer.chat_template = mistral_tool_template("v7")
+    processor.tokenizer.response_template = mistral_response_template("</s>", "v7")
+    return processor
+
+
+def test_the_tokenizers_tokens_pick_mistrals_format(processor, tiny_models):
+    from transformers import AutoTokenizer
+
+    from vlm_grpo.tools.templates import mistral_tools
+
+    vocab = processor.tokenizer.get_vocab()
+    assert mistral_tools(vocab) == "v11"
+    assert mistral_tools({k: v for k, v in vocab.items() if k not in ("[ARGS]", "[CALL_ID]")}) == "v7"
+    assert mistral_tools({k: v for k, v in vocab.items() if k not in ("[ARGS]", "[TOOL_CONTENT]")}) is None
+    assert mistral_tools(AutoTokenizer.from_pretrained(tiny_models["qwen2_5_vl"]).get_vocab()) is None
+
+
+def test_v7_template_writes_one_json_list_of_calls(v7):
+    calls = [
+        {"type": "function", "function": {"name": "zoom_in", "arguments": {"bbox_2d": [1, 2]}}},
+        {"type": "function", "id": "a1b2c3d4e", "function": {"name": "rotate", "arguments": {"angle": 90}}},
+    ]
+    messages = [
+        {"role": "user", "content": "Zoom in."},
+        {"role": "assistant", "content": "", "tool_calls": calls},
+        {"role": "tool", "name": "zoom_in", "content": [{"type": "image"}, {"type": "text", "text": "zoomed"}]},
+    ]
+    text = v7.apply_chat_template(messages, tokenize=False)
+    assert text == (
+        '<s>[INST]Zoom in.[/INST][TOOL_CALLS][{"name": "zoom_in", "arguments": {"bbox_2d": [1, 2]}}, '
+        '{"name": "rotate", "arguments": {"angle": 90}, "id": "a1b2c3d4e"}]</s>'
+        "[TOOL_RESULTS][TOOL_CONTENT][IMG]zoomed[/TOOL_RESULTS]"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "calls"),
+    [
+        (V7_CALL, [("zoom_in", {"bbox_2d": [1, 2, 3, 4]})]),
+        (
+            '[TOOL_CALLS][{"name": "zoom_in", "arguments": {"bbox_2d": [1, 2, 3, 4]}}, '
+            '{"name": "zoom_in", "arguments": {"bbox_2d": [5, 6, 7, 8]}}]</s>',
+            [("zoom_in", {"bbox_2d": [1, 2, 3, 4]}), ("zoom_in", {"bbox_2d": [5, 6, 7, 8]})],
+        ),
+        ('[TOOL_CALLS][{"name": "zoom_in", "arguments": {"bbox_2d": [1, 2</s>', MISTRAL_V7_MALFORMED),
+        ('[TOOL_CALLS][{"arguments": {"bbox_2d": [1, 2, 3, 4]}}]</s>', MISTRAL_V7_MALFORMED),  # no name
+        ("It is red.</s>", []),
+    ],
+)
+def test_v7_calls_are_read_by_the_protocol(v7, text, calls):
+    from trl.chat_template_utils import parse_response
+
+    from vlm_grpo.tools.protocols import MISTRAL_V7_CALLS, HermesProtocol
+    from vlm_grpo.tools.rollouts import ToolTurns
+
+    turns = ToolTurns(HermesProtocol(MISTRAL_V7_CALLS), v7.tokenizer)
+    prefix = ids(v7, "<s>[INST]Zoom in.[/INST]")
+    turn = ids(v7, text)
+    message = turns.read(parse_response(v7.tokenizer, turn, prefix=prefix), turn, len(prefix), [zoom_in])
+    if isinstance(calls, str):
+        calls = [(MALFORMED_CALL, {"message": calls})]
+    assert message.get("tool_calls", []) == [
+        {"type": "function", "function": {"name": name, "arguments": arguments}} for name, arguments in calls
+    ]

@@ -6,7 +6,8 @@ A checkpoint trained on one protocol only calls tools in that syntax and expects
   Hermes), any number a turn; replies are ``tool`` turns rendered by the chat template (``<tool_response>``
   blocks of one user turn), the tool schemas are in the system prompt. A family with its own call format writes
   that instead: GLM-4.5V ``<tool_call>NAME`` with ``<arg_key>``/``<arg_value>`` pairs, Mistral 3 (a tokenizer with
-  Mistral's tool tokens) ``[TOOL_CALLS]NAME[ARGS]{...}`` with ``[TOOL_RESULTS]...[/TOOL_RESULTS]`` replies.
+  Mistral's tool tokens) ``[TOOL_CALLS]NAME[ARGS]{...}`` (v7 tokenizers: ``[TOOL_CALLS][{"name": ...,
+  "arguments": {...}}]``) with ``[TOOL_RESULTS]...[/TOOL_RESULTS]`` replies.
 * ``pyvision`` (PyVision): Python in ``<code>```python ... ```</code>``, or a bare ```` ```python ```` fence, or
   ``<code>...</code>``; the last block of the turn runs in the ``python`` tool. As in PyVision (its stop string
   ``</code>``), a turn ends at the first ``</code>``: what the model writes after it is cut off, neither kept nor
@@ -77,10 +78,15 @@ HERMES_MALFORMED = (
     'the <tool_call> block could not be read: write <tool_call>{"name": "<tool name>", "arguments": {...}}'
     "</tool_call> with valid JSON"
 )
-#: What the model reads after a ``[TOOL_CALLS]`` call that does not parse (``hermes`` with Mistral's tool tokens).
+#: What the model reads after a ``[TOOL_CALLS]`` call that does not parse (``hermes`` with Mistral's v11+ tokens).
 MISTRAL_MALFORMED = (
     'the [TOOL_CALLS] call could not be read: write [TOOL_CALLS]<tool name>[ARGS]{"<argument>": <value>, ...} '
     "with the arguments as one JSON object"
+)
+#: The same for Mistral's v7 tokens (no ``[ARGS]``: the calls are one JSON list).
+MISTRAL_V7_MALFORMED = (
+    'the [TOOL_CALLS] calls could not be read: write [TOOL_CALLS][{"name": "<tool name>", "arguments": {...}}] '
+    "with valid JSON"
 )
 #: PyVision's message for a turn with neither code nor a final answer.
 PYVISION_NO_CODE = "No Python code or final answer found. There is something wrong with the format."
@@ -178,6 +184,8 @@ class CallFormat:
 
 HERMES_CALLS = CallFormat("<tool_call>", HERMES_MALFORMED)
 MISTRAL_CALLS = CallFormat("[TOOL_CALLS]", MISTRAL_MALFORMED, special=True)
+MISTRAL_V7_CALLS = CallFormat("[TOOL_CALLS]", MISTRAL_V7_MALFORMED, special=True)
+_CALL_FORMATS = {None: HERMES_CALLS, "v11": MISTRAL_CALLS, "v7": MISTRAL_V7_CALLS}
 
 
 class HermesProtocol(ToolProtocol):
@@ -192,7 +200,7 @@ class HermesProtocol(ToolProtocol):
         self.special_text = calls.special
 
     def for_vocab(self, vocab: dict[str, int]) -> ToolProtocol:
-        calls = MISTRAL_CALLS if mistral_tools(vocab) else HERMES_CALLS
+        calls = _CALL_FORMATS[mistral_tools(vocab)]
         return self if calls == self.calls else HermesProtocol(calls)
 
     def parse(self, text: str, message: dict[str, Any] | None = None) -> ParsedTurn:
@@ -202,6 +210,8 @@ class HermesProtocol(ToolProtocol):
             return ParsedTurn(answered=True)
         if not calls and self.calls.marker in text:
             return ParsedTurn(error=self.calls.malformed)
+        # Mistral v7's calls come as the JSON list's {"name", "arguments"} entries
+        calls = [c if "function" in c else function_call(c["name"], c["arguments"]) for c in calls]
         return ParsedTurn(calls=calls)
 
     def error(self, message: str, malformed: bool) -> Any:

@@ -259,20 +259,38 @@ def glm_tool_template() -> str:
     )
 
 
-# Mistral's own tool format, as mistral-common's v11+ instruct tokenizers (Mistral-Small-3.2, Magistral, Ministral 3,
-# Devstral) and those checkpoints' chat templates write it: the schemas once as [AVAILABLE_TOOLS]<json list>
-# [/AVAILABLE_TOOLS] after the system prompt, each call as [TOOL_CALLS]<name>[ARGS]<json arguments> at the end of the
-# assistant's turn (before </s>), each result as [TOOL_RESULTS]<content>[/TOOL_RESULTS] (its images as [IMG]).
-MISTRAL_TOOL_TOKENS = ("[TOOL_CALLS]", "[ARGS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]")
+# Mistral's own tool format, as mistral-common's instruct tokenizers and the checkpoints' chat templates write it: the
+# schemas once as [AVAILABLE_TOOLS]<json list>[/AVAILABLE_TOOLS] before the conversation's user turn, the calls at the
+# end of the assistant's turn (before </s>), each result in [TOOL_RESULTS]...[/TOOL_RESULTS] (its images as [IMG]).
+# v11+ tokenizers (Mistral-Small-3.2, Magistral, Ministral 3, Devstral) write each call as [TOOL_CALLS]<name>[ARGS]
+# <json arguments> and a result as its content; v7 tokenizers (Mistral-Small-3.1), which have no [ARGS] token, write
+# the turn's calls as one [TOOL_CALLS]<json list of {"name", "arguments"}> and a result as [TOOL_RESULTS]<call id>
+# [TOOL_CONTENT]<content> (here with no call id: TRL's tool messages carry none).
+MISTRAL_V11_TOKENS = ("[TOOL_CALLS]", "[ARGS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]")
+MISTRAL_V7_TOKENS = ("[TOOL_CALLS]", "[TOOL_RESULTS]", "[TOOL_CONTENT]", "[/TOOL_RESULTS]")
+_MISTRAL_CALLS = {
+    "v11": "{{- '[TOOL_CALLS]' + fn['name'] + '[ARGS]' + args -}}",
+    "v7": "{{- ('[TOOL_CALLS][' if loop.first else ', ') -}}"
+    "{{- '{\"name\": \"' + fn['name'] + '\", \"arguments\": ' + args -}}"
+    "{%- if call['id'] is defined and call['id'] -%}{{- ', \"id\": \"' + call['id'] + '\"' -}}{%- endif -%}"
+    "{{- '}' + (']' if loop.last else '') -}}",
+}
+_MISTRAL_RESULTS = {"v11": "'[TOOL_RESULTS]'", "v7": "'[TOOL_RESULTS][TOOL_CONTENT]'"}
 
 
-def mistral_tools(vocab: dict[str, int]) -> bool:
-    """The tokenizer has Mistral's v11+ tool tokens (a tokenizer without ``[ARGS]``, e.g. v7's, does not)."""
-    return all(token in vocab for token in MISTRAL_TOOL_TOKENS)
+def mistral_tools(vocab: dict[str, int]) -> str | None:
+    """Mistral's tool format the tokenizer has the tokens of: ``"v11"``, ``"v7"`` (no ``[ARGS]``), or None."""
+    if "[INST]" not in vocab:
+        return None
+    for version, tokens in (("v11", MISTRAL_V11_TOKENS), ("v7", MISTRAL_V7_TOKENS)):
+        if all(token in vocab for token in tokens):
+            return version
+    return None
 
 
-def mistral_tool_template() -> str:
-    """Mistral 3's turns with Mistral's own tool format (for checkpoints whose template renders no tools)."""
+def mistral_tool_template(version: str = "v11") -> str:
+    """Mistral 3's turns with Mistral's own tool format of ``version`` (for checkpoints whose template renders no
+    tools)."""
     return (
         "{%- macro render(content) -%}"
         "{%- if content is string -%}{{- content -}}"
@@ -299,11 +317,11 @@ def mistral_tool_template() -> str:
         "{%- set args = fn['arguments'] -%}"
         "{%- if args is not string -%}{%- set args = args | tojson -%}{%- elif args == '' -%}{%- set args = '{}' -%}"
         "{%- endif -%}"
-        "{{- '[TOOL_CALLS]' + fn['name'] + '[ARGS]' + args -}}"
+        f"{_MISTRAL_CALLS[version]}"
         "{%- endfor -%}"
         "{{- eos_token -}}{%- endgeneration -%}"
         "{%- elif message['role'] == 'tool' -%}"
-        "{{- '[TOOL_RESULTS]' + render(message['content']) + '[/TOOL_RESULTS]' -}}"
+        f"{{{{- {_MISTRAL_RESULTS[version]} + render(message['content']) + '[/TOOL_RESULTS]' -}}}}"
         "{%- else -%}"
         "{{- raise_exception('Only system, user, assistant and tool roles are supported') -}}"
         "{%- endif -%}"
@@ -311,25 +329,28 @@ def mistral_tool_template() -> str:
     )
 
 
-def mistral_response_template(end: str) -> dict:
-    """How TRL reads Mistral's calls back out of a completion: text, then ``[TOOL_CALLS]<name>[ARGS]<json>`` calls
-    (a ``[CALL_ID]<id>`` before ``[ARGS]``, as v11 writes a call that has an id, is read too), up to ``end``
-    (``</s>``). A turn follows ``[/INST]``, or ``[/TOOL_RESULTS]`` after a tool's result."""
+def mistral_response_template(end: str, version: str = "v11") -> dict:
+    """How TRL reads Mistral's calls back out of a completion: text, then the calls, up to ``end`` (``</s>``). v11:
+    ``[TOOL_CALLS]<name>[ARGS]<json>`` calls (a ``[CALL_ID]<id>`` before ``[ARGS]``, as v11 writes a call that has
+    an id, is read too); v7: one ``[TOOL_CALLS]<json list>``, whose ``{"name", "arguments"}`` entries the tool
+    protocol turns into calls. A turn follows ``[/INST]``, or ``[/TOOL_RESULTS]`` after a tool's result."""
     import re
 
+    end_pattern = re.escape(end) + r"\s*"
+    if version == "v7":
+        calls = {"open": "[TOOL_CALLS]", "close_pattern": end_pattern, "content": "json"}
+    else:
+        calls = {
+            "open_pattern": r"\[TOOL_CALLS\](?P<name>[^\[\]]+?)(?:\[CALL_ID\][^\[\]]*)?\[ARGS\]",
+            "close_pattern": r"(?=\[TOOL_CALLS\])|" + end_pattern,
+            "repeats": True,
+            "content": "json",
+            "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
+        }
     return {
         "defaults": {"role": "assistant"},
         "start_anchor_pattern": r"\[/INST\]|\[/TOOL_RESULTS\]",
-        "fields": {
-            "tool_calls": {
-                "open_pattern": r"\[TOOL_CALLS\](?P<name>[^\[\]]+?)(?:\[CALL_ID\][^\[\]]*)?\[ARGS\]",
-                "close_pattern": r"(?=\[TOOL_CALLS\])|" + re.escape(end) + r"\s*",
-                "repeats": True,
-                "content": "json",
-                "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
-            },
-            "content": {"close_pattern": re.escape(end) + r"\s*", "content": "text"},
-        },
+        "fields": {"tool_calls": calls, "content": {"close_pattern": end_pattern, "content": "text"}},
     }
 
 
@@ -346,7 +367,7 @@ def family_response_template(vocab: dict[str, int], opener: str = "", end: str =
     if "<|observation|>" in vocab:
         return glm4moe_template
     if mistral_tools(vocab):
-        return mistral_response_template(end or "</s>")
+        return mistral_response_template(end or "</s>", mistral_tools(vocab))
     if "<fake_token_around_image>" in vocab:
         opener, end = "Assistant:", "<end_of_utterance>"
     elif end in ("", "<|im_end|>") or not opener:
@@ -371,6 +392,6 @@ def family_tool_template(vocab: dict[str, int]) -> str | None:
         return tool_chat_template(GEMMA3_IMAGE, GEMMA3_IMAGE, None, GEMMA_TURNS)
     if "[INST]" in vocab and "[IMG]" in vocab:
         if mistral_tools(vocab):
-            return mistral_tool_template()
+            return mistral_tool_template(mistral_tools(vocab))
         return tool_chat_template(PIXTRAL_IMAGE, PIXTRAL_IMAGE, None, MISTRAL_TURNS)
     return None

@@ -43,11 +43,11 @@ from vlm_grpo.tools.templates import mistral_tools
 #: The help of ``--tool_protocol`` (training, SFT and evaluation share the flag).
 TOOL_PROTOCOL_HELP = (
     "How the model calls tools and reads their replies: 'hermes' (<tool_call> JSON, <tool_response> replies, tool "
-    "schemas in the system prompt), 'pyvision' (```python / <code> blocks run in the python tool, <interpreter> "
-    "replies; a turn ends at </code>) or 'deepeyes' (DeepEyes' <tool_call> and reply text, in the version set by "
-    "image_zoom_in_tool's 'version' option: v2, the default, or v5). Default: the protocol the tools name "
-    "(a plugin tool's 'protocol' attribute), else hermes. A turn with <answer>...</answer> always ends the "
-    "rollout; its tool calls are not run."
+    "schemas in the system prompt; GLM and Mistral 3 in their own call formats), 'pyvision' (```python / <code> "
+    "blocks run in the python tool, <interpreter> replies; a turn ends at </code>) or 'deepeyes' (DeepEyes' "
+    "<tool_call> and reply text, in the version set by image_zoom_in_tool's 'version' option: v2, the default, or "
+    "v5). Default: the protocol the tools name (a plugin tool's 'protocol' attribute), else hermes. A turn with "
+    "<answer>...</answer> always ends the rollout; its tool calls are not run."
 )
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -190,8 +190,8 @@ _CALL_FORMATS = {None: HERMES_CALLS, "v11": MISTRAL_CALLS, "v7": MISTRAL_V7_CALL
 
 class HermesProtocol(ToolProtocol):
     """The chat template's own call format, read by TRL's response template: ``<tool_call>`` blocks (Qwen, GLM's
-    ``<tool_call>NAME<arg_key>...``), or Mistral's ``[TOOL_CALLS]NAME[ARGS]{...}`` where the tokenizer has Mistral's
-    tool tokens (:meth:`for_vocab`)."""
+    ``<tool_call>NAME<arg_key>...``), or Mistral's ``[TOOL_CALLS]`` calls where the tokenizer has Mistral's tool
+    tokens (:meth:`for_vocab`: v11's ``[TOOL_CALLS]NAME[ARGS]{...}``, v7's ``[TOOL_CALLS][{...}, ...]``)."""
 
     name = "hermes"
 

@@ -280,3 +280,42 @@ def test_v7_calls_are_read_by_the_protocol(v7, text, calls):
     assert message.get("tool_calls", []) == [
         {"type": "function", "function": {"name": name, "arguments": arguments}} for name, arguments in calls
     ]
+
+
+# ------------------------------------------------------------------ the tool_format reward on the families' formats
+def _turn(text: str, *calls: tuple[str, dict]) -> list[dict]:
+    return [
+        {
+            "role": "assistant",
+            "content": text,
+            "tool_calls": [{"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls],
+        }
+    ]
+
+
+GLM_BLOCK = "<tool_call>zoom_in\n<arg_key>bbox_2d</arg_key>\n<arg_value>[1, 2, 30, 40]</arg_value>\n</tool_call>"
+
+
+@pytest.mark.parametrize(
+    ("completion", "score"),
+    [
+        # Mistral: the tokenizer drops [TOOL_CALLS] from the text; the protocol's verdict is in the calls
+        (_turn('zoom_in{"bbox_2d": [1, 2, 3, 4]}', (MALFORMED_CALL, {"message": MISTRAL_MALFORMED})), 0.0),
+        (_turn('zoom_in[{"name": "zoom_in"', (MALFORMED_CALL, {"message": MISTRAL_V7_MALFORMED})), 0.0),
+        (_turn('zoom_in{"bbox_2d": [1, 2, 3, 4]}', ("zoom_in", {"bbox_2d": [1, 2, 3, 4]})), 1.0),
+        # GLM: a block in GLM-4.5's format the call was read from
+        (_turn(GLM_BLOCK, ("zoom_in", {"bbox_2d": [1, 2, 30, 40]})), 1.0),
+        (_turn(GLM_BLOCK), 0.0),  # the control: not read as a call, it is not a well-formed JSON block either
+        (_turn("<tool_call>zoom_in(1, 2)</tool_call>", ("zoom_in", {})), 0.0),  # neither JSON nor GLM's
+        # Qwen: a call of a tool that does not exist is still well formed; an unreadable block is not
+        (
+            _turn('<tool_call>{"name": "pan", "arguments": {}}</tool_call>', (MALFORMED_CALL, {"message": "no pan"})),
+            1.0,
+        ),
+        (_turn("<tool_call>{</tool_call>", (MALFORMED_CALL, {"message": HERMES_MALFORMED})), 0.0),
+    ],
+)
+def test_tool_format_reward_reads_each_familys_calls(completion, score):
+    from vlm_grpo.rewards.tools import tool_format_reward
+
+    assert tool_format_reward([completion]) == [score]

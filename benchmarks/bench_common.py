@@ -4,9 +4,10 @@ What ``bench_grpo.py`` (the vanilla TRL vs ``VLMGRPOTrainer`` benchmark) is buil
 ``bench_tools.py``, ``decode_lengths.py``, ``max_fit.py``, ``scale_out.py`` and ``scale_out_worker.py``
 import: ``Scenario`` / ``Result``; ``PhaseTimer``, ``timed_trainer_class``, ``OptimizerTimer``,
 ``time_vision`` and ``timed_fast_decode`` (seconds per phase); random images, prompts, JSONL rows and both
-trainers' datasets; ``length_reward``; the random-weight policy (``build_policy``), ``grpo_config`` and
-``grpo_trainer``; the card's peaks (``hbm_bandwidth``, ``card_peak_tflops``) and ``decode_weight_bytes``;
-``format_table``; the shared command line (``parse``). It imports no other benchmark script.
+trainers' datasets; ``length_reward``; ``grpo_config`` and ``grpo_trainer``; ``format_table``; the shared command
+line (``parse``). The policy, its variants' switches and the card's peaks are in ``bench_policy.py``, the only
+benchmark script it imports, inside the functions that need it: a run that names this file as its reward plugin
+(scale_out.py's ``length_reward``) loads it by path, without ``benchmarks/`` on ``sys.path``.
 """
 
 from __future__ import annotations
@@ -30,10 +31,6 @@ from transformers import TrainerCallback
 # vision tower's share, already counted inside the other phases.
 # "decode" is fast_decode's share of generation (ours only).
 PHASES = ("generation", "decode", "old_ref_logps", "prepare_other", "loss_forward", "backward", "optimizer", "vision")
-# Dense bf16 peak of the card, TFLOP/s (for MFU).
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
-# Peak HBM bandwidth of the card, bytes/s (datasheet), for the decode floor.
-HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.04e12}
 
 
 @dataclass
@@ -316,81 +313,6 @@ def length_reward(completions, **kwargs):
 # --------------------------------------------------------------------------- trainers
 
 
-def is_vanilla(kind: str) -> bool:
-    """``vanilla`` and its variants (``vanilla_static:cache_implementation=static``) run plain TRL."""
-    return kind.partition(":")[0].startswith("vanilla")
-
-
-def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
-    """``name`` or ``name:key=value,key=value`` -> (name, VLMGRPOConfig overrides).
-
-    ``cache_implementation=static`` goes into ``generation_kwargs``; true/false become booleans. Keys in
-    :data:`BENCH_ONLY` are the benchmark's own switches (see :func:`bench_switches`), not config fields.
-    """
-    name, _, rest = spec.partition(":")
-    overrides: dict[str, Any] = {}
-    for item in filter(None, rest.split(",")):
-        key, _, value = item.partition("=")
-        overrides[key] = {"true": True, "false": False}.get(value.lower(), value)
-    return name, overrides
-
-
-BENCH_ONLY = {
-    "compile_vision", "select_in_graph", "varlen_blocks", "varlen_vision", "decode_kernel", "compile_select",
-    "decode_mlp", "down_slices", "compact_rows",
-}  # fmt: skip
-# decode_mlp's (BN2, BK2, DOWN_SLICES) with down over the whole K: 16 columns per program, 512-column blocks
-# (``down_slices=false`` here and in decode_lengths.py).
-WHOLE_K_DOWN = (16, 512, 1)
-
-
-@contextmanager
-def bench_switches(kind: str):
-    """The variant's benchmark-only switches, for the duration of its run. ``compile_vision=false``: the packed
-    passes compile the decoder layers only, not the vision blocks (``compile_layers`` does both), to measure what
-    the vision blocks' compilation is worth. ``select_in_graph=false``: fast_decode chooses each token after the
-    decode graph's replay, not inside the graph. ``varlen_blocks=false``: the packed passes' attention runs as
-    per-row calls (a compiler-disabled island), not as one varlen flash call. ``varlen_vision=false``: the vision
-    tower's attention runs as per-length sdpa calls (an island), not as one varlen flash call per layer.
-    ``decode_kernel=false``: the decode step's attention runs as two matmuls and a softmax, not as the Triton
-    flash-decoding kernel. ``compile_select=false``: a compiled decode step's in-graph token selection runs eagerly,
-    not through torch.compile. ``decode_mlp=false``: the decode step's MLP runs as the fused gate|up GEMM, SiLU and
-    down, not as two Triton kernels. ``down_slices=false``: the MLP kernels' down takes 16 columns per program over
-    the whole K, not slices of K with fp32 partial sums."""
-    from vlm_grpo.fastpath import (
-        block_attention,
-        compiled_layers,
-        decode,
-        decode_attention,
-        decode_mlp,
-        decode_select,
-        vision_attention,
-    )
-
-    switches = parse_variant(kind)[1]
-    real, select = compiled_layers.vision_blocks, decode.SELECT_IN_GRAPH
-    text_varlen, vision_varlen = block_attention.VARLEN, vision_attention.VARLEN
-    kernel, compiled_select, mlp = decode_attention.KERNEL, decode_select.COMPILE, decode_mlp.KERNEL
-    down = decode_mlp.BN2, decode_mlp.BK2, decode_mlp.DOWN_SLICES
-    if switches.get("down_slices") is False:
-        decode_mlp.BN2, decode_mlp.BK2, decode_mlp.DOWN_SLICES = WHOLE_K_DOWN
-    if switches.get("compile_vision") is False:
-        compiled_layers.vision_blocks = lambda model, vlm_module: []
-    decode.SELECT_IN_GRAPH = switches.get("select_in_graph", select) is not False
-    block_attention.VARLEN = switches.get("varlen_blocks", text_varlen) is not False
-    vision_attention.VARLEN = switches.get("varlen_vision", vision_varlen) is not False
-    decode_attention.KERNEL = switches.get("decode_kernel", kernel) is not False
-    decode_select.COMPILE = switches.get("compile_select", compiled_select) is not False
-    decode_mlp.KERNEL = switches.get("decode_mlp", mlp) is not False
-    try:
-        yield
-    finally:
-        compiled_layers.vision_blocks, decode.SELECT_IN_GRAPH = real, select
-        block_attention.VARLEN, vision_attention.VARLEN = text_varlen, vision_varlen
-        decode_attention.KERNEL, decode_select.COMPILE, decode_mlp.KERNEL = kernel, compiled_select, mlp
-        decode_mlp.BN2, decode_mlp.BK2, decode_mlp.DOWN_SLICES = down
-
-
 def run_stamp() -> dict[str, Any]:
     """The date (UTC) and the versions of the measured packages, which RESULTS.md states beside every table."""
     names = ("torch", "transformers", "trl", "peft", "deepspeed")
@@ -448,44 +370,13 @@ def device_defaults(args: argparse.Namespace) -> bool:
     return on_gpu
 
 
-def build_policy(
-    args: argparse.Namespace, workdir: Path, tag: str, lora_r: int = 0, lora_dropout: float = 0.05
-) -> tuple[Any, Any, Any]:
-    """(model, processor, adapter) of ``args.preset`` with random weights, on ``args.device`` in ``args.dtype``.
-
-    A reference model (beta > 0) is loaded by TRL from the policy's path: the weights are saved under
-    ``workdir/model_<tag>`` then. ``lora_r > 0`` wraps the model in LoRA on the language model with the
-    vision tower frozen (the targets the package picks), once, so every trainer trains the same adapter.
-    ``lora_dropout == 0`` lets fast decode fold the adapters into its fused weights (``decode_fusion``).
-    """
-    from vlm_grpo.modules import get_vlm_module
-    from vlm_grpo.testing.tiny import build_model, get_preset
-
-    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-    ref_dir = workdir / f"model_{tag}" if args.beta > 0 else None
-    model, processor = build_model(args.preset, out_dir=ref_dir, seed=args.seed, dtype=dtype, device=args.device)
-    if ref_dir is not None:
-        model.config._name_or_path = str(ref_dir)
-    module = get_vlm_module("", get_preset(args.preset).family)
-    processor = module.prepare_processor(processor)  # left padding, family fixes (as load_processor)
-    module.prepare_model(model)  # both trainers get the model the package trains
-    if lora_r:
-        from peft import LoraConfig, get_peft_model
-
-        from vlm_grpo.trainer_common import apply_adapter_options
-
-        lora = LoraConfig(r=lora_r, lora_alpha=2 * lora_r, lora_dropout=lora_dropout, task_type="CAUSAL_LM")
-        apply_adapter_options(module, model, lora, freeze_vision_modules=True)
-        model = get_peft_model(model, lora)
-    return model, processor, module
-
-
 def grpo_config(
     kind: str, args: argparse.Namespace, scenario: Scenario, workdir: Path, max_steps: int, **extra: Any
 ) -> Any:
     """``GRPOConfig`` (vanilla) or ``VLMGRPOConfig`` (ours, with the variant's overrides) for one run:
     ``args.prompts_per_step`` x G samples per step, generation forced to the full completion length.
     ``extra`` are further config fields (the variant's win)."""
+    from bench_policy import BENCH_ONLY, is_vanilla, parse_variant
     from trl import GRPOConfig
 
     from vlm_grpo.configs import VLMGRPOConfig
@@ -531,6 +422,7 @@ def grpo_trainer(
     """The trainer of ``kind`` (``cls`` overrides its class) on ``paths``: vanilla TRL on an in-memory dataset,
     ours on JSONL rows through the package's data pipeline; ``questions`` are the prompts' texts (default:
     :func:`question`). ``kwargs`` go to the trainer."""
+    from bench_policy import is_vanilla
     from trl import GRPOTrainer
 
     from vlm_grpo.trainer import VLMGRPOTrainer
@@ -550,32 +442,6 @@ def grpo_trainer(
         processing_class=processor,
         **kwargs,
     )
-
-
-def hbm_bandwidth(device: str) -> float | None:
-    if not device.startswith("cuda") or not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name()
-    return next((v for k, v in HBM_BYTES_PER_S.items() if k in name), None)
-
-
-def decode_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weights one decode step reads: the text decoder's layers and final norm plus the LM head
-    (the input embedding is a lookup of a few rows; the vision tower does not run)."""
-    from vlm_grpo.utils import peft_base
-
-    base = peft_base(model)
-    decoder, head = base.get_decoder(), base.get_output_embeddings()
-    lookup_only = {id(p) for p in decoder.get_input_embeddings().parameters()} - {id(p) for p in head.parameters()}
-    params = {id(p): p for p in [*decoder.parameters(), *head.parameters()] if id(p) not in lookup_only}
-    return sum(p.numel() * p.element_size() for p in params.values())
-
-
-def card_peak_tflops(device: str) -> float | None:
-    if not device.startswith("cuda") or not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name()
-    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
 
 
 def format_table(results: list[Result]) -> str:
@@ -654,5 +520,7 @@ def parse(argv: list[str] | None = None, description: str | None = None) -> argp
     on_gpu = device_defaults(args)
     args.image_sizes = args.image_sizes or ([448, 896] if on_gpu else [56])
     args.completion_lengths = args.completion_lengths or ([128] if on_gpu else [8])
+    from bench_policy import card_peak_tflops
+
     args.peak_tflops = args.peak_tflops or card_peak_tflops(args.device)
     return args

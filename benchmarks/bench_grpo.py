@@ -48,22 +48,25 @@ from bench_common import (
     PhaseTimer,
     Result,
     Scenario,
-    bench_switches,
-    build_policy,
     busy_time,
-    decode_weight_bytes,
     format_table,
     grpo_config,
     grpo_trainer,
-    hbm_bandwidth,
-    is_vanilla,
     parse,
-    parse_variant,
     run_stamp,
     time_vision,
     timed_fast_decode,
     timed_trainer_class,
     write_images,
+)
+from bench_policy import (
+    bench_switches,
+    build_policy,
+    decode_weight_bytes,
+    hbm_bandwidth,
+    is_vanilla,
+    mfu,
+    parse_variant,
 )
 from bench_shape import (
     TOKENS_NOTE,
@@ -219,7 +222,6 @@ def run_one(
     model, processor, module = build_policy(
         args, workdir, kind.partition(":")[0], lora_r=args.lora_r, lora_dropout=args.lora_dropout
     )
-    n_params = sum(p.numel() for p in model.parameters())
     per_cycle = shape.updates if shape else 1
     measured_steps = (args.warmup + args.steps) * per_cycle
     extra = config_fields(shape) if shape else {}
@@ -273,9 +275,7 @@ def run_one(
     samples = args.prompts_per_step * args.num_generations
     tokens = median("_prompt_tokens") + median("_completion_tokens")
     train_s = median("loss_forward") + median("backward")
-    peak_flops = args.peak_tflops * 1e12 if args.peak_tflops else None
-    executed = median("_executed_tokens")
-    mfu = 6 * n_params * executed / train_s / peak_flops if peak_flops and train_s > 0 else None
+    utilisation = mfu(model, median("_executed_tokens"), train_s, args.peak_tflops)
     if shape and median("_full_row_steps"):  # rows fast_decode computed, against a decode at full width to the end
         row_steps = {"decode_row_steps": median("_row_steps"), "decode_full_row_steps": median("_full_row_steps")}
     else:
@@ -287,7 +287,7 @@ def run_one(
         samples_per_s=samples / step_s if step_s else 0.0,
         tokens_per_s=tokens / step_s if step_s else 0.0,
         peak_mem_gib=peak,
-        mfu=mfu,
+        mfu=utilisation,
         phases_s={p: median(p) for p in PHASES},
         prompt_tokens=int(median("_prompt_tokens")),
         completion_tokens=int(median("_completion_tokens")),

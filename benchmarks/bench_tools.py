@@ -33,7 +33,6 @@ from bench_common import (
     PhaseTimer,
     Result,
     Scenario,
-    build_policy,
     format_table,
     grpo_config,
     length_reward,
@@ -46,6 +45,7 @@ from bench_common import (
     vanilla_dataset,
     write_images,
 )
+from bench_policy import build_policy, mfu
 
 CALL = '<tool_call>\n{"name": "zoom_in", "arguments": {"bbox_2d": [8, 8, 40, 40], "image_index": 0}}\n</tool_call>'
 SCENARIOS = ("T2", "T4", "T4h")
@@ -124,7 +124,6 @@ def run_one(
 
     device = torch.device(args.device)
     model, processor, module = build_policy(args, workdir, kind)
-    n_params = sum(p.numel() for p in model.parameters())
     steps = args.warmup + args.steps
     rounds, half = rounds_of(tools_scenario)
     # Room for the tool results (text + a 448 px image each) on top of the sampled answer.
@@ -163,8 +162,7 @@ def run_one(
 
     step_s = median("_wall")
     train_s = median("loss_forward") + median("backward")
-    peak_flops = args.peak_tflops * 1e12 if args.peak_tflops else None
-    mfu = 6 * n_params * median("_executed_tokens") / train_s / peak_flops if peak_flops and train_s > 0 else None
+    utilisation = mfu(model, median("_executed_tokens"), train_s, args.peak_tflops)
     samples = args.prompts_per_step * args.num_generations
     tokens = median("_prompt_tokens") + median("_completion_tokens")
     logs = [e for e in trainer.state.log_history if "tools/call_frequency" in e]
@@ -178,7 +176,7 @@ def run_one(
     }
     decode_ms = 1e3 * median("decode") / median("_decode_tokens") if median("_decode_tokens") else None
     result = Result(
-        kind, f"{scenario.name} {tools_scenario}", step_s, samples / step_s, tokens / step_s, peak, mfu,
+        kind, f"{scenario.name} {tools_scenario}", step_s, samples / step_s, tokens / step_s, peak, utilisation,
         {p: median(p) for p in PHASES}, int(median("_prompt_tokens")), int(median("_completion_tokens")),
         decode_ms_per_token=decode_ms,
     )  # fmt: skip

@@ -40,7 +40,6 @@ from pathlib import Path
 import torch
 from bench_common import (
     Scenario,
-    build_policy,
     device_defaults,
     flag_bool,
     grpo_config,
@@ -48,6 +47,7 @@ from bench_common import (
     run_stamp,
     write_images,
 )
+from bench_policy import build_policy
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 

@@ -38,7 +38,8 @@ from typing import NamedTuple
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_common.py is in benchmarks/
 
 import torch
-from bench_common import WHOLE_K_DOWN, decode_weight_bytes, device_defaults, flag_bool, hbm_bandwidth, run_stamp
+from bench_common import device_defaults, flag_bool, run_stamp
+from bench_policy import WHOLE_K_DOWN, decode_weight_bytes, hbm_bandwidth
 
 CAPTURES: list[float] = []  # seconds of each CUDA-graph warm-up + capture (once per window of a fast_decode call)
 

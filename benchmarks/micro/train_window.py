@@ -30,18 +30,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_common.py 
 
 import torch
 from bench_common import (
-    BENCH_ONLY,
     Scenario,
-    bench_switches,
-    build_policy,
     busy_time,
     device_defaults,
     grpo_config,
     grpo_trainer,
     one_batch_args,
-    parse_variant,
     write_images,
 )
+from bench_policy import BENCH_ONLY, bench_switches, build_policy, parse_variant
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

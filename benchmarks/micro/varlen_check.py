@@ -25,13 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_common.py 
 import torch
 from bench_common import (
     Scenario,
-    build_policy,
     device_defaults,
     grpo_config,
     grpo_trainer,
     one_batch_args,
     write_images,
 )
+from bench_policy import build_policy
 from trl import GRPOTrainer
 
 import vlm_grpo.fastpath.block_attention as block_attention

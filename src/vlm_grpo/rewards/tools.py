@@ -13,8 +13,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from vlm_grpo.rewards.base import completion_text
+from vlm_grpo.tools.base import MALFORMED_CALL
+from vlm_grpo.tools.protocols import HERMES_MALFORMED, MISTRAL_MALFORMED, MISTRAL_V7_MALFORMED
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+# GLM-4.5's call format inside <tool_call>: the name, then <arg_key>/<arg_value> pairs
+_GLM_CALL = re.compile(r"\s*[^\s{<]+\s*(?:<arg_key>.*?</arg_key>\s*<arg_value>.*?</arg_value>\s*)*", re.DOTALL)
+# What the hidden tool answers for a call the chat template's own format could not read
+_UNREADABLE = {HERMES_MALFORMED, MISTRAL_MALFORMED, MISTRAL_V7_MALFORMED}
 
 
 def _messages(completion: Any) -> list[dict[str, Any]]:
@@ -193,7 +199,10 @@ def _per_sample(value: Any, n: int) -> bool:
 
 def tool_format_reward(completions: Sequence[Any], require_call: bool = False, **kwargs: Any) -> list[float]:
     """1 when every ``<tool_call>`` the model wrote was a closed block holding ``{"name": str, "arguments": {}}``
-    JSON (TRL turns such blocks into calls; a malformed one is answered with an error message), else 0.
+    JSON (TRL turns such blocks into calls; a malformed one is answered with an error message), else 0. A family
+    with its own call format is judged by what the tool protocol read: a GLM-4.5 block (``<tool_call>NAME`` with
+    ``<arg_key>`` / ``<arg_value>`` pairs) the turn's calls came from counts as well formed, and a call that the
+    template's format could not read (Mistral's ``[TOOL_CALLS]`` included) scores 0.
     With ``require_call``, a rollout without any tool call also scores 0."""
     out = []
     for completion in completions:
@@ -202,7 +211,11 @@ def tool_format_reward(completions: Sequence[Any], require_call: bool = False, *
         for message in _messages(completion):
             if message.get("role") != "assistant":
                 continue
+            parsed = [c.get("function") or {} for c in message.get("tool_calls") or [] if isinstance(c, dict)]
             calls += len(message.get("tool_calls") or [])
+            unread = [c for c in parsed if c.get("name") == MALFORMED_CALL]
+            if any((c.get("arguments") or {}).get("message") in _UNREADABLE for c in unread):
+                ok = False
             text = completion_text([message])
             if text.count("<tool_call>") != text.count("</tool_call>"):
                 ok = False
@@ -211,7 +224,7 @@ def tool_format_reward(completions: Sequence[Any], require_call: bool = False, *
                 try:
                     call = json.loads(block)
                 except ValueError:
-                    ok = False
+                    ok = ok and bool(parsed) and not unread and _GLM_CALL.fullmatch(block) is not None
                     continue
                 if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
                     ok = False

@@ -5,7 +5,9 @@ side up to ``patch_size * spatial_merge_size`` (28 px), and writes one ``[IMG]``
 ``[IMG_BREAK]`` after each row and ``[IMG_END]`` in place of the last break. The patch merger folds 2 x 2
 patches of 14 px into one token. Here ``longest_edge`` is 112 px: at most 4 x 4 image tokens plus the breaks.
 The chat template is the real checkpoints' format (``[SYSTEM_PROMPT]``, ``[INST] ... [/INST]``, the answer
-closed by ``</s>``), with ``{% generation %}`` markers around assistant turns.
+closed by ``</s>``), with ``{% generation %}`` markers around assistant turns; like Mistral-Small-3.1's it renders
+no tools, so tool runs render with Mistral's own tool format (``tools.templates.mistral_tool_template``), whose
+tokens the tokenizer has as special tokens, as the v11+ tokenizers do.
 """
 
 from __future__ import annotations
@@ -27,6 +29,15 @@ SPECIALS = (
     "[SYSTEM_PROMPT]",
     "[/SYSTEM_PROMPT]",
     "<pad>",
+    # Mistral's tool tokens (mistral-common's v11+ tokenizers: Mistral-Small-3.2, Ministral 3)
+    "[AVAILABLE_TOOLS]",
+    "[/AVAILABLE_TOOLS]",
+    "[TOOL_CALLS]",
+    "[ARGS]",
+    "[CALL_ID]",
+    "[TOOL_RESULTS]",
+    "[TOOL_CONTENT]",
+    "[/TOOL_RESULTS]",
 )
 LONGEST_EDGE = 112
 PATCH = 14

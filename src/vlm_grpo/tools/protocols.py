@@ -4,7 +4,10 @@ A checkpoint trained on one protocol only calls tools in that syntax and expects
 
 * ``hermes`` (the default): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Qwen2.5 / Qwen3 /
   Hermes), any number a turn; replies are ``tool`` turns rendered by the chat template (``<tool_response>``
-  blocks of one user turn), the tool schemas are in the system prompt.
+  blocks of one user turn), the tool schemas are in the system prompt. A family with its own call format writes
+  that instead: GLM-4.5V ``<tool_call>NAME`` with ``<arg_key>``/``<arg_value>`` pairs, Mistral 3 (a tokenizer with
+  Mistral's tool tokens) ``[TOOL_CALLS]NAME[ARGS]{...}`` (v7 tokenizers: ``[TOOL_CALLS][{"name": ...,
+  "arguments": {...}}]``) with ``[TOOL_RESULTS]...[/TOOL_RESULTS]`` replies.
 * ``pyvision`` (PyVision): Python in ``<code>```python ... ```</code>``, or a bare ```` ```python ```` fence, or
   ``<code>...</code>``; the last block of the turn runs in the ``python`` tool. As in PyVision (its stop string
   ``</code>``), a turn ends at the first ``</code>``: what the model writes after it is cut off, neither kept nor
@@ -35,15 +38,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vlm_grpo.registry import Registry
+from vlm_grpo.tools.templates import mistral_tools
 
 #: The help of ``--tool_protocol`` (training, SFT and evaluation share the flag).
 TOOL_PROTOCOL_HELP = (
     "How the model calls tools and reads their replies: 'hermes' (<tool_call> JSON, <tool_response> replies, tool "
-    "schemas in the system prompt), 'pyvision' (```python / <code> blocks run in the python tool, <interpreter> "
-    "replies; a turn ends at </code>) or 'deepeyes' (DeepEyes' <tool_call> and reply text, in the version set by "
-    "image_zoom_in_tool's 'version' option: v2, the default, or v5). Default: the protocol the tools name "
-    "(a plugin tool's 'protocol' attribute), else hermes. A turn with <answer>...</answer> always ends the "
-    "rollout; its tool calls are not run."
+    "schemas in the system prompt; GLM and Mistral 3 in their own call formats), 'pyvision' (```python / <code> "
+    "blocks run in the python tool, <interpreter> replies; a turn ends at </code>) or 'deepeyes' (DeepEyes' "
+    "<tool_call> and reply text, in the version set by image_zoom_in_tool's 'version' option: v2, the default, or "
+    "v5). Default: the protocol the tools name (a plugin tool's 'protocol' attribute), else hermes. A turn with "
+    "<answer>...</answer> always ends the rollout; its tool calls are not run."
 )
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -73,6 +77,16 @@ DEEPEYES_V5_CALLS = 3
 HERMES_MALFORMED = (
     'the <tool_call> block could not be read: write <tool_call>{"name": "<tool name>", "arguments": {...}}'
     "</tool_call> with valid JSON"
+)
+#: What the model reads after a ``[TOOL_CALLS]`` call that does not parse (``hermes`` with Mistral's v11+ tokens).
+MISTRAL_MALFORMED = (
+    'the [TOOL_CALLS] call could not be read: write [TOOL_CALLS]<tool name>[ARGS]{"<argument>": <value>, ...} '
+    "with the arguments as one JSON object"
+)
+#: The same for Mistral's v7 tokens (no ``[ARGS]``: the calls are one JSON list).
+MISTRAL_V7_MALFORMED = (
+    'the [TOOL_CALLS] calls could not be read: write [TOOL_CALLS][{"name": "<tool name>", "arguments": {...}}] '
+    "with valid JSON"
 )
 #: PyVision's message for a turn with neither code nor a final answer.
 PYVISION_NO_CODE = "No Python code or final answer found. There is something wrong with the format."
@@ -117,18 +131,24 @@ class ToolProtocol:
     rendered as one user turn of the protocol's own text (:meth:`join`; else as the chat template's ``tool`` turns,
     and errors as TRL words them). ``tool_names``: the tools the protocol calls by itself (``pyvision``:
     ``python``). ``stop``: strings that end a turn (the turn is cut after the first one, see
-    :meth:`~vlm_grpo.tools.rollouts.ToolTurns.cut`).
+    :meth:`~vlm_grpo.tools.rollouts.ToolTurns.cut`). ``special_text``: :meth:`parse` reads the turn with the
+    tokenizer's special tokens (Mistral's ``[TOOL_CALLS]`` is one).
     """
 
     name = ""
     show_tools = True
     user_replies = False
+    special_text = False
     tool_names: tuple[str, ...] = ()
     stop: tuple[str, ...] = ()
 
     def configured(self, options: dict[str, dict[str, Any]]) -> ToolProtocol:
         """The protocol for a run whose tools have these ``--tool_kwargs`` options (a protocol version a tool
         option picks); by default itself."""
+        return self
+
+    def for_vocab(self, vocab: dict[str, int]) -> ToolProtocol:
+        """The protocol for a tokenizer with this vocabulary (a family's own call format); by default itself."""
         return self
 
     def join(self, contents: list[Any]) -> list[dict[str, Any]]:
@@ -152,16 +172,46 @@ class ToolProtocol:
         raise NotImplementedError
 
 
+@dataclass(frozen=True)
+class CallFormat:
+    """How the chat template writes a call: the marker that opens one, what the model reads back for a call that does
+    not parse, and whether the marker is a special token (then the turn is read with its special tokens)."""
+
+    marker: str
+    malformed: str
+    special: bool = False
+
+
+HERMES_CALLS = CallFormat("<tool_call>", HERMES_MALFORMED)
+MISTRAL_CALLS = CallFormat("[TOOL_CALLS]", MISTRAL_MALFORMED, special=True)
+MISTRAL_V7_CALLS = CallFormat("[TOOL_CALLS]", MISTRAL_V7_MALFORMED, special=True)
+_CALL_FORMATS = {None: HERMES_CALLS, "v11": MISTRAL_CALLS, "v7": MISTRAL_V7_CALLS}
+
+
 class HermesProtocol(ToolProtocol):
+    """The chat template's own call format, read by TRL's response template: ``<tool_call>`` blocks (Qwen, GLM's
+    ``<tool_call>NAME<arg_key>...``), or Mistral's ``[TOOL_CALLS]`` calls where the tokenizer has Mistral's tool
+    tokens (:meth:`for_vocab`: v11's ``[TOOL_CALLS]NAME[ARGS]{...}``, v7's ``[TOOL_CALLS][{...}, ...]``)."""
+
     name = "hermes"
+
+    def __init__(self, calls: CallFormat = HERMES_CALLS) -> None:
+        self.calls = calls
+        self.special_text = calls.special
+
+    def for_vocab(self, vocab: dict[str, int]) -> ToolProtocol:
+        calls = _CALL_FORMATS[mistral_tools(vocab)]
+        return self if calls == self.calls else HermesProtocol(calls)
 
     def parse(self, text: str, message: dict[str, Any] | None = None) -> ParsedTurn:
         answered = has_answer(text)
         calls = list((message or {}).get("tool_calls") or [])
         if answered:
             return ParsedTurn(answered=True)
-        if not calls and "<tool_call>" in text:
-            return ParsedTurn(error=HERMES_MALFORMED)
+        if not calls and self.calls.marker in text:
+            return ParsedTurn(error=self.calls.malformed)
+        # Mistral v7's calls come as the JSON list's {"name", "arguments"} entries
+        calls = [c if "function" in c else function_call(c["name"], c["arguments"]) for c in calls]
         return ParsedTurn(calls=calls)
 
     def error(self, message: str, malformed: bool) -> Any:

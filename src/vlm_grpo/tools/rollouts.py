@@ -1,8 +1,9 @@
 """What the trainer needs for multi-turn tool rollouts on top of TRL's tool loop.
 
-Every family is asked to call tools in the Hermes / Qwen format, ``<tool_call>{"name": ..., "arguments":
+Families are asked to call tools in the Hermes / Qwen format, ``<tool_call>{"name": ..., "arguments":
 {...}}</tool_call>`` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL; InternVL's ``-hf`` checkpoints share the ``<|im_start|>``
-chat format and are given the same one), parsed by TRL's Qwen response template.
+chat format and are given the same one), parsed by TRL's Qwen response template; GLM and Mistral 3 in their own
+formats (see :mod:`vlm_grpo.tools.templates`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ _VISION_TOKENS += ("<IMG_CONTEXT>", "<img>", "</img>", "<video>")
 _VISION_TOKENS += ("<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|begin_of_video|>", "<|end_of_video|>")
 _VISION_TOKENS += ("<|video|>",)
 _VISION_TOKENS += ("<image>", "<fake_token_around_image>", "<global-img>")
+_VISION_TOKENS += ("[IMG]", "[IMG_BREAK]", "[IMG_END]")  # Pixtral's (Mistral 3)
 
 
 def tile_fields(image_processor: Any, images: list | None, fields: dict[str, Any]) -> dict[str, Any]:
@@ -147,6 +149,8 @@ def tool_turns(
             f"(now: {', '.join(sorted(n for n in available if n)) or 'none'})"
         )
     tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    if tokenizer is not None:
+        protocol = protocol.for_vocab(tokenizer.get_vocab())
     return ToolTurns(protocol, tokenizer, max_context_tokens, max_tool_images)
 
 
@@ -351,7 +355,7 @@ class ToolTurns:
         """The assistant message for one turn (``ids``; ``context``: tokens before it), with the calls to run:
         none once the turn answers or the context budget is reached; the hidden tool for a malformed action or an
         unknown tool."""
-        text = self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        text = self.tokenizer.decode(list(ids), skip_special_tokens=not self.protocol.special_text)
         turn = self.protocol.parse(text, message)
         if turn.answered:
             self.calls_after_answer += len(self.protocol.parse(ANSWER.sub("", text), message).calls)

@@ -1,10 +1,11 @@
-"""A tool-capable chat template for checkpoints whose own template cannot render tools.
+"""A tool-capable chat template for checkpoints whose own template cannot render tools, and how TRL reads the calls.
 
 Qwen2-VL's and Qwen2.5-VL's released templates (and InternVL ``-hf``, Gemma 3 and Mistral-Small-3.1 ones) render
 no tools, tool calls or tool results, so TRL refuses them for tool runs. This one renders messages with the family's
 turns and image placeholders (and, for Qwen, the default system prompt) and adds Qwen2.5's tool format: the
 schemas in the system turn, ``<tool_call>`` blocks in assistant turns, results as ``<tool_response>`` blocks
-of one user turn (their images rendered with the family's placeholder). It is prefix-preserving, as TRL's
+of one user turn (their images rendered with the family's placeholder). GLM and Mistral 3 get their own tool
+formats instead (:func:`glm_tool_template`, :func:`mistral_tool_template`). Each is prefix-preserving, as TRL's
 tool loop needs.
 """
 
@@ -194,7 +195,8 @@ GLM_VIDEO = "<|begin_of_video|><|video|><|end_of_video|>"
 # GLM-4.5V's turns: [gMASK]<sop>, then <|system|> / <|user|> / <|assistant|> / <|observation|> (no end-of-turn token:
 # generation stops at <|user|>, <|observation|> or <|endoftext|>); tools as GLM-4.5 writes them (schemas in a system
 # turn, calls as <tool_call>NAME + <arg_key>/<arg_value> pairs, results as <tool_response> blocks of one
-# <|observation|> turn, their images rendered too), and {% generation %} around assistant content for SFT.
+# <|observation|> turn, their images rendered too), an assistant turn without reasoning written with an empty
+# <think></think> as GLM-4.5's template writes it, and {% generation %} around assistant content for SFT.
 _GLM_TOOLS_HEADER = (
     "<|system|>\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
@@ -202,7 +204,7 @@ _GLM_TOOLS_HEADER = (
 _GLM_TOOLS_FOOTER = (
     "\n</tools>\n\nFor each function call, output the function name and arguments within the following XML "
     "format:\n<tool_call>{function-name}\n<arg_key>{arg-key-1}</arg_key>\n<arg_value>{arg-value-1}</arg_value>\n"
-    "...\n</tool_call>"
+    "<arg_key>{arg-key-2}</arg_key>\n<arg_value>{arg-value-2}</arg_value>\n...\n</tool_call>"
 )
 
 
@@ -230,6 +232,7 @@ def glm_tool_template() -> str:
             "{{- '<|assistant|>' -}}"
             "{%- generation -%}"
             "{%- set text = render(message['content'] or '') -%}"
+            "{%- if '</think>' not in text -%}{{- '\n<think></think>' -}}{%- endif -%}"
             "{%- if text -%}{{- '\n' + text -}}{%- endif -%}"
             "{%- for call in message['tool_calls'] or [] -%}"
             "{%- set fn = call['function'] if call['function'] is defined else call -%}"
@@ -256,17 +259,115 @@ def glm_tool_template() -> str:
     )
 
 
+# Mistral's own tool format, as mistral-common's instruct tokenizers and the checkpoints' chat templates write it: the
+# schemas once as [AVAILABLE_TOOLS]<json list>[/AVAILABLE_TOOLS] before the conversation's user turn, the calls at the
+# end of the assistant's turn (before </s>), each result in [TOOL_RESULTS]...[/TOOL_RESULTS] (its images as [IMG]).
+# v11+ tokenizers (Mistral-Small-3.2, Magistral, Ministral 3, Devstral) write each call as [TOOL_CALLS]<name>[ARGS]
+# <json arguments> and a result as its content; v7 tokenizers (Mistral-Small-3.1), which have no [ARGS] token, write
+# the turn's calls as one [TOOL_CALLS]<json list of {"name", "arguments"}> and a result as [TOOL_RESULTS]<call id>
+# [TOOL_CONTENT]<content> (here with no call id: TRL's tool messages carry none).
+MISTRAL_V11_TOKENS = ("[TOOL_CALLS]", "[ARGS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]")
+MISTRAL_V7_TOKENS = ("[TOOL_CALLS]", "[TOOL_RESULTS]", "[TOOL_CONTENT]", "[/TOOL_RESULTS]")
+_MISTRAL_CALLS = {
+    "v11": "{{- '[TOOL_CALLS]' + fn['name'] + '[ARGS]' + args -}}",
+    "v7": "{{- ('[TOOL_CALLS][' if loop.first else ', ') -}}"
+    "{{- '{\"name\": \"' + fn['name'] + '\", \"arguments\": ' + args -}}"
+    "{%- if call['id'] is defined and call['id'] -%}{{- ', \"id\": \"' + call['id'] + '\"' -}}{%- endif -%}"
+    "{{- '}' + (']' if loop.last else '') -}}",
+}
+_MISTRAL_RESULTS = {"v11": "'[TOOL_RESULTS]'", "v7": "'[TOOL_RESULTS][TOOL_CONTENT]'"}
+
+
+def mistral_tools(vocab: dict[str, int]) -> str | None:
+    """Mistral's tool format the tokenizer has the tokens of: ``"v11"``, ``"v7"`` (no ``[ARGS]``), or None."""
+    if "[INST]" not in vocab:
+        return None
+    for version, tokens in (("v11", MISTRAL_V11_TOKENS), ("v7", MISTRAL_V7_TOKENS)):
+        if all(token in vocab for token in tokens):
+            return version
+    return None
+
+
+def mistral_tool_template(version: str = "v11") -> str:
+    """Mistral 3's turns with Mistral's own tool format of ``version`` (for checkpoints whose template renders no
+    tools)."""
+    return (
+        "{%- macro render(content) -%}"
+        "{%- if content is string -%}{{- content -}}"
+        "{%- else -%}{%- for item in content -%}"
+        "{%- if item.type == 'image' or 'image' in item or 'image_url' in item -%}{{- '[IMG]' -}}"
+        "{%- elif item.type == 'video' or 'video' in item -%}{{- '[IMG]' -}}"
+        "{%- elif 'text' in item -%}{{- item['text'] -}}"
+        "{%- endif -%}"
+        "{%- endfor -%}{%- endif -%}"
+        "{%- endmacro -%}"
+        "{{- bos_token -}}"
+        "{%- set has_system = messages and messages[0]['role'] == 'system' -%}"
+        "{%- if has_system -%}{{- '[SYSTEM_PROMPT]' + render(messages[0]['content']) + '[/SYSTEM_PROMPT]' -}}"
+        "{%- endif -%}"
+        "{%- if tools -%}{{- '[AVAILABLE_TOOLS]' + (tools | tojson) + '[/AVAILABLE_TOOLS]' -}}{%- endif -%}"
+        "{%- for message in messages -%}"
+        "{%- if loop.first and has_system -%}"
+        "{%- elif message['role'] == 'user' -%}{{- '[INST]' + render(message['content']) + '[/INST]' -}}"
+        "{%- elif message['role'] == 'assistant' -%}"
+        "{%- generation -%}"
+        "{{- render(message['content'] or '') -}}"
+        "{%- for call in message['tool_calls'] or [] -%}"
+        "{%- set fn = call['function'] if call['function'] is defined else call -%}"
+        "{%- set args = fn['arguments'] -%}"
+        "{%- if args is not string -%}{%- set args = args | tojson -%}{%- elif args == '' -%}{%- set args = '{}' -%}"
+        "{%- endif -%}"
+        f"{_MISTRAL_CALLS[version]}"
+        "{%- endfor -%}"
+        "{{- eos_token -}}{%- endgeneration -%}"
+        "{%- elif message['role'] == 'tool' -%}"
+        f"{{{{- {_MISTRAL_RESULTS[version]} + render(message['content']) + '[/TOOL_RESULTS]' -}}}}"
+        "{%- else -%}"
+        "{{- raise_exception('Only system, user, assistant and tool roles are supported') -}}"
+        "{%- endif -%}"
+        "{%- endfor -%}"
+    )
+
+
+def mistral_response_template(end: str, version: str = "v11") -> dict:
+    """How TRL reads Mistral's calls back out of a completion: text, then the calls, up to ``end`` (``</s>``). v11:
+    ``[TOOL_CALLS]<name>[ARGS]<json>`` calls (a ``[CALL_ID]<id>`` before ``[ARGS]``, as v11 writes a call that has
+    an id, is read too); v7: one ``[TOOL_CALLS]<json list>``, whose ``{"name", "arguments"}`` entries the tool
+    protocol turns into calls. A turn follows ``[/INST]``, or ``[/TOOL_RESULTS]`` after a tool's result."""
+    import re
+
+    end_pattern = re.escape(end) + r"\s*"
+    if version == "v7":
+        calls = {"open": "[TOOL_CALLS]", "close_pattern": end_pattern, "content": "json"}
+    else:
+        calls = {
+            "open_pattern": r"\[TOOL_CALLS\](?P<name>[^\[\]]+?)(?:\[CALL_ID\][^\[\]]*)?\[ARGS\]",
+            "close_pattern": r"(?=\[TOOL_CALLS\])|" + end_pattern,
+            "repeats": True,
+            "content": "json",
+            "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
+        }
+    return {
+        "defaults": {"role": "assistant"},
+        "start_anchor_pattern": r"\[/INST\]|\[/TOOL_RESULTS\]",
+        "fields": {"tool_calls": calls, "content": {"close_pattern": end_pattern, "content": "text"}},
+    }
+
+
 def family_response_template(vocab: dict[str, int], opener: str = "", end: str = "") -> dict:
     """How TRL reads tool calls back out of a completion in the family's turns: Qwen3's format; SmolVLM's turns
-    open with ``Assistant:`` and end with ``<end_of_utterance>``; GLM-4.5V writes GLM-4.5's own call format. Families
-    whose turns end in another token than ``<|im_end|>`` (Gemma 3, Mistral 3) get Qwen3's calls in their own turns:
-    ``opener`` (the chat template's generation prompt) and ``end`` (the tokenizer's end of turn)."""
+    open with ``Assistant:`` and end with ``<end_of_utterance>``; GLM-4.5V writes GLM-4.5's own call format, Mistral 3
+    (with Mistral's tool tokens) its ``[TOOL_CALLS]`` calls. Families whose turns end in another token than
+    ``<|im_end|>`` (Gemma 3) get Qwen3's calls in their own turns: ``opener`` (the chat template's generation prompt)
+    and ``end`` (the tokenizer's end of turn)."""
     import re
 
     from trl.chat_template_utils import glm4moe_template, qwen3_template
 
     if "<|observation|>" in vocab:
         return glm4moe_template
+    if mistral_tools(vocab):
+        return mistral_response_template(end or "</s>", mistral_tools(vocab))
     if "<fake_token_around_image>" in vocab:
         opener, end = "Assistant:", "<end_of_utterance>"
     elif end in ("", "<|im_end|>") or not opener:
@@ -290,5 +391,7 @@ def family_tool_template(vocab: dict[str, int]) -> str | None:
     if "<start_of_turn>" in vocab and "<start_of_image>" in vocab:
         return tool_chat_template(GEMMA3_IMAGE, GEMMA3_IMAGE, None, GEMMA_TURNS)
     if "[INST]" in vocab and "[IMG]" in vocab:
+        if mistral_tools(vocab):
+            return mistral_tool_template(mistral_tools(vocab))
         return tool_chat_template(PIXTRAL_IMAGE, PIXTRAL_IMAGE, None, MISTRAL_TURNS)
     return None

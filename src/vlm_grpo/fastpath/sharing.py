@@ -4,17 +4,22 @@ GRPO repeats each prompt (and its images) G times. The naive log-prob pass runs 
 and the whole prompt G times; here every group of rows that share a prompt and its pixels becomes
 one packed sequence, so images are encoded once and the prompt is attended once.
 
-Layout of one packed sequence (P = valid prompt length, C = completion width)::
+Layout of one packed group (P = valid prompt length, L_g = completion g's length)::
 
-    prompt[:-1] | prompt[-1] c_1[0..C-1] | prompt[-1] c_2[0..C-1] | ... | prompt[-1] c_G[...]
+    prompt[:-1] | prompt[-1] c_1[0..L_1-1] | prompt[-1] c_2[0..L_2-1] | ... | prompt[-1] c_G[0..L_G-1]
 
 The last prompt token is repeated at the head of each block: it sits at the same position with the
 same context, so its hidden state is the one the naive pass has, and it can carry the label
 ``c_g[0]`` of its block (one position has one label). A block attends to the shared prefix and
-causally to itself, never to another block. Positions are explicit (mrope for Qwen families), as
-the model cannot infer them from a packed layout. Log-probs come from TRL's fused LM head via
-``shift_labels`` and are scattered back to the ``(rows, C)`` layout TRL expects, so old, reference
-and policy log-probs all go through the same path.
+causally to itself, never to another block. Each block is as long as its own completion (through its last
+token that the loss sees, or that holds an image), not the batch's longest: with real rollouts (lengths a
+few hundred tokens, a tail to the maximum) most of TRL's ``(rows, C)`` layout is padding, which the packed
+pass never runs. Where the varlen attention kernel runs, the groups of a pass go end to end in one packed
+row; elsewhere each group is one row, right-padded to the longest. Positions are explicit (mrope for Qwen
+families), as the model cannot infer them from a packed layout. Log-probs come from TRL's fused LM head via
+``shift_labels`` and are scattered back to the ``(rows, C)`` layout TRL expects, zero past a row's block
+(as TRL's pass has them where the mask is 0), so old, reference and policy log-probs all go through the
+same path.
 
 Multi-turn tool rollouts fit the same layout: a completion ``c_g`` is the rollout's whole tail (its turns, the
 tool observations between them, their images), so each block holds one rollout's history after the shared
@@ -34,7 +39,15 @@ import numpy as np
 import torch
 
 from vlm_grpo.fastpath import decode
-from vlm_grpo.fastpath.block_attention import LAYOUT_KWARG, PackedLayout, packing, use_block_attention, varlen_layout
+from vlm_grpo.fastpath.block_attention import (
+    LAYOUT_KWARG,
+    PackedGroup,
+    PackedLayout,
+    packing,
+    shares_rows,
+    use_block_attention,
+    varlen_layout,
+)
 from vlm_grpo.fastpath.compiled_layers import compiled_layers
 from vlm_grpo.fastpath.decode_autocast import autocast_seen
 from vlm_grpo.fastpath.turn_cache import remember_shared
@@ -129,24 +142,45 @@ def plan_groups(
     return groups
 
 
-def build_mask(prefix: int, blocks: int, block_len: int, total: int, dtype: torch.dtype | None, device) -> torch.Tensor:
-    """(1, 1, total, total) mask: causal prefix; each block sees the prefix and itself causally; padding sees itself.
+def build_mask(row: tuple[PackedGroup, ...], total: int, dtype: torch.dtype | None, device) -> torch.Tensor:
+    """(1, 1, total, total) mask of one packed row: each group's prefix causal; each block sees its group's prefix
+    and itself causally; padding sees itself.
 
     Boolean (True = attend) for sdpa; additive (0 / min) when ``dtype`` is given (eager attention).
     """
-    length = prefix + blocks * block_len
+    group_id, block_id = np.full(total, -1), np.full(total, -2)  # block -1: a prefix token; -2: padding
+    end = 0
+    for i, group in enumerate(row):
+        group_id[end : end + group.length] = i
+        block_id[end : end + group.prefix] = -1
+        block_id[end + group.prefix : end + group.length] = np.repeat(np.arange(len(group.blocks)), group.blocks)
+        end += group.length
+    group_of, block_of = (torch.from_numpy(x).to(device) for x in (group_id, block_id))
     idx = torch.arange(total, device=device)
-    block_id = torch.where(idx < prefix, -1, (idx - prefix) // block_len)
     q, k = idx[:, None], idx[None, :]
-    causal = k <= q
-    same_block = block_id[:, None] == block_id[None, :]
-    sees_prefix = block_id[None, :] == -1
-    mask = causal & (same_block | sees_prefix) & (q < length) & (k < length)
+    same_block = block_of[:, None] == block_of[None, :]
+    sees_prefix = block_of[None, :] == -1
+    mask = (k <= q) & (group_of[:, None] == group_of[None, :]) & (same_block | sees_prefix) & (block_of[None, :] > -2)
     mask |= torch.eye(total, dtype=torch.bool, device=device)  # a fully masked row would give NaN
     mask = mask[None, None]
     if dtype is None:
         return mask
     return torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, torch.finfo(dtype).min)
+
+
+def block_lengths(
+    completion_ids: torch.Tensor, completion_mask: torch.Tensor, image_token: int | None, multiple: int = 1
+) -> list[int]:
+    """Per row, its block's length: the prompt's last token and the completion through its last token that the
+    loss sees (``completion_mask``) or that is an image placeholder (a tool image's features need all of its
+    placeholders), rounded up to ``multiple`` and at most ``C + 1``. A row with no such token keeps one token."""
+    needed = completion_mask.bool()
+    if image_token is not None:
+        needed = needed | (completion_ids == image_token)
+    width = needed.size(1)
+    through = torch.where(needed.any(1), width - needed.flip(1).int().argmax(1), 0)
+    lengths = ((through + multiple) + multiple - 1) // multiple * multiple  # through + 1, rounded up
+    return lengths.clamp(max=width + 1).tolist()
 
 
 def packed_pass_reason(model: Any, extra: set[str], compute_aux_loss: bool) -> str | None:
@@ -201,6 +235,7 @@ def packed_logps(
             groups = plan_groups(prompt_ids, prompt_mask, pixels, num_images, units, *split)
     if not _all_ranks_agree(trainer, groups is not None and len(groups) < input_ids.size(0)):
         return None
+    trainer.last_packed_pass = PackedPass(rows=input_ids.size(0), width=C)
     chunks: list[list[Group]] = [[]]
     for group in groups:
         if chunks[-1] and batch_size and sum(len(g.rows) for g in chunks[-1]) + len(group.rows) > batch_size:
@@ -246,6 +281,56 @@ def completion_images(
     return counts, units
 
 
+#: Blocks are rounded up to a multiple of this many tokens. 1 (none): the packed row's length changes from pass to
+#: pass anyway (prompts and rollouts differ), and compiled layers take it as a dynamic dimension after its first
+#: change, so rounding would buy no repeated shapes; at 16 it would cost ~7.5 tokens per rollout.
+BLOCK_MULTIPLE = 1
+
+
+@dataclass
+class PackedPass:
+    """What one packed log-prob pass ran: ``tokens`` (every prefix and block), ``slots`` (packed rows x their
+    length: tokens + right padding), ``forwards``; ``rows`` and ``width`` of TRL's ``(rows, C)`` layout."""
+
+    tokens: int = 0
+    slots: int = 0
+    forwards: int = 0
+    rows: int = 0
+    width: int = 0
+
+
+@dataclass
+class _Pack:
+    """Where a forward's groups go in the flattened ``(rows * total)`` pack (host arrays)."""
+
+    layout: PackedLayout
+    total: int
+    members: list[list[int]]  # per packed row, the indices of the groups it holds, end to end
+    order: np.ndarray  # the batch rows, in pack order
+    starts: np.ndarray  # per row of ``order``: where its block starts
+    blocks: np.ndarray  # per row of ``order``: its block's length
+    prefix_at: np.ndarray  # where the groups' prefix tokens go, group after group
+
+
+def _plan_pack(groups: list[Group], lengths: list[int], shared_rows: bool) -> _Pack:
+    """Groups end to end in one packed row (``shared_rows``), else one row each, right-padded to the longest."""
+    layout_groups = [PackedGroup(g.prompt.numel() - 1, tuple(lengths[r] for r in g.rows)) for g in groups]
+    members = [list(range(len(groups)))] if shared_rows else [[i] for i in range(len(groups))]
+    layout = PackedLayout(tuple(tuple(layout_groups[i] for i in m) for m in members))
+    total = max(sum(g.length for g in row) for row in layout.rows)
+    starts, prefix_at = [], []
+    for row, m in enumerate(members):
+        end = row * total
+        for i in m:
+            prefix_at.append(np.arange(end, end + layout_groups[i].prefix))
+            end += layout_groups[i].prefix
+            for block in layout_groups[i].blocks:
+                starts.append(end)
+                end += block
+    order = np.array([r for m in members for i in m for r in groups[i].rows])
+    return _Pack(layout, total, members, order, np.array(starts), np.array(lengths)[order], np.concatenate(prefix_at))
+
+
 def _packed_forward(
     trainer: Any,
     model: Any,
@@ -260,50 +345,69 @@ def _packed_forward(
     inner = peft_base(trainer.accelerator.unwrap_model(model))
     completion_ids, completion_mask = input_ids[:, -C:], attention_mask[:, -C:]
     device = input_ids.device
-    block = C + 1
-    total = max(g.prompt.numel() - 1 + len(g.rows) * block for g in groups)
-    n = len(groups)
-    packed = torch.full((n, total), trainer._tokenizer.pad_token_id, dtype=input_ids.dtype, device=device)
-    labels = torch.full((n, total), -100, dtype=input_ids.dtype, device=device)
-    positions, gather = [], []
-    for i, g in enumerate(groups):
-        prefix = g.prompt.numel() - 1
-        packed[i, :prefix] = g.prompt[:-1]
-        for b, row in enumerate(g.rows):
-            start = prefix + b * block
-            packed[i, start] = g.prompt[-1]
-            packed[i, start + 1 : start + block] = completion_ids[row]
-            labels[i, start : start + C] = completion_ids[row].masked_fill(completion_mask[row] == 0, -100)
-            gather.append(i * total + start)
-        positions.append(module.packed_position_ids(inner, g, mm, completion_ids[g.rows], total))
+    blocked = use_block_attention(inner, trainer.args.packed_attention)
+    image_token = getattr(inner.config, "image_token_id", None)
+    lengths = block_lengths(completion_ids, completion_mask, image_token, BLOCK_MULTIPLE)
+    pack = _plan_pack(groups, lengths, blocked and shares_rows(device))
+    n, total = len(pack.members), pack.total
+    record = trainer.last_packed_pass
+    record.tokens += pack.layout.tokens
+    record.slots += n * total
+    record.forwards += 1
 
+    # A row's block: the prompt's last token at its start, then its first ``block - 1`` completion tokens, each
+    # the label of the position before it.
+    def long(x: Any) -> torch.Tensor:
+        return torch.as_tensor(x, dtype=torch.long, device=device)
+
+    counts = pack.blocks - 1
+    within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    dest, column = long(np.repeat(pack.starts, counts) + within), long(within)
+    src_row = long(np.repeat(pack.order, counts))
+    tokens = completion_ids[src_row, column]
+    flat = torch.full((n * total,), trainer._tokenizer.pad_token_id, dtype=input_ids.dtype, device=device)
+    flat[long(pack.prefix_at)] = torch.cat([groups[i].prompt[:-1] for m in pack.members for i in m])
+    flat[long(pack.starts)] = input_ids[long(pack.order), -C - 1]
+    flat[dest + 1] = tokens
+    labels = torch.full((n * total,), -100, dtype=input_ids.dtype, device=device)
+    labels[dest] = tokens.masked_fill(completion_mask[src_row, column] == 0, -100)
+
+    def block_tokens(group: Group) -> list[torch.Tensor]:
+        return [completion_ids[r, : lengths[r] - 1] for r in group.rows]
+
+    positions = []
+    for m in pack.members:
+        used = torch.cat([module.packed_position_ids(inner, groups[i], mm, block_tokens(groups[i])) for i in m], -1)
+        positions.append(torch.nn.functional.pad(used, (0, total - used.size(-1))))
     inputs: dict[str, Any] = {
-        "input_ids": packed,
+        "input_ids": flat.view(n, total),
         "position_ids": torch.cat(positions, dim=-2),
         **module.group_vision_inputs(groups, mm),
     }
-    if use_block_attention(inner, trainer.args.packed_attention):
-        prefixes = tuple(g.prompt.numel() - 1 for g in groups)
-        inputs[LAYOUT_KWARG] = varlen_layout(
-            PackedLayout(prefixes, tuple(len(g.rows) for g in groups), block), total, device
-        )
+    if blocked:
+        inputs[LAYOUT_KWARG] = varlen_layout(pack.layout, total, device)
         mask_scope = packing()
     else:
         attn = inner.config.get_text_config(decoder=True)._attn_implementation
         dtype = None if attn == "sdpa" else torch.float32  # eager adds the mask to the scores
-        masks = [build_mask(g.prompt.numel() - 1, len(g.rows), block, total, dtype, device) for g in groups]
-        inputs["attention_mask"] = torch.cat(masks)
+        inputs["attention_mask"] = torch.cat([build_mask(row, total, dtype, device) for row in pack.layout.rows])
         mask_scope = contextlib.nullcontext()
     with (
         trainer.accelerator.autocast(),
         mask_scope,
         compiled_layers(inner, trainer.compile_layers, module),
     ):
-        outputs = model(**inputs, shift_labels=labels, fused_lm_head=True)
-    index = torch.tensor(gather, device=device)[:, None] + torch.arange(C, device=device)[None, :]
-    logps = outputs.log_probs.reshape(-1)[index]
-    entropies = outputs.entropy.reshape(-1)[index] if outputs.entropy is not None else None
-    return logps, entropies
+        outputs = model(**inputs, shift_labels=labels.view(n, total), fused_lm_head=True)
+    # TRL's (rows, C) layout: column j of a row is its block's position j; past its block's labels, a zero (the
+    # extra last slot), as TRL's pass has it where the mask is 0.
+    columns = torch.arange(C, device=device)
+    index = long(pack.starts)[:, None] + columns
+    index = torch.where(columns < long(counts)[:, None], index, n * total)
+
+    def scatter(values: torch.Tensor) -> torch.Tensor:
+        return torch.cat([values.reshape(-1), values.new_zeros(1)])[index]
+
+    return scatter(outputs.log_probs), (None if outputs.entropy is None else scatter(outputs.entropy))
 
 
 # --------------------------------------------------------------------------- generation

@@ -179,7 +179,7 @@ def block_lengths(
         needed = needed | (completion_ids == image_token)
     width = needed.size(1)
     through = torch.where(needed.any(1), width - needed.flip(1).int().argmax(1), 0)
-    lengths = ((through + multiple) + multiple - 1) // multiple * multiple  # through + 1, rounded up
+    lengths = (through + multiple) // multiple * multiple  # through + 1, rounded up
     return lengths.clamp(max=width + 1).tolist()
 
 

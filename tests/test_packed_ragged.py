@@ -21,7 +21,8 @@ import test_group_sharing
 import test_multiturn_sharing
 import vlm_grpo.fastpath.sharing as sharing
 import vlm_grpo.fastpath.varlen as varlen
-from test_group_sharing import MM_KEYS, interleaved, make_trainer
+from test_group_sharing import MM_KEYS, G, interleaved, make_trainer
+from vlm_grpo.fastpath.pack_plan import chunk_groups
 from vlm_grpo.trainer import VLMGRPOTrainer, rows_forward_kwargs
 
 rows_file = test_group_sharing.rows_file  # the fixture: two prompts, one and two images
@@ -64,8 +65,9 @@ def ragged_batch(trainer, lengths=LENGTHS):
     return interleaved(inputs)
 
 
-def per_token(trainer, inputs, trl: bool):
-    """(log-probs, entropies) in TRL's (rows, C) layout, from TRL's per-row pass or the packed one."""
+def per_token(trainer, inputs, trl: bool, batch_size=None):
+    """(log-probs, entropies) in TRL's (rows, C) layout, from TRL's per-row pass or the packed one (``batch_size``:
+    as TRL's old / reference passes give it)."""
     input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
     mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
     mm = {k: inputs.get(k) for k in MM_KEYS}
@@ -73,7 +75,7 @@ def per_token(trainer, inputs, trl: bool):
     scope = rows_forward_kwargs(trainer.model, trainer.vlm_module, mm) if trl else contextlib.nullcontext()
     with scope, torch.no_grad():
         logps, entropies, _ = method._get_per_token_logps_and_entropies(
-            trainer, trainer.model, input_ids, mask, inputs["completion_ids"].size(1), compute_entropy=True, **mm
+            trainer, trainer.model, input_ids, mask, inputs["completion_ids"].size(1), batch_size, True, **mm
         )
     return logps, entropies
 
@@ -227,3 +229,89 @@ def test_multi_turn_rows_in_one_packed_row_match_trl(family, truncated, batches,
         monkeypatch.setattr(sharing, "block_lengths", lambda ids, mask, token, multiple: real(ids, mask, None))
         with pytest.raises(ValueError, match=r"[Ii]mage features and image tokens do not match"):
             test_group_sharing.assert_parity(trainer, batch)
+
+
+@pytest.mark.parametrize(
+    ("budget", "forwards"),
+    [(None, 2), ("both", 1), ("one_short", 2)],
+    ids=["trl_rows", "both_groups_fit", "one_token_short"],
+)
+def test_old_and_reference_passes_chunk_by_packed_tokens_when_asked(budget, forwards, tiny_models, rows_file,
+                                                                    tmp_path, monkeypatch):  # fmt: skip
+    """TRL's old / reference passes give batch_size = per_device_train_batch_size rows (here G: one group per
+    forward). packed_chunk_tokens packs whole groups up to that many packed tokens instead: at exactly both groups'
+    tokens one forward, one token less two; the numbers are TRL's either way."""
+    trainer = trainer_for("qwen2_5_vl", "varlen", tiny_models, rows_file, tmp_path, monkeypatch)
+    inputs = ragged_batch(trainer)
+    tokens = expected_pass(inputs)[0]
+    trainer.args.packed_chunk_tokens = {None: None, "both": tokens, "one_short": tokens - 1}[budget]
+    ref, _ = per_token(trainer, inputs, trl=True, batch_size=G)
+    ours, _ = per_token(trainer, inputs, trl=False, batch_size=G)
+    torch.testing.assert_close(ours, ref, rtol=0, atol=1e-5)
+    assert (trainer.last_packed_pass.forwards, trainer.last_packed_pass.tokens) == (forwards, tokens)
+
+
+def test_chunks_hold_whole_groups_up_to_their_bound():
+    from types import SimpleNamespace
+
+    def group(prompt, rows):
+        return SimpleNamespace(prompt=torch.zeros(prompt), rows=rows)
+
+    groups = [group(5, [0, 1]), group(3, [2, 3, 4]), group(2, [5])]
+    lengths = [10, 1, 4, 4, 4, 30]  # group tokens: 4 + 11 = 15, 2 + 12 = 14, 1 + 30 = 31
+
+    def sizes(chunks):
+        return [[len(g.rows) for g in chunk] for chunk in chunks]
+
+    assert sizes(chunk_groups(groups, lengths, None, None)) == [[2, 3, 1]]  # the training pass: one forward
+    assert sizes(chunk_groups(groups, lengths, 5, None)) == [[2, 3], [1]]  # TRL's rows
+    assert sizes(chunk_groups(groups, lengths, 4, None)) == [[2], [3, 1]]
+    assert sizes(chunk_groups(groups, lengths, 5, 29)) == [[2, 3], [1]]  # tokens instead of rows: 15 + 14 = 29
+    assert sizes(chunk_groups(groups, lengths, 5, 28)) == [[2], [3], [1]]
+    assert sizes(chunk_groups(groups, lengths, 1, 60)) == [[2, 3, 1]]
+    assert sizes(chunk_groups(groups, lengths, 1, 10)) == [[2], [3], [1]]  # a group over the bound: its own forward
+
+
+def test_packed_chunk_tokens_must_be_positive(tmp_path):
+    from vlm_grpo.configs import VLMGRPOConfig
+
+    with pytest.raises(ValueError, match="packed_chunk_tokens=0: give a positive number"):
+        VLMGRPOConfig(output_dir=str(tmp_path), packed_chunk_tokens=0)
+    assert VLMGRPOConfig(output_dir=str(tmp_path)).packed_chunk_tokens is None
+
+
+@pytest.mark.parametrize("stand_in", [True, False], ids=["varlen", "no_varlen"])
+def test_rows_that_share_no_prompt_are_packed_only_where_that_drops_padding(stand_in, tiny_models, rows_file,
+                                                                             tmp_path, monkeypatch):  # fmt: skip
+    """A micro-batch of rows from different groups (TRL shuffles before cutting micro-batches of 4 from groups of
+    5): with the varlen kernel each row is its own group in one packed row, prompt + its own completion, at TRL's
+    numbers; without it (nothing to gain) the pass is TRL's own."""
+    trainer = trainer_for("qwen2_5_vl", "varlen" if stand_in else "blocks", tiny_models, rows_file, tmp_path,
+                          monkeypatch)  # fmt: skip
+    inputs = micro_batch_of_two_prompts(ragged_batch(trainer))
+    packed = []
+    real = sharing._packed_forward
+    monkeypatch.setattr(sharing, "_packed_forward", lambda *a: packed.append(1) or real(*a))
+    ref, _ = per_token(trainer, inputs, trl=True)
+    ours, _ = per_token(trainer, inputs, trl=False)
+    torch.testing.assert_close(ours, ref, rtol=0, atol=1e-5)
+    assert packed == ([1] if stand_in else [])
+    if stand_in:
+        assert trainer.last_packed_pass.tokens == trainer.last_packed_pass.slots == expected_pass(inputs)[0]
+
+
+def micro_batch_of_two_prompts(inputs):
+    """A micro-batch of 2 rows, cut as TRL cuts them after its shuffle, whose rows have different prompts."""
+    from trl.trainer.utils import (
+        shuffle_sequence_dict,
+        split_pixel_values_by_grid,
+        split_tensor_dict,
+        unsplit_pixel_values_by_grid,
+    )
+
+    for seed in range(100):
+        torch.manual_seed(seed)
+        for batch in split_tensor_dict(shuffle_sequence_dict(split_pixel_values_by_grid(inputs)), 3):
+            if batch["prompt_mask"].sum(1).unique().numel() == 2:
+                return unsplit_pixel_values_by_grid(batch)
+    raise AssertionError("no micro-batch of two prompts")

@@ -39,17 +39,10 @@ import numpy as np
 import torch
 
 from vlm_grpo.fastpath import decode
-from vlm_grpo.fastpath.block_attention import (
-    LAYOUT_KWARG,
-    PackedGroup,
-    PackedLayout,
-    packing,
-    shares_rows,
-    use_block_attention,
-    varlen_layout,
-)
+from vlm_grpo.fastpath.block_attention import LAYOUT_KWARG, packing, shares_rows, use_block_attention, varlen_layout
 from vlm_grpo.fastpath.compiled_layers import compiled_layers
 from vlm_grpo.fastpath.decode_autocast import autocast_seen
+from vlm_grpo.fastpath.pack_plan import BLOCK_MULTIPLE, PackedPass, block_lengths, build_mask, chunk_groups, plan_pack
 from vlm_grpo.fastpath.turn_cache import remember_shared
 from vlm_grpo.utils import generation_model, is_zero3, peft_base, warn_once
 
@@ -142,47 +135,6 @@ def plan_groups(
     return groups
 
 
-def build_mask(row: tuple[PackedGroup, ...], total: int, dtype: torch.dtype | None, device) -> torch.Tensor:
-    """(1, 1, total, total) mask of one packed row: each group's prefix causal; each block sees its group's prefix
-    and itself causally; padding sees itself.
-
-    Boolean (True = attend) for sdpa; additive (0 / min) when ``dtype`` is given (eager attention).
-    """
-    group_id, block_id = np.full(total, -1), np.full(total, -2)  # block -1: a prefix token; -2: padding
-    end = 0
-    for i, group in enumerate(row):
-        group_id[end : end + group.length] = i
-        block_id[end : end + group.prefix] = -1
-        block_id[end + group.prefix : end + group.length] = np.repeat(np.arange(len(group.blocks)), group.blocks)
-        end += group.length
-    group_of, block_of = (torch.from_numpy(x).to(device) for x in (group_id, block_id))
-    idx = torch.arange(total, device=device)
-    q, k = idx[:, None], idx[None, :]
-    same_block = block_of[:, None] == block_of[None, :]
-    sees_prefix = block_of[None, :] == -1
-    mask = (k <= q) & (group_of[:, None] == group_of[None, :]) & (same_block | sees_prefix) & (block_of[None, :] > -2)
-    mask |= torch.eye(total, dtype=torch.bool, device=device)  # a fully masked row would give NaN
-    mask = mask[None, None]
-    if dtype is None:
-        return mask
-    return torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, torch.finfo(dtype).min)
-
-
-def block_lengths(
-    completion_ids: torch.Tensor, completion_mask: torch.Tensor, image_token: int | None, multiple: int = 1
-) -> list[int]:
-    """Per row, its block's length: the prompt's last token and the completion through its last token that the
-    loss sees (``completion_mask``) or that is an image placeholder (a tool image's features need all of its
-    placeholders), rounded up to ``multiple`` and at most ``C + 1``. A row with no such token keeps one token."""
-    needed = completion_mask.bool()
-    if image_token is not None:
-        needed = needed | (completion_ids == image_token)
-    width = needed.size(1)
-    through = torch.where(needed.any(1), width - needed.flip(1).int().argmax(1), 0)
-    lengths = (through + multiple) // multiple * multiple  # through + 1, rounded up
-    return lengths.clamp(max=width + 1).tolist()
-
-
 def packed_pass_reason(model: Any, extra: set[str], compute_aux_loss: bool) -> str | None:
     """Why this log-prob pass goes through TRL's per-row pass instead of the packed one (None: packed).
 
@@ -216,16 +168,17 @@ def packed_logps(
     """Per-token log-probs (and entropies) of the completions, one packed forward per chunk of groups.
 
     ``batch_size`` bounds the rows a forward covers (whole groups; None: one forward, as the training pass
-    needs). Returns None when no two rows share a prompt (nothing to gain) or ``usable`` is False (inputs
-    the packed pass does not know), on any rank: all ranks take the same path (see ``_all_ranks_agree``),
-    and the caller falls back to TRL.
+    needs), or with ``packed_chunk_tokens`` set, the packed tokens it holds. Returns None when no two rows share a
+    prompt and the varlen kernel does not run (nothing to gain: with it, no row is padded to the longest), or when
+    ``usable`` is False (inputs the packed pass does not know), on any rank: all ranks take the same path (see
+    ``_all_ranks_agree``), and the caller falls back to TRL.
     """
     C = logits_to_keep
     prompt_ids, prompt_mask = input_ids[:, :-C], attention_mask[:, :-C]
     module = trainer.vlm_module
     groups = None
+    inner = peft_base(trainer.accelerator.unwrap_model(model))
     if usable:
-        inner = peft_base(trainer.accelerator.unwrap_model(model))
         split = completion_images(module, inner, input_ids, C, mm)
         if isinstance(split, str):
             warn_once(logger, f"share_prompt: batches where {split} go through TRL's per-row pass", logging.INFO)
@@ -233,15 +186,16 @@ def packed_logps(
             units = module.units_per_sample(mm)
             pixels, num_images = mm.get("pixel_values"), mm.get("num_images")
             groups = plan_groups(prompt_ids, prompt_mask, pixels, num_images, units, *split)
-    if not _all_ranks_agree(trainer, groups is not None and len(groups) < input_ids.size(0)):
+    # Rows that share nothing still gain where groups share packed rows: no row is padded to the longest.
+    padding_free = use_block_attention(inner, trainer.args.packed_attention) and shares_rows(input_ids.device)
+    if not _all_ranks_agree(trainer, groups is not None and (padding_free or len(groups) < input_ids.size(0))):
         return None
     trainer.last_packed_pass = PackedPass(rows=input_ids.size(0), width=C)
-    chunks: list[list[Group]] = [[]]
-    for group in groups:
-        if chunks[-1] and batch_size and sum(len(g.rows) for g in chunks[-1]) + len(group.rows) > batch_size:
-            chunks.append([])
-        chunks[-1].append(group)
-    parts = [_packed_forward(trainer, model, input_ids, attention_mask, C, chunk, mm) for chunk in chunks]
+    image_token = getattr(inner.config, "image_token_id", None)
+    lengths = block_lengths(input_ids[:, -C:], attention_mask[:, -C:], image_token, BLOCK_MULTIPLE)
+    max_tokens = trainer.args.packed_chunk_tokens if batch_size else None
+    chunks = chunk_groups(groups, lengths, batch_size, max_tokens)
+    parts = [_packed_forward(trainer, model, input_ids, attention_mask, C, chunk, mm, lengths) for chunk in chunks]
     rows = torch.tensor([r for chunk in chunks for g in chunk for r in g.rows], device=input_ids.device)
     order = torch.argsort(rows)
     logps = torch.cat([p[0] for p in parts])[order]
@@ -281,56 +235,6 @@ def completion_images(
     return counts, units
 
 
-#: Blocks are rounded up to a multiple of this many tokens. 1 (none): the packed row's length changes from pass to
-#: pass anyway (prompts and rollouts differ), and compiled layers take it as a dynamic dimension after its first
-#: change, so rounding would buy no repeated shapes; at 16 it would cost ~7.5 tokens per rollout.
-BLOCK_MULTIPLE = 1
-
-
-@dataclass
-class PackedPass:
-    """What one packed log-prob pass ran: ``tokens`` (every prefix and block), ``slots`` (packed rows x their
-    length: tokens + right padding), ``forwards``; ``rows`` and ``width`` of TRL's ``(rows, C)`` layout."""
-
-    tokens: int = 0
-    slots: int = 0
-    forwards: int = 0
-    rows: int = 0
-    width: int = 0
-
-
-@dataclass
-class _Pack:
-    """Where a forward's groups go in the flattened ``(rows * total)`` pack (host arrays)."""
-
-    layout: PackedLayout
-    total: int
-    members: list[list[int]]  # per packed row, the indices of the groups it holds, end to end
-    order: np.ndarray  # the batch rows, in pack order
-    starts: np.ndarray  # per row of ``order``: where its block starts
-    blocks: np.ndarray  # per row of ``order``: its block's length
-    prefix_at: np.ndarray  # where the groups' prefix tokens go, group after group
-
-
-def _plan_pack(groups: list[Group], lengths: list[int], shared_rows: bool) -> _Pack:
-    """Groups end to end in one packed row (``shared_rows``), else one row each, right-padded to the longest."""
-    layout_groups = [PackedGroup(g.prompt.numel() - 1, tuple(lengths[r] for r in g.rows)) for g in groups]
-    members = [list(range(len(groups)))] if shared_rows else [[i] for i in range(len(groups))]
-    layout = PackedLayout(tuple(tuple(layout_groups[i] for i in m) for m in members))
-    total = max(sum(g.length for g in row) for row in layout.rows)
-    starts, prefix_at = [], []
-    for row, m in enumerate(members):
-        end = row * total
-        for i in m:
-            prefix_at.append(np.arange(end, end + layout_groups[i].prefix))
-            end += layout_groups[i].prefix
-            for block in layout_groups[i].blocks:
-                starts.append(end)
-                end += block
-    order = np.array([r for m in members for i in m for r in groups[i].rows])
-    return _Pack(layout, total, members, order, np.array(starts), np.array(lengths)[order], np.concatenate(prefix_at))
-
-
 def _packed_forward(
     trainer: Any,
     model: Any,
@@ -339,16 +243,16 @@ def _packed_forward(
     C: int,
     groups: list[Group],
     mm: dict[str, Any],
+    lengths: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One forward over the packed groups; returns (log-probs, entropies) of their rows, in group order."""
+    """One forward over the packed groups (``lengths``: each batch row's block length); returns (log-probs,
+    entropies) of their rows, in group order."""
     module = trainer.vlm_module
     inner = peft_base(trainer.accelerator.unwrap_model(model))
     completion_ids, completion_mask = input_ids[:, -C:], attention_mask[:, -C:]
     device = input_ids.device
     blocked = use_block_attention(inner, trainer.args.packed_attention)
-    image_token = getattr(inner.config, "image_token_id", None)
-    lengths = block_lengths(completion_ids, completion_mask, image_token, BLOCK_MULTIPLE)
-    pack = _plan_pack(groups, lengths, blocked and shares_rows(device))
+    pack = plan_pack(groups, lengths, blocked and shares_rows(device))
     n, total = len(pack.members), pack.total
     record = trainer.last_packed_pass
     record.tokens += pack.layout.tokens

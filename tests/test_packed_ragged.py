@@ -22,7 +22,8 @@ import test_multiturn_sharing
 import vlm_grpo.fastpath.sharing as sharing
 import vlm_grpo.fastpath.varlen as varlen
 from test_group_sharing import MM_KEYS, G, interleaved, make_trainer
-from vlm_grpo.fastpath.pack_plan import chunk_groups
+from vlm_grpo.fastpath.block_attention import PackedGroup, PackedLayout
+from vlm_grpo.fastpath.pack_plan import build_mask, chunk_groups
 from vlm_grpo.trainer import VLMGRPOTrainer, rows_forward_kwargs
 
 rows_file = test_group_sharing.rows_file  # the fixture: two prompts, one and two images
@@ -315,3 +316,83 @@ def micro_batch_of_two_prompts(inputs):
             if batch["prompt_mask"].sum(1).unique().numel() == 2:
                 return unsplit_pixel_values_by_grid(batch)
     raise AssertionError("no micro-batch of two prompts")
+
+
+RAGGED = PackedLayout(
+    ((PackedGroup(5, (3, 1, 6)), PackedGroup(0, (2,))), (PackedGroup(3, (4, 2)), PackedGroup(2, (1, 1))))
+)
+RAGGED_TOTAL = 5 + 10 + 2 + 2  # row 0: its groups, then 2 padding tokens; row 1: 9 + 4 tokens, then 6
+
+
+def _attention_and_grads(fn, layout):
+    """Outputs at every prefix / block token (padding is read by nothing) and q / k / v gradients of their sum."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn((2, 4, RAGGED_TOTAL, 8), generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn((2, 2, RAGGED_TOTAL, 8), generator=g, dtype=torch.float64, requires_grad=True) for _ in "kv")
+    read = torch.zeros(2, RAGGED_TOTAL, 1, 1, dtype=torch.float64)
+    for row, groups in enumerate(layout.rows):
+        read[row, : sum(x.length for x in groups)] = 1
+    out = fn(q, k, v) * read
+    (out * torch.randn(out.shape, generator=g, dtype=out.dtype)).sum().backward()
+    return out.detach(), [x.grad for x in (q, k, v)]
+
+
+def _mask(layout):
+    """(rows, 1, total, total), built token by token: a token sees earlier tokens of its own group's prefix and of its
+    own block (a prefix token: of the prefix); padding sees itself."""
+    masks = []
+    for groups in layout.rows:
+        ids = []  # per token: (group, block), block -1 in a prefix
+        for g, group in enumerate(groups):
+            ids += [(g, -1)] * group.prefix + [(g, b) for b, n in enumerate(group.blocks) for _ in range(n)]
+        ids += [(None, None)] * (RAGGED_TOTAL - len(ids))
+        mask = torch.eye(RAGGED_TOTAL, dtype=torch.bool)
+        for i, (qg, qb) in enumerate(ids):
+            for j, (kg, kb) in enumerate(ids[: i + 1]):
+                mask[i, j] |= qg is not None and qg == kg and kb in (-1, qb)
+        masks.append(mask)
+    return torch.stack(masks)[:, None]
+
+
+def _dense_reference(layout):
+    """sdpa with a dense mask per packed row, as (rows, total, heads, dim)."""
+
+    def attend(q, k, v):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=_mask(layout), enable_gqa=True)
+        return out.transpose(1, 2)
+
+    return attend
+
+
+def test_the_dense_block_mask_is_built_as_the_layout_says():
+    """The eager / ``packed_attention=dense`` path's mask, against the token-by-token one (boolean and additive)."""
+    mask = torch.cat([build_mask(row, RAGGED_TOTAL, None, "cpu") for row in RAGGED.rows])
+    assert torch.equal(mask, _mask(RAGGED))
+    additive = build_mask(RAGGED.rows[0], RAGGED_TOTAL, torch.float32, "cpu")
+    assert torch.equal(additive == 0, _mask(RAGGED)[:1])
+
+
+@pytest.mark.parametrize("kernel", ["per_group", "varlen"])
+def test_ragged_blocks_and_groups_sharing_a_row_attend_as_the_dense_mask_says(kernel):
+    """Blocks of different lengths, several groups (one without a prefix) per packed row: the per-group calls and
+    the varlen call (its CPU stand-in) give the dense mask's outputs and gradients. Control: the same tokens cut into
+    other blocks differ."""
+    import vlm_grpo.fastpath.block_attention as ba
+
+    if kernel == "varlen":
+        plan = ba.VarlenLayout(RAGGED, RAGGED_TOTAL, varlen.varlen_reference, torch.device("cpu"))
+
+        def ours(q, k, v):
+            return ba._varlen_sdpa(q, k, v, plan, None)
+    else:
+
+        def ours(q, k, v):
+            return ba._packed_sdpa(q, k, v, RAGGED, 0.0, None)
+
+    out, grads = _attention_and_grads(ours, RAGGED)
+    ref, ref_grads = _attention_and_grads(_dense_reference(RAGGED), RAGGED)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    for mine, theirs in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-12)
+    other = PackedLayout(((PackedGroup(5, (4, 1, 5)), PackedGroup(0, (2,))), RAGGED.rows[1]))
+    assert not torch.allclose(_attention_and_grads(_dense_reference(other), other)[0], ref)

@@ -324,14 +324,14 @@ def is_vanilla(kind: str) -> bool:
 def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
     """``name`` or ``name:key=value,key=value`` -> (name, VLMGRPOConfig overrides).
 
-    ``cache_implementation=static`` goes into ``generation_kwargs``; true/false become booleans. Keys in
-    :data:`BENCH_ONLY` are the benchmark's own switches (see :func:`bench_switches`), not config fields.
+    ``cache_implementation=static`` goes into ``generation_kwargs``; true/false become booleans, digits integers.
+    Keys in :data:`BENCH_ONLY` are the benchmark's own switches (see :func:`bench_switches`), not config fields.
     """
     name, _, rest = spec.partition(":")
     overrides: dict[str, Any] = {}
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
-        overrides[key] = {"true": True, "false": False}.get(value.lower(), value)
+        overrides[key] = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
     return name, overrides
 
 

@@ -182,6 +182,50 @@ def window_report(
     return "\n".join(lines) + "\n"
 
 
+# --------------------------------------------------------------------------- packed tokens
+
+PASSES = ("old_ref", "loss")
+
+
+def counted_trainer_class(base: type) -> type:
+    """A subclass of a timed trainer class that counts, per log-prob pass, the tokens its forwards ran (``_ran``:
+    the packed rows of ``share_prompt``, padding included, or TRL's ``rows x (prompt + C)``), the tokens of TRL's
+    ``(rows, prompt + C)`` layout (``_layout``), and the loss pass's tokens without padding (``_loss_tokens``: the
+    packed prefixes and blocks, or every row's prompt + C) for MFU."""
+
+    class Counted(base):  # type: ignore[misc, valid-type]
+        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kw):
+            self.last_packed_pass = None  # set by the packed pass (vlm_grpo.fastpath.sharing.PackedPass)
+            out = super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, *args, **kw
+            )
+            record, totals = self.last_packed_pass, self.timer.totals
+            name = "loss" if self.timer.in_loss else "old_ref"
+            totals[f"_{name}_layout"] += input_ids.numel()
+            totals[f"_{name}_ran"] += record.slots if record else input_ids.numel()
+            if name == "loss":
+                prompts = float(attention_mask[:, :-logits_to_keep].sum())
+                totals["_loss_tokens"] += record.tokens if record else prompts + input_ids.size(0) * logits_to_keep
+            return out
+
+    Counted.__name__ = base.__name__
+    return Counted
+
+
+def packed_tokens_line(trainer: str, tokens: dict[str, float]) -> str:
+    """One line: per pass, the tokens its forwards ran against TRL's (rows, prompt + C) layout, per cycle."""
+    parts = [
+        f"{name} {tokens[f'{name}_ran']:,.0f} of {tokens[f'{name}_layout']:,.0f} "
+        f"({tokens[f'{name}_ran'] / tokens[f'{name}_layout']:.0%})"
+        for name in PASSES
+        if tokens.get(f"{name}_layout")
+    ]
+    return (
+        f"[tokens] {trainer}: log-prob passes ran, of TRL's (rows, prompt + C) layout, per step (cycle): "
+        + "; ".join(parts)
+    )
+
+
 # --------------------------------------------------------------------------- runs
 
 
@@ -231,7 +275,7 @@ def run_one(
         install_eos_bias(model, eos[0] if isinstance(eos, list) else eos, shape.mean_completion)
     timer = PhaseTimer(device)
     time_vision(model, module, timer)
-    cls = timed_trainer_class(GRPOTrainer if is_vanilla(kind) else VLMGRPOTrainer)
+    cls = counted_trainer_class(timed_trainer_class(GRPOTrainer if is_vanilla(kind) else VLMGRPOTrainer))
     cls.timer = timer
     callbacks = [OptimizerTimer(timer)]
     if shape:
@@ -275,7 +319,8 @@ def run_one(
     samples = args.prompts_per_step * args.num_generations
     tokens = median("_prompt_tokens") + median("_completion_tokens")
     train_s = median("loss_forward") + median("backward")
-    utilisation = mfu(model, median("_executed_tokens"), train_s, args.peak_tflops)
+    # MFU over the loss pass's tokens as it ran them (packed: each rollout's own length)
+    utilisation = mfu(model, median("_loss_tokens"), train_s, args.peak_tflops)
     if shape and median("_full_row_steps"):  # rows fast_decode computed, against a decode at full width to the end
         row_steps = {"decode_row_steps": median("_row_steps"), "decode_full_row_steps": median("_full_row_steps")}
     else:
@@ -300,6 +345,8 @@ def run_one(
         completion_stats={**length_stats(timer.lengths), **row_steps} if shape else {},
         cycle_times_s=[c["_wall"] for c in steps] if shape else [],
     )
+    result.packed_tokens = {f"{p}_{k}": median(f"_{p}_{k}") for p in PASSES for k in ("ran", "layout")}
+    print(packed_tokens_line(result.trainer, result.packed_tokens), flush=True)
     del trainer, model
     gc.collect()
     if device.type == "cuda":
@@ -329,9 +376,12 @@ def main(argv: list[str] | None = None) -> list[Result]:
                 payload = {**run_stamp(), "device": device_name, "args": vars(args)}
                 if shape:
                     payload["shape"] = {**asdict(shape), "tokens": TOKENS_NOTE}
-                payload["results"] = [asdict(r) for r in results]
+                payload["results"] = [{**asdict(r), "packed_tokens": r.packed_tokens} for r in results]
                 Path(args.out).write_text(json.dumps(payload, indent=2))  # rewritten after every run
-    print(f"\ndevice: {device_name}; preset: {args.preset}; G={args.num_generations}; beta={args.beta}")
+    print()
+    for result in results:
+        print(packed_tokens_line(f"{result.scenario} {result.trainer}", result.packed_tokens))
+    print(f"device: {device_name}; preset: {args.preset}; G={args.num_generations}; beta={args.beta}")
     if shape:
         print(f"shape: {shape}; per cycle; {TOKENS_NOTE}")
     print(format_table(results))

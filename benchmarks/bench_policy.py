@@ -29,20 +29,20 @@ def is_vanilla(kind: str) -> bool:
 def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
     """``name`` or ``name:key=value,key=value`` -> (name, VLMGRPOConfig overrides).
 
-    ``cache_implementation=static`` goes into ``generation_kwargs``; true/false become booleans. Keys in
-    :data:`BENCH_ONLY` are the benchmark's own switches (see :func:`bench_switches`), not config fields.
+    ``cache_implementation=static`` goes into ``generation_kwargs``; true/false become booleans, digits integers.
+    Keys in :data:`BENCH_ONLY` are the benchmark's own switches (see :func:`bench_switches`), not config fields.
     """
     name, _, rest = spec.partition(":")
     overrides: dict[str, Any] = {}
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
-        overrides[key] = {"true": True, "false": False}.get(value.lower(), value)
+        overrides[key] = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
     return name, overrides
 
 
 BENCH_ONLY = {
     "compile_vision", "select_in_graph", "varlen_blocks", "varlen_vision", "decode_kernel", "compile_select",
-    "decode_mlp", "down_slices",
+    "decode_mlp", "down_slices", "block_multiple", "compact_rows",
 }  # fmt: skip
 # decode_mlp's (BN2, BK2, DOWN_SLICES) with down over the whole K: 16 columns per program, 512-column blocks
 # (``down_slices=false`` here and in decode_lengths.py).
@@ -61,7 +61,8 @@ def bench_switches(kind: str):
     flash-decoding kernel. ``compile_select=false``: a compiled decode step's in-graph token selection runs eagerly,
     not through torch.compile. ``decode_mlp=false``: the decode step's MLP runs as the fused gate|up GEMM, SiLU and
     down, not as two Triton kernels. ``down_slices=false``: the MLP kernels' down takes 16 columns per program over
-    the whole K, not slices of K with fp32 partial sums."""
+    the whole K, not slices of K with fp32 partial sums. ``block_multiple=N``: the packed passes' blocks are rounded
+    up to N tokens (at most C + 1: a large N gives every row the batch's longest completion, the uniform layout)."""
     from vlm_grpo.fastpath import (
         block_attention,
         compiled_layers,
@@ -69,10 +70,13 @@ def bench_switches(kind: str):
         decode_attention,
         decode_mlp,
         decode_select,
+        sharing,
         vision_attention,
     )
 
     switches = parse_variant(kind)[1]
+    multiple = sharing.BLOCK_MULTIPLE
+    sharing.BLOCK_MULTIPLE = int(switches.get("block_multiple", multiple))
     real, select = compiled_layers.vision_blocks, decode.SELECT_IN_GRAPH
     text_varlen, vision_varlen = block_attention.VARLEN, vision_attention.VARLEN
     kernel, compiled_select, mlp = decode_attention.KERNEL, decode_select.COMPILE, decode_mlp.KERNEL
@@ -94,6 +98,7 @@ def bench_switches(kind: str):
         block_attention.VARLEN, vision_attention.VARLEN = text_varlen, vision_varlen
         decode_attention.KERNEL, decode_select.COMPILE, decode_mlp.KERNEL = kernel, compiled_select, mlp
         decode_mlp.BN2, decode_mlp.BK2, decode_mlp.DOWN_SLICES = down
+        sharing.BLOCK_MULTIPLE = multiple
 
 
 def build_policy(

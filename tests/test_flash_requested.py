@@ -13,7 +13,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import test_group_sharing
 from test_group_sharing import assert_parity, make_trainer, real_batch
-from vlm_grpo.fastpath.block_attention import NAME
+from vlm_grpo.fastpath.block_attention import NAME, PackedGroup
 from vlm_grpo.fastpath.sharing import build_mask
 
 STAND_IN = "vlm_grpo_test_no_dense_masks"  # (a name with "flash" in it would be looked up on the hub)
@@ -52,6 +52,6 @@ def test_the_stand_in_refuses_the_dense_block_mask(tiny_models, rows_file, tmp_p
     trainer = make_trainer(tiny_models["qwen2_5_vl"], rows_file, tmp_path)
     layer = next(m for m in trainer.model.modules() if hasattr(m, "q_proj"))
     q = k = v = torch.randn(1, 2, 6, 8)
-    mask = build_mask(2, 2, 2, 6, None, "cpu")
+    mask = build_mask((PackedGroup(2, (2, 2)),), 6, None, "cpu")
     with pytest.raises(AssertionError, match="dense 4-D mask"):
         flash_stand_in(layer, q, k, v, mask)

@@ -171,8 +171,8 @@ def test_the_parity_test_catches_1d_positions(tiny_models, rows_file, tmp_path, 
     inputs = real_batch(trainer)
     one_d = GroupSharingMixin.packed_position_ids
 
-    def wrong(self, model, group, mm, completions, total):
-        return one_d(self, model, group, mm, completions, total).expand(3, 1, -1)
+    def wrong(self, model, group, mm, completions):
+        return one_d(self, model, group, mm, completions).expand(3, 1, -1)
 
     monkeypatch.setattr(type(trainer.vlm_module), "packed_position_ids", wrong)
     with pytest.raises(AssertionError):
@@ -186,8 +186,8 @@ def test_the_parity_test_catches_blocks_that_see_each_other(tiny_models, rows_fi
     inputs = real_batch(trainer)
     real_mask = sharing.build_mask
 
-    def leaky(prefix, blocks, block_len, total, dtype, device):  # plain causal over the whole pack
-        mask = real_mask(prefix, blocks, block_len, total, dtype, device)
+    def leaky(row, total, dtype, device):  # plain causal over the whole pack
+        mask = real_mask(row, total, dtype, device)
         return mask | torch.ones_like(mask).tril() if dtype is None else mask
 
     monkeypatch.setattr(sharing, "build_mask", leaky)
@@ -451,7 +451,7 @@ def test_the_parity_test_catches_a_detached_prompt_in_the_block_kernel(tiny_mode
     def detached_prefix(module, query, key, value, *args, **kwargs):
         layout = kwargs.get(LAYOUT_KWARG)
         if layout is not None:
-            cut = torch.arange(key.size(2)) < max(layout.prefixes)  # the longest prefix of any row
+            cut = torch.arange(key.size(2)) < max(g[0].prefix for g in layout.rows)  # the longest prefix of any row
             key = torch.where(cut[None, None, :, None], key.detach(), key)
             value = torch.where(cut[None, None, :, None], value.detach(), value)
         return block_sdpa(module, query, key, value, *args, **kwargs)

@@ -235,8 +235,8 @@ def test_the_parity_test_catches_wrong_tool_image_positions(shift, batches, monk
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "internvl"])
 def test_each_image_and_prompt_goes_through_the_model_once_per_pass(family, batches):
     """One tower call per pass, over each prompt's images once per group and each rollout's tool images once (TRL's
-    pass encodes the prompt images once per row); the decoder reads each prompt once, then every row's
-    ``1 + C`` block."""
+    pass encodes the prompt images once per row); the decoder reads each prompt once, then every row's block of its
+    own length + 1."""
     trainer, batch = batches(family)
     grid = batch.get("image_grid_thw")
     units = grid.prod(-1).tolist() if grid is not None else [1] * sum(batch["num_images"])  # InternVL: 1 tile each
@@ -252,8 +252,12 @@ def test_each_image_and_prompt_goes_through_the_model_once_per_pass(family, batc
         start += n
     assert len(seen_prompts) == 2 and expected < sum(units)
 
-    C = batch["completion_ids"].size(1)
-    lengths = {len(key) - 1 + G * (C + 1) for key in seen_prompts}  # one packed sequence per group
+    # One packed sequence per group: its prompt once, then each row's block (its own completion + 1).
+    lengths = dict.fromkeys(seen_prompts, -1)
+    for row, real in enumerate(batch["completion_mask"].sum(1).tolist()):
+        lengths[tuple(batch["prompt_ids"][row][batch["prompt_mask"][row].bool()].tolist())] += real + 1
+    lengths = {len(key) + n for key, n in lengths.items()}
+    assert max(lengths) < min(len(key) for key in seen_prompts) + G * (batch["completion_ids"].size(1) + 1)
 
     tower = dict(trainer.model.named_modules())[trainer.vlm_module.vision_prefixes[0]]
     calls, decoded = [], []

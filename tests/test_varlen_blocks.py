@@ -22,7 +22,7 @@ rows_file = test_group_sharing.rows_file  # the fixture: two rows, one and two i
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-LAYOUT = PackedLayout(prefixes=(5, 3), blocks=(3, 2), block_len=4)
+LAYOUT = PackedLayout.uniform(prefixes=(5, 3), blocks=(3, 2), block_len=4)
 TOTAL = 5 + 3 * 4 + 2  # row 0: prefix, 3 blocks, 2 padding tokens; row 1: prefix, 2 blocks, 8 padding tokens
 
 
@@ -41,9 +41,9 @@ def _qkv(heads=4, kv_heads=2, dim=8, seed=0):
 
 def _read(layout: PackedLayout) -> torch.Tensor:
     """(rows, total) True where a token is a prefix or block token (padding outputs are read by nothing)."""
-    read = torch.zeros(len(layout.prefixes), TOTAL, dtype=torch.bool)
-    for row, (prefix, blocks) in enumerate(zip(layout.prefixes, layout.blocks, strict=True)):
-        read[row, : prefix + blocks * layout.block_len] = True
+    read = torch.zeros(len(layout.rows), TOTAL, dtype=torch.bool)
+    for row, groups in enumerate(layout.rows):
+        read[row, : sum(g.length for g in groups)] = True
     return read
 
 

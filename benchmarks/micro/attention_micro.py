@@ -24,7 +24,8 @@ def flex_block_mask(layout: PackedLayout, total: int, device: torch.device):
     """The packed row's structure as a flex_attention BlockMask (built once per forward in a real pass)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    prefix, block = layout.prefixes[0], layout.block_len
+    (group,) = layout.rows[0]
+    prefix, block = group.prefix, group.blocks[0]
     idx = torch.arange(total, device=device)
     block_id = torch.where(idx < prefix, -1, (idx - prefix) // block)
 
@@ -50,7 +51,7 @@ def run(
     if kernel == "dense":
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        mask = build_mask(layout.prefixes[0], layout.blocks[0], layout.block_len, q.size(2), None, device)
+        mask = build_mask(layout.rows[0], q.size(2), None, device)
         out, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=module.scaling)
     elif kernel == "flex":
         global _flex
@@ -86,7 +87,7 @@ def main() -> None:
     for prefix in args.prefixes:
         for c in args.completion_lengths:
             g, block = args.num_generations, c + 1
-            layout = PackedLayout((prefix,), (g,), block)
+            layout = PackedLayout.uniform((prefix,), (g,), block)
             total = prefix + g * block
             gen = torch.Generator(device).manual_seed(0)
             q = torch.randn(1, heads, total, dim, device=device, dtype=dtype, generator=gen)

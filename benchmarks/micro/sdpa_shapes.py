@@ -56,7 +56,7 @@ def main() -> None:
             q = torch.randn(1, heads, total, dim, device=device, dtype=dtype, requires_grad=True)
             k = torch.randn(1, kv_heads, total, dim, device=device, dtype=dtype, requires_grad=True)
             v = torch.randn(1, kv_heads, total, dim, device=device, dtype=dtype, requires_grad=True)
-            layout = PackedLayout((prefix,), (g,), block)
+            layout = PackedLayout.uniform((prefix,), (g,), block)
             first.append(timed(module, q, k, v, layout))
             repeat.append(statistics.median(timed(module, q, k, v, layout) for _ in range(5)))
         rows[backends] = {"first_call_ms": statistics.median(first), "repeat_ms": statistics.median(repeat)}

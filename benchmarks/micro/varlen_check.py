@@ -2,14 +2,14 @@
 
     python benchmarks/micro/varlen_check.py --preset qwen2_5_vl_3b --device cuda --out varlen_check.json
 
-CPUs have no flash kernel, so the CPU tests (``tests/test_varlen_blocks.py``, ``tests/test_vision_attention.py``)
-check the varlen paths through a stand-in; this checks the kernel itself. One trainer generates one batch; then, with
-gradient checkpointing and the compiled layers on, the packed pass runs with both varlen calls (``varlen``: the text
-decoder's packed attention and the vision tower's segments), with the text decoder's per-row calls (``island``), with
-the vision tower's per-length calls (``vision_island``), and TRL's own per-row pass (``trl``) runs too. Reported per
-pair: the largest log-prob difference over the valid completion tokens and the gradients' relative L2 difference (all
-parameters together, and the worst parameter). In bf16 two correct kernels differ by rounding; a varlen call passes
-when it is as close to TRL as the per-segment calls are.
+CPUs have no flash kernel, so the CPU tests (``tests/test_varlen_blocks.py``, ``tests/test_vision_attention.py``) check
+the varlen paths through a stand-in; this checks the kernel itself. One trainer generates one batch, whose rows are then
+cut to different lengths; then, with gradient checkpointing and the compiled layers on, the packed pass runs with both
+varlen calls (``varlen``: the text decoder's packed attention and the vision tower's segments), with the text decoder's
+per-row calls (``island``), with the vision tower's per-length calls (``vision_island``), and TRL's own per-row pass
+(``trl``) runs too. Reported per pair: the largest log-prob difference over the valid completion tokens and the
+gradients' relative L2 difference (all parameters together, and the worst parameter). In bf16 two correct kernels differ
+by rounding; a varlen call passes when it is as close to TRL as the per-segment calls are.
 """
 
 from __future__ import annotations
@@ -98,6 +98,13 @@ def main(argv: list[str] | None = None) -> dict:
         config = grpo_config("ours", args, scenario, workdir, max_steps=1)
         trainer = grpo_trainer("ours", model, processor, module, config, paths, workdir, vary_prompts=6)
         inputs = trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader())))
+    # Rollouts end at different lengths: the full width, then a half, a quarter and an eighth of it, row after row
+    # (each packed block is its row's own length; generation here runs every row to the full width).
+    width = inputs["completion_ids"].size(1)
+    lengths = [max(1, width >> (row % 4)) for row in range(inputs["completion_ids"].size(0))]
+    for row, keep in enumerate(lengths):
+        inputs["completion_mask"][row, keep:] = 0
+        inputs["completion_ids"][row, keep:] = trainer._tokenizer.pad_token_id
     trainer.model.gradient_checkpointing_enable(config.gradient_checkpointing_kwargs or {"use_reentrant": False})
     trainer.model.train()
     weights = torch.randn(inputs["completion_ids"].shape, generator=torch.Generator().manual_seed(0))
@@ -127,6 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "preset": args.preset,
         "prompt_lengths": inputs["prompt_mask"].sum(1).tolist(),
+        "completion_lengths": lengths,
         "island_calls": island_calls,
         "varlen_vs_island": compare(results["varlen"], results["island"]),
         "varlen_vs_vision_island": compare(results["varlen"], results["vision_island"]),

@@ -299,6 +299,18 @@ class VLMGRPOConfig(GRPOConfig):
             "choices": ["blocks", "dense"],
         },
     )
+    packed_chunk_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "share_prompt's old and reference log-prob passes: pack whole GRPO groups into each forward up "
+            "to this many packed tokens (each distinct prompt once, then every rollout's own length + 1) instead "
+            "of TRL's per_device_train_batch_size rows per forward. None (default): TRL's chunks of rows. With "
+            "rows of a few hundred tokens and a micro-batch smaller than a group, TRL's chunks run one group per "
+            "forward; a budget such as 65536 fills the card with fewer, larger forwards. These passes keep no "
+            "gradients, so peak memory grows with the budget by one layer's activations. A group longer than the "
+            "budget gets a forward of its own. The training pass is one forward per micro-batch either way."
+        },
+    )
     compile_decode: bool | None = field(
         default=None,
         metadata={
@@ -475,6 +487,11 @@ class VLMGRPOConfig(GRPOConfig):
     def __post_init__(self) -> None:
         check_estimator(self.advantage_estimator)
         check_compile_cache(self.compile_cache_dir)
+        if self.packed_chunk_tokens is not None and self.packed_chunk_tokens < 1:
+            raise ValueError(
+                f"packed_chunk_tokens={self.packed_chunk_tokens}: give a positive number of tokens per forward, "
+                "or leave it unset for TRL's chunks of per_device_train_batch_size rows"
+            )
         apply_device_defaults(self)
         split_report_to(self)
         super().__post_init__()

@@ -236,6 +236,8 @@ class VLMGRPOTrainer(
     _turn_cache: TurnCache | None = None
     #: What the last tool generation's turns after the first did (:class:`~vlm_grpo.fastpath.turn_cache.TurnStats`).
     last_turn_stats = None
+    #: What the last packed log-prob pass ran (:class:`~vlm_grpo.fastpath.sharing.PackedPass`: tokens, padding).
+    last_packed_pass = None
 
     def _get_train_sampler(self, dataset: Any = None) -> Any:
         """TRL's sampler, reseeded per epoch so that a run resumed in a later epoch sees the same order."""

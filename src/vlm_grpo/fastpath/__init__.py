@@ -3,8 +3,9 @@
 What it does (every piece behind a ``VLMGRPOConfig`` flag, parity-tested against TRL's own path):
 
 * ``sharing``: ``share_prompt`` (one forward per group over ``[prompt | c1 | ... | cG]`` for the old,
-  reference and policy log-probs) and ``share_prefill`` (prefill each unique prompt once, decode its G samples
-  from the repeated cache);
+  reference and policy log-probs, each block its rollout's own length) and ``share_prefill`` (prefill each unique
+  prompt once, decode its G samples from the repeated cache); ``pack_plan``: where the packed pass puts each token
+  (block lengths, groups per packed row, forwards per pass: ``packed_chunk_tokens``);
 * ``decode``: ``fast_decode`` / ``compile_decode`` / ``keep_decode_graphs`` (static cache, CUDA-graph decode step
   per attention window, kept from one generation call to the next); ``decode_cache``: its static cache, one write
   position for all layers, and the restore around a capture; ``decode_compact``: finished rows leave the decode

@@ -1,20 +1,25 @@
-"""Attention over a packed GRPO group without a (P+G·C)² mask.
+"""Attention over packed GRPO groups without a dense (tokens x tokens) mask.
 
-The packed layout of :mod:`vlm_grpo.fastpath.sharing` is ``prefix | block_1 | ... | block_G`` per row. A dense
-boolean mask over it costs (P+G·C)² per row and keeps sdpa off its flash kernels; most of its
-entries are "block g does not see block h". Here the same attention is two kernel calls per row:
+The packed layout of :mod:`vlm_grpo.fastpath.sharing` is, per packed row, one or more groups end to end, each
+``prefix | block_1 | ... | block_G``, then right padding. Every block is its own rollout's length (+1: the prompt's
+last token), so blocks differ in length. A dense boolean mask over a row costs (row length)² and keeps sdpa off its
+flash kernels; most of its entries are "block g does not see block h". Here the same attention is two kernel calls
+per group:
 
 * the prefix attends to itself causally (``is_causal``: flash on GPU);
-* the G blocks, batched, each attend to ``[prefix K/V, own K/V]`` with a lower-right causal bias
-  (``torch.nn.attention.bias.causal_lower_right``: flash / memory-efficient on GPU, no mask tensor).
+* the G blocks, batched, each attend to ``[prefix K/V, own K/V]`` causally, aligned to the end of the keys: with a
+  lower-right causal bias where the blocks are equally long (``torch.nn.attention.bias.causal_lower_right``: flash /
+  memory-efficient on GPU, no mask tensor), else padded to the longest block with a (G, longest, prefix + longest)
+  boolean mask (memory-efficient on GPU).
 
 On a GPU with flash attention (fp16 / bf16, dropout off) the whole packed batch is instead **one** variable-length
-flash call (:class:`VarlenLayout`): every row's prefix, each of its blocks and its right padding is one sequence of
-queries, and each block's keys are ``[prefix K/V, own K/V]`` gathered by index, with flash's causal mask aligned to
-the end of the keys (the same lower-right alignment). Its inputs are device tensors, and the longest sequences are
-the lengths of two empty tensors, so a compiled decoder layer (``compile_layers``) traces the call whole: no graph
-break, no recompilation for a new layout, and its backward is flash's own. The per-row calls above stay for
-everything else (CPU, fp32, dropout), as a compiler-disabled island.
+flash call (:class:`VarlenLayout`): every group's prefix, each of its blocks and each row's right padding is one
+sequence of queries, and each block's keys are ``[prefix K/V, own K/V]`` gathered by index, with flash's causal mask
+aligned to the end of the keys (the same lower-right alignment). Its inputs are device tensors, and the longest
+sequences are the lengths of two empty tensors, so a compiled decoder layer (``compile_layers``) traces the call
+whole: no graph break, no recompilation for a new layout, and its backward is flash's own. Several groups then share
+one packed row (:func:`shares_rows`): no padding at all. The per-group calls above stay for everything else (CPU,
+fp32, dropout), as a compiler-disabled island.
 
 It is registered with transformers' ``AttentionInterface`` as :data:`NAME` and behaves exactly like
 ``sdpa`` unless the forward carries a :class:`PackedLayout` or :class:`VarlenLayout` in the ``vlm_grpo_layout``
@@ -54,12 +59,32 @@ _packing: contextvars.ContextVar[bool] = contextvars.ContextVar("vlm_grpo_packin
 
 
 @dataclass(frozen=True)
-class PackedLayout:
-    """Per packed row: length of the shared prefix and number of blocks; every block is ``block_len`` long."""
+class PackedGroup:
+    """One group in a packed row: the shared prefix's length, then each block's length (blocks differ)."""
 
-    prefixes: tuple[int, ...]
+    prefix: int
     blocks: tuple[int, ...]
-    block_len: int
+
+    @property
+    def length(self) -> int:
+        return self.prefix + sum(self.blocks)
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """Per packed row, its groups end to end (then right padding up to the batch's row length)."""
+
+    rows: tuple[tuple[PackedGroup, ...], ...]
+
+    @classmethod
+    def uniform(cls, prefixes: tuple[int, ...], blocks: tuple[int, ...], block_len: int) -> PackedLayout:
+        """One group per row, ``blocks[i]`` blocks of ``block_len`` tokens each after a prefix of ``prefixes[i]``."""
+        return cls(tuple((PackedGroup(p, (block_len,) * n),) for p, n in zip(prefixes, blocks, strict=True)))
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the layout holds (every prefix and block; no padding)."""
+        return sum(g.length for row in self.rows for g in row)
 
 
 def block_sdpa(
@@ -95,61 +120,92 @@ def _packed_sdpa(
     dropout: float,
     scaling: float | None,
 ) -> torch.Tensor:
-    """The packed rows, one by one. Outside compilation (``compile_layers``): the loop over the layout's
+    """The packed groups, one by one. Outside compilation (``compile_layers``): the loop over the layout's
     Python ints would otherwise recompile a compiled decoder layer for every new layout."""
     query, key, value = autocast_inputs(query, key, value)
     gqa = query.size(1) != key.size(1)
-    total, block = query.size(2), layout.block_len
+    total = query.size(2)
     rows = []
-    for q, k, v, prefix, blocks in zip(query, key, value, layout.prefixes, layout.blocks, strict=True):
+    for q, k, v, groups in zip(query, key, value, layout.rows, strict=True):
         # q, k, v: (heads, total, dim) of one packed row. Every sdpa call gets 4-D inputs: on GPU the flash,
         # memory-efficient and cuDNN kernels take nothing else, and 3-D inputs fall back to the math kernel.
-        parts = []
-        if prefix:
-            out = F.scaled_dot_product_attention(
-                q[None, :, :prefix], k[None, :, :prefix], v[None, :, :prefix], dropout_p=dropout, is_causal=True,
-                scale=scaling, enable_gqa=gqa,
-            )  # fmt: skip
-            parts.append(out[0].transpose(0, 1))  # (prefix, heads, dim)
-        end = prefix + blocks * block
-        qb, kb, vb = (_blocks(x[:, prefix:end], blocks, block) for x in (q, k, v))
-        if prefix:
-            kb = torch.cat([k[:, :prefix].expand(blocks, -1, -1, -1), kb], dim=2)
-            vb = torch.cat([v[:, :prefix].expand(blocks, -1, -1, -1), vb], dim=2)
-        out = F.scaled_dot_product_attention(
-            qb, kb, vb, attn_mask=causal_lower_right(block, prefix + block), dropout_p=dropout, scale=scaling,
-            enable_gqa=gqa,
-        )  # fmt: skip
-        parts.append(out.transpose(1, 2).flatten(0, 1))  # (blocks * block, heads, dim)
+        parts, end = [], 0
+        for group in groups:
+            span = slice(end, end + group.length)
+            parts += _group_sdpa(q[:, span], k[:, span], v[:, span], group, dropout, scaling, gqa)
+            end += group.length
         if end < total:  # right padding of shorter rows: nothing reads it
             parts.append(query.new_zeros(total - end, query.size(1), value.size(-1)))
         rows.append(torch.cat(parts))
     return torch.stack(rows)
 
 
+def _group_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: PackedGroup, dropout: float, scaling: float | None,
+    gqa: bool,
+) -> list[torch.Tensor]:  # fmt: skip
+    """One group's attention, (tokens, heads, dim) pieces in token order: the prefix's, then the blocks'."""
+    prefix, lengths = group.prefix, group.blocks
+    parts = []
+    if prefix:
+        out = F.scaled_dot_product_attention(
+            q[None, :, :prefix], k[None, :, :prefix], v[None, :, :prefix], dropout_p=dropout, is_causal=True,
+            scale=scaling, enable_gqa=gqa,
+        )  # fmt: skip
+        parts.append(out[0].transpose(0, 1))  # (prefix, heads, dim)
+    n, longest = len(lengths), max(lengths)
+    if all(length == longest for length in lengths):
+        index, mask = None, causal_lower_right(longest, prefix + longest)
+        qb, kb, vb = (x[:, prefix:].unflatten(1, (n, longest)).transpose(0, 1) for x in (q, k, v))
+    else:  # padded to the longest block; a padded key is seen by nobody, a padded query's output read by nobody
+        starts = np.cumsum([prefix, *lengths[:-1]])
+        at = np.arange(longest)
+        own = np.minimum(at[None, :], np.array(lengths)[:, None] - 1)  # a padded slot repeats the block's last token
+        index = torch.from_numpy(starts[:, None] + own).to(q.device)
+        qb, kb, vb = (x[:, index].transpose(0, 1) for x in (q, k, v))  # (n, heads, longest, dim)
+        keys = torch.from_numpy((at[None, None, :] <= at[None, :, None]) & (at < np.array(lengths)[:, None, None]))
+        mask = torch.cat([torch.ones(n, longest, prefix, dtype=torch.bool), keys], dim=-1)[:, None].to(q.device)
+    if prefix:
+        kb = torch.cat([k[:, :prefix].expand(n, -1, -1, -1), kb], dim=2)
+        vb = torch.cat([v[:, :prefix].expand(n, -1, -1, -1), vb], dim=2)
+    out = F.scaled_dot_product_attention(
+        qb, kb, vb, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa
+    ).transpose(1, 2)  # (n, longest, heads, dim)
+    if index is None:
+        parts.append(out.flatten(0, 1))
+    else:
+        valid = torch.from_numpy(np.arange(longest)[None, :] < np.array(lengths)[:, None]).to(q.device)
+        parts.append(out[valid])  # block by block, each its own length
+    return parts
+
+
 class VarlenLayout:
     """A :class:`PackedLayout` as one variable-length attention call over the ``(rows * total)`` packed tokens.
 
-    Sequences, in token order: per row its prefix, its blocks, its right padding (which attends to itself; nothing
-    reads it). ``cu_q`` / ``cu_k`` are their cumulative query / key lengths, ``kv_index`` gathers each sequence's
-    keys (a block's: the prefix, then the block). ``max_q`` / ``max_k`` are empty tensors whose lengths are the
-    longest sequences: as shapes, they are symbolic in a compiled layer, where ints would be specialized.
+    Sequences, in token order: per row each group's prefix and blocks, then the row's right padding (which attends
+    to itself; nothing reads it). ``cu_q`` / ``cu_k`` are their cumulative query / key lengths, ``kv_index`` gathers
+    each sequence's keys (a block's: its group's prefix, then the block). ``max_q`` / ``max_k`` are empty tensors
+    whose lengths are the longest sequences: as shapes, they are symbolic in a compiled layer, where ints would be
+    specialized.
     """
 
     def __init__(self, packed: PackedLayout, total: int, kernel: Callable, device: torch.device) -> None:
         q_lens, spans = [], []
-        for row, (prefix, blocks) in enumerate(zip(packed.prefixes, packed.blocks, strict=True)):
-            base, block, end = row * total, packed.block_len, prefix + blocks * packed.block_len
-            if prefix:
-                q_lens.append(prefix)
-                spans.append([(base, base + prefix)])
-            for b in range(blocks):
-                start = base + prefix + b * block
-                q_lens.append(block)
-                spans.append([(base, base + prefix), (start, start + block)])
-            if end < total:
-                q_lens.append(total - end)
-                spans.append([(base + end, base + total)])
+        for row, groups in enumerate(packed.rows):
+            end = row * total
+            for group in groups:
+                prefix = (end, end + group.prefix)
+                if group.prefix:
+                    q_lens.append(group.prefix)
+                    spans.append([prefix])
+                end += group.prefix
+                for block in group.blocks:
+                    q_lens.append(block)
+                    spans.append([prefix, (end, end + block)])
+                    end += block
+            if end < (row + 1) * total:
+                q_lens.append((row + 1) * total - end)
+                spans.append([(end, (row + 1) * total)])
         k_lens = [sum(b - a for a, b in s) for s in spans]
         index = np.concatenate([np.arange(a, b) for s in spans for a, b in s])
         self.packed, self.kernel = packed, kernel
@@ -173,6 +229,12 @@ def varlen_layout(packed: PackedLayout, total: int, device: torch.device) -> Var
     return packed if kernel is None else VarlenLayout(packed, total, kernel, device)
 
 
+def shares_rows(device: torch.device) -> bool:
+    """Whether packed groups go end to end in one row: where the varlen kernel runs, a row's length costs nothing
+    but its tokens (the per-group calls, where it does not fit at the call, take any layout)."""
+    return VARLEN and varlen_kernel(device) is not None
+
+
 def _varlen_sdpa(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: VarlenLayout, scaling: float | None
 ) -> torch.Tensor:
@@ -188,11 +250,6 @@ def _varlen_sdpa(
         tokens(query), k, v, layout.cu_q, layout.cu_k, layout.max_q.size(0), layout.max_k.size(0), scaling
     )
     return out.view(rows, total, heads, value.size(-1))
-
-
-def _blocks(x: torch.Tensor, n: int, block: int) -> torch.Tensor:
-    """(heads, n * block, dim) -> (n, heads, block, dim)."""
-    return x.unflatten(1, (n, block)).transpose(0, 1)
 
 
 def block_sdpa_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:

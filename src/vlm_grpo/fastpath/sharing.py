@@ -4,17 +4,22 @@ GRPO repeats each prompt (and its images) G times. The naive log-prob pass runs 
 and the whole prompt G times; here every group of rows that share a prompt and its pixels becomes
 one packed sequence, so images are encoded once and the prompt is attended once.
 
-Layout of one packed sequence (P = valid prompt length, C = completion width)::
+Layout of one packed group (P = valid prompt length, L_g = completion g's length)::
 
-    prompt[:-1] | prompt[-1] c_1[0..C-1] | prompt[-1] c_2[0..C-1] | ... | prompt[-1] c_G[...]
+    prompt[:-1] | prompt[-1] c_1[0..L_1-1] | prompt[-1] c_2[0..L_2-1] | ... | prompt[-1] c_G[0..L_G-1]
 
 The last prompt token is repeated at the head of each block: it sits at the same position with the
 same context, so its hidden state is the one the naive pass has, and it can carry the label
 ``c_g[0]`` of its block (one position has one label). A block attends to the shared prefix and
-causally to itself, never to another block. Positions are explicit (mrope for Qwen families), as
-the model cannot infer them from a packed layout. Log-probs come from TRL's fused LM head via
-``shift_labels`` and are scattered back to the ``(rows, C)`` layout TRL expects, so old, reference
-and policy log-probs all go through the same path.
+causally to itself, never to another block. Each block is as long as its own completion (through its last
+token that the loss sees, or that holds an image), not the batch's longest: with real rollouts (lengths a
+few hundred tokens, a tail to the maximum) most of TRL's ``(rows, C)`` layout is padding, which the packed
+pass never runs. Where the varlen attention kernel runs, the groups of a pass go end to end in one packed
+row; elsewhere each group is one row, right-padded to the longest. Positions are explicit (mrope for Qwen
+families), as the model cannot infer them from a packed layout. Log-probs come from TRL's fused LM head via
+``shift_labels`` and are scattered back to the ``(rows, C)`` layout TRL expects, zero past a row's block
+(as TRL's pass has them where the mask is 0), so old, reference and policy log-probs all go through the
+same path.
 
 Multi-turn tool rollouts fit the same layout: a completion ``c_g`` is the rollout's whole tail (its turns, the
 tool observations between them, their images), so each block holds one rollout's history after the shared
@@ -34,9 +39,10 @@ import numpy as np
 import torch
 
 from vlm_grpo.fastpath import decode
-from vlm_grpo.fastpath.block_attention import LAYOUT_KWARG, PackedLayout, packing, use_block_attention, varlen_layout
+from vlm_grpo.fastpath.block_attention import LAYOUT_KWARG, packing, shares_rows, use_block_attention, varlen_layout
 from vlm_grpo.fastpath.compiled_layers import compiled_layers
 from vlm_grpo.fastpath.decode_autocast import autocast_seen
+from vlm_grpo.fastpath.pack_plan import BLOCK_MULTIPLE, PackedPass, block_lengths, build_mask, chunk_groups, plan_pack
 from vlm_grpo.fastpath.turn_cache import remember_shared
 from vlm_grpo.utils import generation_model, is_zero3, peft_base, warn_once
 
@@ -129,26 +135,6 @@ def plan_groups(
     return groups
 
 
-def build_mask(prefix: int, blocks: int, block_len: int, total: int, dtype: torch.dtype | None, device) -> torch.Tensor:
-    """(1, 1, total, total) mask: causal prefix; each block sees the prefix and itself causally; padding sees itself.
-
-    Boolean (True = attend) for sdpa; additive (0 / min) when ``dtype`` is given (eager attention).
-    """
-    length = prefix + blocks * block_len
-    idx = torch.arange(total, device=device)
-    block_id = torch.where(idx < prefix, -1, (idx - prefix) // block_len)
-    q, k = idx[:, None], idx[None, :]
-    causal = k <= q
-    same_block = block_id[:, None] == block_id[None, :]
-    sees_prefix = block_id[None, :] == -1
-    mask = causal & (same_block | sees_prefix) & (q < length) & (k < length)
-    mask |= torch.eye(total, dtype=torch.bool, device=device)  # a fully masked row would give NaN
-    mask = mask[None, None]
-    if dtype is None:
-        return mask
-    return torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, torch.finfo(dtype).min)
-
-
 def packed_pass_reason(model: Any, extra: set[str], compute_aux_loss: bool) -> str | None:
     """Why this log-prob pass goes through TRL's per-row pass instead of the packed one (None: packed).
 
@@ -182,16 +168,17 @@ def packed_logps(
     """Per-token log-probs (and entropies) of the completions, one packed forward per chunk of groups.
 
     ``batch_size`` bounds the rows a forward covers (whole groups; None: one forward, as the training pass
-    needs). Returns None when no two rows share a prompt (nothing to gain) or ``usable`` is False (inputs
-    the packed pass does not know), on any rank: all ranks take the same path (see ``_all_ranks_agree``),
-    and the caller falls back to TRL.
+    needs), or with ``packed_chunk_tokens`` set, the packed tokens it holds. Returns None when no two rows share a
+    prompt and the varlen kernel does not run (nothing to gain: with it, no row is padded to the longest), or when
+    ``usable`` is False (inputs the packed pass does not know), on any rank: all ranks take the same path (see
+    ``_all_ranks_agree``), and the caller falls back to TRL.
     """
     C = logits_to_keep
     prompt_ids, prompt_mask = input_ids[:, :-C], attention_mask[:, :-C]
     module = trainer.vlm_module
     groups = None
+    inner = peft_base(trainer.accelerator.unwrap_model(model))
     if usable:
-        inner = peft_base(trainer.accelerator.unwrap_model(model))
         split = completion_images(module, inner, input_ids, C, mm)
         if isinstance(split, str):
             warn_once(logger, f"share_prompt: batches where {split} go through TRL's per-row pass", logging.INFO)
@@ -199,14 +186,16 @@ def packed_logps(
             units = module.units_per_sample(mm)
             pixels, num_images = mm.get("pixel_values"), mm.get("num_images")
             groups = plan_groups(prompt_ids, prompt_mask, pixels, num_images, units, *split)
-    if not _all_ranks_agree(trainer, groups is not None and len(groups) < input_ids.size(0)):
+    # Rows that share nothing still gain where groups share packed rows: no row is padded to the longest.
+    padding_free = use_block_attention(inner, trainer.args.packed_attention) and shares_rows(input_ids.device)
+    if not _all_ranks_agree(trainer, groups is not None and (padding_free or len(groups) < input_ids.size(0))):
         return None
-    chunks: list[list[Group]] = [[]]
-    for group in groups:
-        if chunks[-1] and batch_size and sum(len(g.rows) for g in chunks[-1]) + len(group.rows) > batch_size:
-            chunks.append([])
-        chunks[-1].append(group)
-    parts = [_packed_forward(trainer, model, input_ids, attention_mask, C, chunk, mm) for chunk in chunks]
+    trainer.last_packed_pass = PackedPass(rows=input_ids.size(0), width=C)
+    image_token = getattr(inner.config, "image_token_id", None)
+    lengths = block_lengths(input_ids[:, -C:], attention_mask[:, -C:], image_token, BLOCK_MULTIPLE)
+    max_tokens = trainer.args.packed_chunk_tokens if batch_size else None
+    chunks = chunk_groups(groups, lengths, batch_size, max_tokens)
+    parts = [_packed_forward(trainer, model, input_ids, attention_mask, C, chunk, mm, lengths) for chunk in chunks]
     rows = torch.tensor([r for chunk in chunks for g in chunk for r in g.rows], device=input_ids.device)
     order = torch.argsort(rows)
     logps = torch.cat([p[0] for p in parts])[order]
@@ -254,56 +243,75 @@ def _packed_forward(
     C: int,
     groups: list[Group],
     mm: dict[str, Any],
+    lengths: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One forward over the packed groups; returns (log-probs, entropies) of their rows, in group order."""
+    """One forward over the packed groups (``lengths``: each batch row's block length); returns (log-probs,
+    entropies) of their rows, in group order."""
     module = trainer.vlm_module
     inner = peft_base(trainer.accelerator.unwrap_model(model))
     completion_ids, completion_mask = input_ids[:, -C:], attention_mask[:, -C:]
     device = input_ids.device
-    block = C + 1
-    total = max(g.prompt.numel() - 1 + len(g.rows) * block for g in groups)
-    n = len(groups)
-    packed = torch.full((n, total), trainer._tokenizer.pad_token_id, dtype=input_ids.dtype, device=device)
-    labels = torch.full((n, total), -100, dtype=input_ids.dtype, device=device)
-    positions, gather = [], []
-    for i, g in enumerate(groups):
-        prefix = g.prompt.numel() - 1
-        packed[i, :prefix] = g.prompt[:-1]
-        for b, row in enumerate(g.rows):
-            start = prefix + b * block
-            packed[i, start] = g.prompt[-1]
-            packed[i, start + 1 : start + block] = completion_ids[row]
-            labels[i, start : start + C] = completion_ids[row].masked_fill(completion_mask[row] == 0, -100)
-            gather.append(i * total + start)
-        positions.append(module.packed_position_ids(inner, g, mm, completion_ids[g.rows], total))
+    blocked = use_block_attention(inner, trainer.args.packed_attention)
+    pack = plan_pack(groups, lengths, blocked and shares_rows(device))
+    n, total = len(pack.members), pack.total
+    record = trainer.last_packed_pass
+    record.tokens += pack.layout.tokens
+    record.slots += n * total
+    record.forwards += 1
 
+    # A row's block: the prompt's last token at its start, then its first ``block - 1`` completion tokens, each
+    # the label of the position before it.
+    def long(x: Any) -> torch.Tensor:
+        return torch.as_tensor(x, dtype=torch.long, device=device)
+
+    counts = pack.blocks - 1
+    within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    dest, column = long(np.repeat(pack.starts, counts) + within), long(within)
+    src_row = long(np.repeat(pack.order, counts))
+    tokens = completion_ids[src_row, column]
+    flat = torch.full((n * total,), trainer._tokenizer.pad_token_id, dtype=input_ids.dtype, device=device)
+    flat[long(pack.prefix_at)] = torch.cat([groups[i].prompt[:-1] for m in pack.members for i in m])
+    flat[long(pack.starts)] = input_ids[long(pack.order), -C - 1]
+    flat[dest + 1] = tokens
+    labels = torch.full((n * total,), -100, dtype=input_ids.dtype, device=device)
+    labels[dest] = tokens.masked_fill(completion_mask[src_row, column] == 0, -100)
+
+    def block_tokens(group: Group) -> list[torch.Tensor]:
+        return [completion_ids[r, : lengths[r] - 1] for r in group.rows]
+
+    positions = []
+    for m in pack.members:
+        used = torch.cat([module.packed_position_ids(inner, groups[i], mm, block_tokens(groups[i])) for i in m], -1)
+        positions.append(torch.nn.functional.pad(used, (0, total - used.size(-1))))
     inputs: dict[str, Any] = {
-        "input_ids": packed,
+        "input_ids": flat.view(n, total),
         "position_ids": torch.cat(positions, dim=-2),
         **module.group_vision_inputs(groups, mm),
     }
-    if use_block_attention(inner, trainer.args.packed_attention):
-        prefixes = tuple(g.prompt.numel() - 1 for g in groups)
-        inputs[LAYOUT_KWARG] = varlen_layout(
-            PackedLayout(prefixes, tuple(len(g.rows) for g in groups), block), total, device
-        )
+    if blocked:
+        inputs[LAYOUT_KWARG] = varlen_layout(pack.layout, total, device)
         mask_scope = packing()
     else:
         attn = inner.config.get_text_config(decoder=True)._attn_implementation
         dtype = None if attn == "sdpa" else torch.float32  # eager adds the mask to the scores
-        masks = [build_mask(g.prompt.numel() - 1, len(g.rows), block, total, dtype, device) for g in groups]
-        inputs["attention_mask"] = torch.cat(masks)
+        inputs["attention_mask"] = torch.cat([build_mask(row, total, dtype, device) for row in pack.layout.rows])
         mask_scope = contextlib.nullcontext()
     with (
         trainer.accelerator.autocast(),
         mask_scope,
         compiled_layers(inner, trainer.compile_layers, module),
     ):
-        outputs = model(**inputs, shift_labels=labels, fused_lm_head=True)
-    index = torch.tensor(gather, device=device)[:, None] + torch.arange(C, device=device)[None, :]
-    logps = outputs.log_probs.reshape(-1)[index]
-    entropies = outputs.entropy.reshape(-1)[index] if outputs.entropy is not None else None
-    return logps, entropies
+        outputs = model(**inputs, shift_labels=labels.view(n, total), fused_lm_head=True)
+    # TRL's (rows, C) layout: column j of a row is its block's position j; past its block's labels, a zero (the
+    # extra last slot), as TRL's pass has it where the mask is 0.
+    columns = torch.arange(C, device=device)
+    index = long(pack.starts)[:, None] + columns
+    index = torch.where(columns < long(counts)[:, None], index, n * total)
+
+    def scatter(values: torch.Tensor) -> torch.Tensor:
+        return torch.cat([values.reshape(-1), values.new_zeros(1)])[index]
+
+    return scatter(outputs.log_probs), (None if outputs.entropy is None else scatter(outputs.entropy))
 
 
 # --------------------------------------------------------------------------- generation
@@ -437,7 +445,8 @@ def shared_prefill_generate(
                 trainer.generation_config, use_graph=device.type == "cuda",
                 compile=device.type == "cuda" if compile_decode is None else compile_decode,
                 fuse=trainer.args.fuse_decode_projections, autocast=amp[0],
-                keep=trainer.keep_decode_graphs, export=exported,
+                keep=trainer.keep_decode_graphs,
+                export=exported if trainer._turn_cache is not None else None,  # (a narrowed cache is put back in order)
             )  # fmt: skip
         else:
             if trainer.args.fast_decode:

@@ -90,21 +90,20 @@ class GroupSharingMixin:
         return {"pixel_values": torch.cat([pixel_values[a:b] for a, b in slices])}
 
     def packed_position_ids(
-        self, model: Any, group: Any, mm: dict[str, Any], completions: torch.Tensor, total: int
+        self, model: Any, group: Any, mm: dict[str, Any], completions: list[torch.Tensor]
     ) -> torch.Tensor:
-        """1-D positions as the naive left-padded pass has them (prompt token i at its padded index).
+        """The positions of one packed group, ``(1, length)``: 1-D positions as the naive left-padded pass has them
+        (prompt token i at its padded index; a block continues from the prompt's last token).
 
-        ``completions``: the completion ids of the group's rows, ``(blocks, C)``.
+        ``completions``: per row of the group, the completion tokens its block holds (blocks differ in length).
         """
-        blocks, completion_len = completions.shape
         prompt_len = group.prompt.numel()
-        start = group.pad_offset
-        device = group.prompt.device
-        prompt = torch.arange(start, start + prompt_len, device=device)
-        completion = torch.arange(start + prompt_len, start + prompt_len + completion_len, device=device)
-        block = torch.cat([prompt[-1:], completion])
-        used = torch.cat([prompt[:-1], block.repeat(blocks)])
-        return torch.nn.functional.pad(used, (0, total - used.numel()))[None]
+        end = group.pad_offset + prompt_len  # the prompt ends where the completions start
+        lengths = torch.tensor([ids.numel() + 1 for ids in completions])
+        # Block b: end - 1, end, ..., end + len_b - 1 (the prompt's last token, then its completion tokens).
+        block = torch.arange(int(lengths.sum())) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+        prompt = torch.arange(group.pad_offset, end - 1)
+        return torch.cat([prompt, block + end - 1]).to(group.prompt.device)[None]
 
 
 class VLMModule(GroupSharingMixin):

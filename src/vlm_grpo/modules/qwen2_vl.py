@@ -101,14 +101,13 @@ class Qwen2VLModule(VLMModule):
         return inputs
 
     def packed_position_ids(
-        self, model: Any, group: Any, mm: dict[str, Any], completions: torch.Tensor, total: int
+        self, model: Any, group: Any, mm: dict[str, Any], completions: list[torch.Tensor]
     ) -> torch.Tensor:
-        """mrope positions: the prompt's from ``get_rope_index``; a completion continues from the last prompt
-        position + 1 as its own sequence would (``get_rope_index`` over its tokens and tool images, shifted: text
-        after an image starts past the image's extent, as in the row's whole sequence)."""
+        """mrope positions ``(3, 1, length)``: the prompt's from ``get_rope_index``; a completion continues from the
+        last prompt position + 1 as its own sequence would (``get_rope_index`` over its tokens and tool images,
+        shifted: text after an image starts past the image's extent, as in the row's whole sequence)."""
         prompt = group.prompt[None]
         device = prompt.device
-        completion_len = completions.size(1)
         if group.image_range is None:
             prompt_pos = torch.arange(prompt.size(1), device=device).expand(3, 1, -1)
         else:
@@ -122,16 +121,17 @@ class Qwen2VLModule(VLMModule):
                 attention_mask=torch.ones_like(prompt),
             )
         last = prompt_pos[:, :, -1:]
-        text = torch.arange(completion_len, device=device).view(1, 1, -1).expand(3, 1, -1)
+        start = group.pad_offset + prompt.size(1)  # where the completions start in the batch's rows
+        longest = max(ids.numel() for ids in completions)
+        text = torch.arange(longest, device=device).view(1, 1, -1).expand(3, 1, -1)
         parts = [prompt_pos[:, :, :-1]]
         for row, tools, ids in zip(group.rows, group.tool_ranges, completions, strict=True):
-            relative = text
+            relative = text[:, :, : ids.numel()]
             if tools is not None:
                 relative, _ = model.model.get_rope_index(
                     ids[None],
-                    mm_token_type_ids=mm["mm_token_type_ids"][row, -completion_len:][None],
+                    mm_token_type_ids=mm["mm_token_type_ids"][row, start : start + ids.numel()][None],
                     image_grid_thw=mm["image_grid_thw"][tools[0] : tools[1]],
                 )
             parts += [last, last + 1 + relative]
-        used = torch.cat(parts, dim=-1)
-        return torch.nn.functional.pad(used, (0, total - used.size(-1)))
+        return torch.cat(parts, dim=-1)

@@ -57,6 +57,7 @@ import fcntl
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import struct
@@ -523,8 +524,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     print(f"\n{header}\n\n{text}\n", *efficiency_lines(done), sep="\n", flush=True)
     from bench_common import run_stamp
 
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     summary = {
         **run_stamp(),
+        "command": (f"CUDA_VISIBLE_DEVICES={visible} " if visible is not None else "")
+        + shlex.join(["python3", "benchmarks/scale_out.py", *(sys.argv[1:] if argv is None else argv)]),
         "plan": args.plan,
         "header": header,
         "args": {k: v for k, v in vars(args).items() if k != "shape_def"},

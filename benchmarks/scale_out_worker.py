@@ -8,7 +8,7 @@ profiles one extra step after the measured ones and sums the GPU time of its NCC
 (``collective_summary``). Each rank writes ``rank{N}.json`` in the spec's folder; the driver reads them. The model is
 never saved (``save_model`` is a no-op here). With a shape (``scale_out.py --shape``) every rank's model gets the EOS
 bias (``install_shape_bias``) before the trainer is built, and each rank writes its file after every cycle, with its
-completion lengths.
+completion lengths and valid prompt tokens.
 
 Nothing here imports the driver; torch, transformers and the package are imported inside the functions, so the
 pure helpers (``collective_summary``, ``collective_kind``) import without them.
@@ -331,6 +331,12 @@ def worker(spec: dict[str, Any], argv: list[str]) -> None:
         def _generate_single_turn(self, *args: Any, **kwargs: Any) -> Any:
             probe.counts["generate_calls"] += 1
             return super()._generate_single_turn(*args, **kwargs)
+
+        def _prepare_inputs(self, *args: Any, **kwargs: Any) -> Any:
+            inputs = super()._prepare_inputs(*args, **kwargs)
+            if shape:  # each row's valid prompt tokens, in the order of the completion lengths
+                recorder.data.setdefault("prompt_lengths", []).extend(inputs["prompt_mask"].sum(1).tolist())
+            return inputs
 
         def save_model(self, *args: Any, **kwargs: Any) -> None:
             """No weights kept: a ZeRO-3 save at 7B gathers and writes 16 GB."""

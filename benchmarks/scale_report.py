@@ -136,9 +136,22 @@ def efficiency_lines(done: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def load_results(paths: list[Path]) -> list[dict[str, Any]]:
+    """The summaries or run files ``--merge`` names; a missing or unreadable one is a clear error."""
+    loaded = []
+    for path in paths:
+        try:
+            loaded.append(json.loads(path.read_text()))
+        except (OSError, ValueError) as err:
+            raise SystemExit(f"error: --merge {path}: {err}; give scale_out.py's *_summary.json or run files") from None
+    return loaded
+
+
 def merge(args: argparse.Namespace, shape_table: Callable[[list[dict[str, Any]]], str]) -> list[dict[str, Any]]:
-    """``--merge``: several commands' summaries (or run files) as one summary, efficiency against the fewest GPUs."""
-    loaded = [json.loads(p.read_text()) for p in args.merge]
+    """``--merge``: several commands' summaries (or run files) as one summary, efficiency against the fewest GPUs.
+    The summary's other fields (card, versions, args, header) are the base run's command's; ``command`` lists every
+    command, then the merge."""
+    loaded = load_results(args.merge)
     runs = [run for data in loaded for run in (data["runs"] if "runs" in data else [data])]
     if not runs:
         raise SystemExit(f"error: --merge {' '.join(map(str, args.merge))}: no runs in these files")
@@ -147,8 +160,12 @@ def merge(args: argparse.Namespace, shape_table: Callable[[list[dict[str, Any]]]
             run.pop(key, None)
     done = efficiency(runs)
     text = shape_table(runs) if any("first_cycle_s" in r for r in runs) else table(runs)
-    summary = {k: v for k, v in next((d for d in loaded if "runs" in d), {}).items() if k not in ("runs", "table")}
+    summaries = [d for d in loaded if "runs" in d]
+    base = min(summaries, key=lambda d: min((r["nproc"] for r in d["runs"]), default=1 << 30), default={})
+    summary = {k: v for k, v in base.items() if k not in ("runs", "table", "command")}
+    merge_command = "python3 benchmarks/scale_out.py --merge " + " ".join(map(str, args.merge))
     summary |= {
+        "command": "\n".join([*(d["command"] for d in summaries if d.get("command")), merge_command]),
         "runs": sorted(runs, key=lambda r: r["nproc"]),
         "table": text,
         "merged_from": list(map(str, args.merge)),

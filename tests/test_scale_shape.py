@@ -105,6 +105,8 @@ def test_merge_two_commands_into_one_weak_scaling_summary(tmp_path, capsys):
     tables = load("results_tables")
     assert tables._kind(merged) == "scale_out"
     assert any("91% (vs 1 GPU)" in line for line in tables.scale_out_table(merged))
+    shaped = tables.scale_out_table(merged | {"shape": {"prompts": 64}})  # a shaped run's summary: its own table
+    assert "| 2 | zero2 | ok | 100.0 | 33.00 | 9,000 | 19.39 | 91% / 90% (vs 1 GPU) |" in shaped[1]
 
 
 def test_merge_of_files_without_runs_is_an_error(tmp_path):

@@ -296,6 +296,14 @@ def run_one(args: argparse.Namespace, ds: str, n: int, ctx: dict[str, Any], note
             else:
                 run["status"] = f"skipped: needs ~{need:.0f} + {args.headroom_gib:.0f} GiB > {card:.0f} GiB"
         run["predicted_model_states_gib"] = round(need, 1)
+        kv = scale_shape.kv_cache_gib(ctx["model_dir"], args.shape_def) if args.shape else None
+        if kv is not None:
+            run["predicted_full_kv_cache_gib"] = round(kv, 1)
+            if card and need + kv + args.headroom_gib > card:
+                run["notes"].append(
+                    f"model states ~{need:.0f} GiB + a decode cache of every row at full length ~{kv:.0f} GiB exceed "
+                    f"the {card:.0f} GiB card: the run fits only if decoding holds less"
+                )
     name = f"{args.plan}{'_' + args.shape_def.name if args.shape else ''}_n{n}_{ds}"
     run = {"name": name, "ds": ds, **run}
     if run["status"] != "ok":
@@ -433,7 +441,7 @@ def report(out: Path, run: dict[str, Any]) -> None:
     """The run's JSON file, and its one-line summary."""
     (out / f"{run['name']}.json").write_text(json.dumps(run, indent=1))
     keys = ("name", "ds", "status", "step_s", "first_step_s", "samples_per_s", "generation_share", "wall_s")
-    brief = {k: run.get(k) for k in keys}
+    brief = {k: run.get(k) for k in keys} | {k: run[k] for k in ("tokens_per_s_per_gpu", "notes") if run.get(k)}
     brief["peak_gib"] = max((p for p in run.get("peak_alloc_gib") or [] if p is not None), default=None)
     brief["collective_s"] = (run.get("collectives") or {}).get("collective_s")
     brief["features"] = run.get("features")

@@ -20,6 +20,7 @@ work differ a little; this one divides it out).
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from scale_report import PHASES, fmt, median
 
 HERE = Path(__file__).resolve().parent
 # Rough seconds for a shaped run (launch, load, cold cycle, steady cycle, exit), for the budget.
-RUN_ESTIMATE_S = {"qwen2_5_vl_3b": 300, "qwen2_5_vl_7b": 450}
+RUN_ESTIMATE_S = {"qwen2_5_vl_3b": 240, "qwen2_5_vl_7b": 360}
 
 
 def setup(args: argparse.Namespace) -> Any:
@@ -79,6 +80,19 @@ def write_data(shape: Any, data_dir: Path, n_prompts: int) -> Path:
     scenario = Scenario(shape.image_size, 1, shape.max_completion)
     paths = write_images(data_dir, scenario, n_prompts, seed=0, vary=shape.vary_images)
     return write_rows(paths, jsonl, questions=geo3k_questions(n_prompts, seed=0))
+
+
+def kv_cache_gib(model_dir: Path, shape: Any) -> float | None:
+    """GiB of a bf16 K/V cache holding every row of one generation at full length (prompt ~ the image's tokens + 120
+    text tokens, plus ``max_completion``): what a cache sized to the longest possible row takes per GPU."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    text = config.get("text_config", config)
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    per_token = 2 * 2 * text["num_hidden_layers"] * text["num_key_value_heads"] * head_dim  # K and V, bf16
+    return per_token * shape.rows * ((shape.image_size // 28) ** 2 + 120 + shape.max_completion) / 2**30
 
 
 def peak_tflops(gpu_name: str) -> float | None:

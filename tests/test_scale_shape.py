@@ -191,3 +191,14 @@ def test_two_ranks_train_the_shape_with_natural_lengths_and_easyr1_tokens(tmp_pa
     assert run["update_s"] > 0 and run["phases_s"]["generation"] > 0
     table = result.stdout
     assert "| 2 | zero3 | ok |" in table and "tokens/s/GPU" in table
+
+
+def test_the_full_length_decode_cache_is_predicted_from_the_checkpoint_config(tmp_path):
+    """Qwen2.5-VL-3B's text model (36 layers, 2 KV heads of 128): 36,864 bytes of bf16 K/V a token; 320 rows of
+    324 image + 120 text + 2,048 completion tokens."""
+    text = {"num_hidden_layers": 36, "num_key_value_heads": 2, "hidden_size": 2048, "num_attention_heads": 16}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl", "text_config": text}))
+    shape = importlib.import_module("bench_shape").parse_shape("easyr1_geo3k")  # benchmarks/ is on the path
+    expected = 36 * 2 * 2 * 128 * 2 * 320 * (18 * 18 + 120 + 2048) / 2**30
+    assert driver.scale_shape.kv_cache_gib(tmp_path, shape) == pytest.approx(expected) == pytest.approx(27.4, abs=0.05)
+    assert driver.scale_shape.kv_cache_gib(tmp_path / "absent", shape) is None

@@ -135,7 +135,7 @@ def independent_prompt_lengths(model_dir: Path, jsonl: Path) -> list[int]:
     return out
 
 
-@pytest.mark.slow  # one torchrun launch of 2 ranks (gloo, ZeRO-3), tiny model: ~40 s on 2 cores
+@pytest.mark.slow  # one torchrun launch of 2 ranks (gloo, ZeRO-3), tiny model: 20-40 s on 2 cores
 def test_two_ranks_train_the_shape_with_natural_lengths_and_easyr1_tokens(tmp_path, tiny_models):
     """Under ZeRO-3, as the 7B command runs: each rank's model is loaded partitioned, the EOS bias is calibrated on
     the gathered weights and its new bias partitioned with the rest."""

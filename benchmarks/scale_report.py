@@ -163,14 +163,14 @@ def merge(args: argparse.Namespace, shape_table: Callable[[list[dict[str, Any]]]
     summaries = [d for d in loaded if "runs" in d]
     base = min(summaries, key=lambda d: min((r["nproc"] for r in d["runs"]), default=1 << 30), default={})
     summary = {k: v for k, v in base.items() if k not in ("runs", "table", "command")}
-    merge_command = "python3 benchmarks/scale_out.py --merge " + " ".join(map(str, args.merge))
+    out = Path(args.out) if args.out else Path(os.environ.get("OUT", ".")) / "merged_summary.json"
+    merge_command = f"python3 benchmarks/scale_out.py --merge {' '.join(map(str, args.merge))} --out {out}"
     summary |= {
         "command": "\n".join([*(d["command"] for d in summaries if d.get("command")), merge_command]),
         "runs": sorted(runs, key=lambda r: r["nproc"]),
         "table": text,
         "merged_from": list(map(str, args.merge)),
     }
-    out = Path(args.out) if args.out else Path(os.environ.get("OUT", ".")) / "merged_summary.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=1))
     print(f"\n{summary.get('header', '')}\n\n{text}\n", *efficiency_lines(done), f"[scale] {out}", sep="\n")

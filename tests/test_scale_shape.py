@@ -96,7 +96,7 @@ def test_merge_two_commands_into_one_weak_scaling_summary(tmp_path, capsys):
     assert merged["command"].splitlines() == [
         cmd + "2",
         cmd + "1",
-        f"python3 benchmarks/scale_out.py --merge {paths[0]} {paths[1]}",
+        f"python3 benchmarks/scale_out.py --merge {paths[0]} {paths[1]} --out {out}",
     ]
     printed = capsys.readouterr().out
     assert "| 2 | zero2 | ok | 100.0 | 33.00 | 9,000 | 19.39 | 91% / 90% (vs 1 GPU) |" in printed

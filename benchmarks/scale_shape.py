@@ -26,7 +26,6 @@ from typing import Any
 
 from scale_report import PHASES, fmt, median
 
-HERE = Path(__file__).resolve().parent
 # Rough seconds for a shaped run (launch, load, cold cycle, steady cycle, exit), for the budget.
 RUN_ESTIMATE_S = {"qwen2_5_vl_3b": 240, "qwen2_5_vl_7b": 360}
 
@@ -36,10 +35,9 @@ def setup(args: argparse.Namespace) -> Any:
     from bench_shape import parse_shape
 
     shape = parse_shape(args.shape)
-    given = [f"--{k}" for k in ("prompts_per_device", "num_generations", "image_size", "completion_length")]
-    given = [flag for flag in given if getattr(args, flag[2:]) is not None] + ["--vary_prompts"] * bool(
-        args.vary_prompts
-    )
+    sizes = ("prompts_per_device", "num_generations", "image_size", "completion_length")
+    given = [f"--{k}" for k in sizes if getattr(args, k) is not None]
+    given += ["--vary_prompts"] if args.vary_prompts else []
     if given:
         raise SystemExit(
             f"error: --shape {args.shape} sets the per-GPU sizes; drop {', '.join(given)} or change them in the shape "

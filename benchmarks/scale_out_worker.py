@@ -246,7 +246,7 @@ def make_recorder(spec: dict[str, Any], timer: Any, probe: Probe, rank: int, dev
             if state.global_step == self.measured_end:
                 self.write(peak=True)
             elif shape and state.global_step % shape["updates"] == 0:  # a cycle ended: a time-out keeps it
-                self.write()
+                self.write(peak=True)  # the peak so far
             if self.prof is not None and state.global_step == self.measured_end + 1:
                 self.prof.__exit__(None, None, None)
                 try:

@@ -202,3 +202,13 @@ def test_the_full_length_decode_cache_is_predicted_from_the_checkpoint_config(tm
     expected = 36 * 2 * 2 * 128 * 2 * 320 * (18 * 18 + 120 + 2048) / 2**30
     assert driver.scale_shape.kv_cache_gib(tmp_path, shape) == pytest.approx(expected) == pytest.approx(27.4, abs=0.05)
     assert driver.scale_shape.kv_cache_gib(tmp_path / "absent", shape) is None
+
+
+@pytest.mark.parametrize("module", ["scale_shape", "scale_report"])
+def test_the_helpers_import_neither_the_driver_nor_the_worker_nor_torch(module):
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import {0}; "
+        "bad = {{'scale_out', 'scale_out_worker', 'torch'}} & set(sys.modules); assert not bad, sorted(bad)"
+    )
+    result = subprocess.run([sys.executable, "-c", code.format(module), str(BENCH)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]

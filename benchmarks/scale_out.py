@@ -159,17 +159,22 @@ def build_model(args: argparse.Namespace, model_dir: Path, env: dict[str, str]) 
 
 
 def write_data(args: argparse.Namespace, data_dir: Path, n_prompts: int) -> Path:
-    """``n_prompts`` JSONL rows with one random image each (bench_common's images and prompts; the shape's)."""
-    if args.shape:
-        return scale_shape.write_data(args.shape_def, data_dir, n_prompts)
+    """``n_prompts`` JSONL rows with one random image each (bench_common's images and prompts); with ``--shape``, its
+    image sizes and Geometry3K-like problems with EasyR1's format prompt (bench_shape.geo3k_questions)."""
     jsonl = data_dir / "rows.jsonl"
     if jsonl.is_file() and sum(1 for _ in open(jsonl)) >= n_prompts:
         return jsonl
     from bench_common import Scenario, write_images, write_rows
 
     data_dir.mkdir(parents=True, exist_ok=True)
-    paths = write_images(data_dir, Scenario(args.image_size, 1, args.completion_length), n_prompts, seed=0)
-    return write_rows(paths, jsonl, args.vary_prompts)
+    scenario = Scenario(args.image_size, 1, args.completion_length)
+    vary = args.shape_def.vary_images if args.shape else 0
+    paths = write_images(data_dir, scenario, n_prompts, seed=0, vary=vary)
+    if not args.shape:
+        return write_rows(paths, jsonl, args.vary_prompts)
+    from bench_shape import geo3k_questions
+
+    return write_rows(paths, jsonl, questions=geo3k_questions(n_prompts, seed=0))
 
 
 def as_argv(flags: dict[str, Any]) -> list[str]:

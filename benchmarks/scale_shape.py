@@ -65,21 +65,6 @@ def spec(shape: Any) -> dict[str, Any]:
     return {"name": shape.name, "mean_completion": shape.mean_completion, "updates": shape.updates}
 
 
-def write_data(shape: Any, data_dir: Path, n_prompts: int) -> Path:
-    """``n_prompts`` JSONL rows: one image of the shape's size each (varied sizes for ``vary_images``) and
-    Geometry3K-like problems with EasyR1's format prompt."""
-    from bench_common import Scenario, write_images, write_rows
-    from bench_shape import geo3k_questions
-
-    jsonl = data_dir / "rows.jsonl"
-    if jsonl.is_file() and sum(1 for _ in open(jsonl)) >= n_prompts:
-        return jsonl
-    data_dir.mkdir(parents=True, exist_ok=True)
-    scenario = Scenario(shape.image_size, 1, shape.max_completion)
-    paths = write_images(data_dir, scenario, n_prompts, seed=0, vary=shape.vary_images)
-    return write_rows(paths, jsonl, questions=geo3k_questions(n_prompts, seed=0))
-
-
 def kv_cache_gib(model_dir: Path, shape: Any) -> float | None:
     """GiB of a bf16 K/V cache holding every row of one generation at full length (prompt ~ the image's tokens + 120
     text tokens, plus ``max_completion``): what a cache sized to the longest possible row takes per GPU."""

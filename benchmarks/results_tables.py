@@ -195,6 +195,8 @@ def max_fit_table(data: dict[str, Any]) -> list[str]:
 
 
 def scale_out_table(data: dict[str, Any]) -> list[str]:
+    if data.get("shape"):  # the EasyR1-shaped cycle on every GPU (scale_out.py --shape): the table it wrote
+        return [f"{data.get('header', '')}.\n", data["table"]]
     out = [
         f"{data.get('header', '')}.\n",
         "| GPUs | DeepSpeed | status | s/step | samples/s | weak-scaling efficiency | decode ms/token "

@@ -4,6 +4,20 @@
     source benchmarks/device_env.sh && python3 benchmarks/scale_out.py --plan zero3      # 7B, ZeRO-3
     python benchmarks/scale_out.py --plan cpu                                             # wiring check, gloo
 
+The EasyR1-shaped cycle (``--shape``, bench_shape.py's names and overrides; ``scale_shape.py`` says what is measured)
+on 2 GPUs against 1, as two commands at once on one 4-GPU machine, then merged (about 540 s in all):
+
+    source benchmarks/device_env.sh
+    W=/tmp/scale_shape; S=easyr1_geo3k
+    CUDA_VISIBLE_DEVICES=0 python3 benchmarks/scale_out.py --plan zero2 --shape $S --nproc 1 --work $W \
+        --out $OUT/n1 --budget_s 520 > $OUT/n1.log 2>&1 &
+    CUDA_VISIBLE_DEVICES=2,3 python3 benchmarks/scale_out.py --plan zero2 --shape $S --nproc 2 --work $W \
+        --out $OUT/n2 --budget_s 520 > $OUT/n2.log 2>&1; wait
+    python3 benchmarks/scale_out.py --merge $OUT/n1/*summary.json $OUT/n2/*summary.json --out $OUT/merged.json
+
+``--plan zero3`` (7B) is the same, as a second such command. Commands sharing a ``--work`` folder build its model
+and data once (a lock file; the other waits); torchrun's ``--standalone`` gives each run its own free port.
+
 Every run is the CLI users run, ``src/vlm_grpo/grpo_jsonl.py``, under ``torch.distributed.run`` with the same work
 per device: ``--prompts_per_device`` prompts x G samples (2 x 8), one random ``--image_size`` image per prompt,
 generation forced to ``--completion_length`` tokens (``min_new_tokens``), full fine-tuning, bf16, sdpa, gradient
@@ -38,12 +52,14 @@ reduction) runs inside ``accelerator.backward``, so it is counted in ``backward`
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
-import statistics
 import struct
 import subprocess
 import sys
@@ -52,6 +68,21 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:  # the helper modules next to this file (it also runs as a script)
+    sys.path.insert(0, str(HERE))
+import scale_shape  # noqa: E402
+from scale_report import (  # noqa: E402
+    PHASES,
+    efficiency,
+    efficiency_lines,
+    features_report,
+    fmt,
+    median,
+    merge,
+    rounded,
+    table,
+)
+
 ROOT = HERE.parent
 WORKER_ENV = "SCALE_OUT_WORKER"
 
@@ -71,7 +102,6 @@ PLANS: dict[str, dict[str, Any]] = {
 }
 # Rough seconds for a run (launch, load, first step with its compilation, 7 steps, exit), for the budget.
 RUN_ESTIMATE_S = {"qwen2_5_vl_3b": 120, "qwen2_5_vl_7b": 210}
-PHASES = ("generation", "decode", "old_ref_logps", "prepare_other", "loss_forward", "backward", "optimizer")
 
 
 def safetensors_params(model_dir: Path) -> int:
@@ -129,16 +159,22 @@ def build_model(args: argparse.Namespace, model_dir: Path, env: dict[str, str]) 
 
 
 def write_data(args: argparse.Namespace, data_dir: Path, n_prompts: int) -> Path:
-    """``n_prompts`` JSONL rows with one random image each (bench_common's images and prompts)."""
+    """``n_prompts`` JSONL rows with one random image each (bench_common's images and prompts); with ``--shape``, its
+    image sizes and Geometry3K-like problems with EasyR1's format prompt (bench_shape.geo3k_questions)."""
     jsonl = data_dir / "rows.jsonl"
     if jsonl.is_file() and sum(1 for _ in open(jsonl)) >= n_prompts:
         return jsonl
-    sys.path.insert(0, str(HERE))
     from bench_common import Scenario, write_images, write_rows
 
     data_dir.mkdir(parents=True, exist_ok=True)
-    paths = write_images(data_dir, Scenario(args.image_size, 1, args.completion_length), n_prompts, seed=0)
-    return write_rows(paths, jsonl, args.vary_prompts)
+    scenario = Scenario(args.image_size, 1, args.completion_length)
+    vary = args.shape_def.vary_images if args.shape else 0
+    paths = write_images(data_dir, scenario, n_prompts, seed=0, vary=vary)
+    if not args.shape:
+        return write_rows(paths, jsonl, args.vary_prompts)
+    from bench_shape import geo3k_questions
+
+    return write_rows(paths, jsonl, questions=geo3k_questions(n_prompts, seed=0))
 
 
 def as_argv(flags: dict[str, Any]) -> list[str]:
@@ -157,6 +193,11 @@ def grpo_argv(args: argparse.Namespace, ds: str, model_dir: Path, jsonl: Path, o
         "max_completion_length": args.completion_length,
         "generation_kwargs": json.dumps({"min_new_tokens": args.completion_length}),  # every row decodes C tokens
         "max_steps": args.warmup + args.steps + int(args.profile),
+    }
+    if args.shape:  # the shape's micro-batches and accumulation; its cycles count 4 optimizer steps each
+        flags.pop("generation_kwargs")
+        flags.update(scale_shape.flags(args.shape_def), max_steps=(args.warmup + args.steps) * args.shape_def.updates)
+    flags |= {
         "learning_rate": 1e-6,
         "gradient_checkpointing": "true",
         "attn_implementation": "sdpa",
@@ -179,10 +220,6 @@ def grpo_argv(args: argparse.Namespace, ds: str, model_dir: Path, jsonl: Path, o
     return as_argv(flags) + list(args.extra)
 
 
-def median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
 def failure(log: Path) -> str:
     """Why a run failed, from its log: OOM, else the last exception a rank raised (not torchrun's own)."""
     text = log.read_text(errors="replace") if log.is_file() else ""
@@ -193,39 +230,17 @@ def failure(log: Path) -> str:
     return raised[-1].strip()[:300] if raised else "no result (see the log)"
 
 
-def features_report(static: dict[str, Any], counts: dict[str, int], lines: list[str]) -> dict[str, str]:
-    """Which speed features ran in the run, from what the trainer did (rank 0's counters); 'off (why)'."""
-
-    def share(used: int, calls: int) -> str:
-        return "off" if not used else "on" if used == calls else f"partial {used}/{calls}"
-
-    def why(pattern: str) -> str:
-        hit = next((m.group(1) for line in lines if (m := re.search(pattern, line))), None)
-        return f" ({hit})" if hit else ""
-
-    gen, shared = counts.get("generate_calls", 0), counts.get("shared_prefill_used", 0)
-    decoded = counts.get("decode_steps", 0)
-    report = {
-        "share_prefill": share(shared, gen) + (why(r"cannot honour (.*?): generation") if shared < gen else ""),
-        "fast_decode": share(decoded, shared)
-        + (why(r"fast_decode is off for this run: (.*?); decoding") if decoded < shared else ""),
-        "cuda_graph": share(counts.get("decode_graphs", 0), decoded),
-        "compile_decode": share(counts.get("decode_compiled", 0), decoded) + why(r"compile_decode: (.*)"),
-        "share_prompt": share(counts.get("packed_used", 0), counts.get("packed_calls", 0)),
-        "packed_attention": "blocks" if static.get("text_attention") == "vlm_grpo_sdpa" else "dense",
-        "batch_vision_attention": "on" if str(static.get("vision_attention")).startswith("vlm_grpo") else "off",
-        "compile_layers": "on" if static.get("compile_layers") else "off",
-        "vision_sync": "on" if static.get("vision_sync") else "off",
-    }
-    if static.get("zero_stage") == 3:
-        report["ds3_gather_for_generation"] = "on" if static.get("ds3_gather_for_generation") else "off"
-    return report
-
-
-def summarise(args: argparse.Namespace, run: dict[str, Any], run_dir: Path) -> None:
+def summarise(args: argparse.Namespace, run: dict[str, Any], run_dir: Path, ctx: dict[str, Any]) -> None:
     """Fill ``run`` from the ranks' result files."""
     ranks = sorted((json.loads(p.read_text()) for p in run_dir.glob("rank*.json")), key=lambda r: r["rank"])
     if not ranks:
+        return
+    if args.shape:
+        scale_shape.summarise(args, args.shape_def, run, ranks, ctx["params"], ctx["peak_tflops"])
+        run.update(peak_alloc_gib=[r.get("peak_alloc_gib") for r in ranks], startup_s=ranks[0].get("train_begin_s"))
+        run.update(peak_reserved_gib=[r.get("peak_reserved_gib") for r in ranks], log_lines=ranks[0].get("log_lines"))
+        r0 = ranks[0]
+        run["features"] = features_report(r0.get("features") or {}, r0.get("counts") or {}, r0.get("log_lines") or [])
         return
     w, s = args.warmup, args.steps
     r0 = ranks[0]
@@ -286,7 +301,15 @@ def run_one(args: argparse.Namespace, ds: str, n: int, ctx: dict[str, Any], note
             else:
                 run["status"] = f"skipped: needs ~{need:.0f} + {args.headroom_gib:.0f} GiB > {card:.0f} GiB"
         run["predicted_model_states_gib"] = round(need, 1)
-    name = f"{args.plan}_n{n}_{ds}"
+        kv = scale_shape.kv_cache_gib(ctx["model_dir"], args.shape_def) if args.shape else None
+        if kv is not None:
+            run["predicted_full_kv_cache_gib"] = round(kv, 1)
+            if card and need + kv + args.headroom_gib > card:
+                run["notes"].append(
+                    f"model states ~{need:.0f} GiB + a decode cache of every row at full length ~{kv:.0f} GiB exceed "
+                    f"the {card:.0f} GiB card: the run fits only if decoding holds less"
+                )
+    name = f"{args.plan}{'_' + args.shape_def.name if args.shape else ''}_n{n}_{ds}"
     run = {"name": name, "ds": ds, **run}
     if run["status"] != "ok":
         return run
@@ -309,7 +332,10 @@ def run_one(args: argparse.Namespace, ds: str, n: int, ctx: dict[str, Any], note
         "profile": args.profile,
         "device": args.device,
         "t0": time.time(),
+        "shape": scale_shape.spec(args.shape_def) if args.shape else None,
     }
+    if args.shape:  # the worker counts optimizer steps
+        spec.update(warmup=args.warmup * args.shape_def.updates, steps=args.steps * args.shape_def.updates)
     cmd = [
         args.python,
         "-m",
@@ -344,67 +370,15 @@ def run_one(args: argparse.Namespace, ds: str, n: int, ctx: dict[str, Any], note
         ctx["estimate_s"] = max(ctx["estimate_s"] if ctx["measured_estimate"] else 0.0, run["wall_s"])
         ctx["measured_estimate"] = True
     run["returncode"] = rc
-    summarise(args, run, run_dir)
-    if "step_s" not in run:
+    summarise(args, run, run_dir, ctx)
+    if "step_s" not in run and not run["status"].startswith("partial"):
         run["status"] = f"timed out after {timeout:.0f} s" if rc is None else f"failed: {failure(log)}"
+    elif "step_s" not in run:
+        run["status"] += f", then {'timed out' if rc is None else f'rc={rc}: ' + failure(log)}"
     elif rc != 0:
         run["status"] = f"measured, then {'timed out' if rc is None else f'rc={rc}: ' + failure(log)}"
     run["log"] = str(log)
     return run
-
-
-def rounded(value: Any, digits: int = 4) -> Any:
-    """``value`` with its floats to ``digits`` significant digits (the one-line summaries)."""
-    if isinstance(value, float):
-        return float(f"{value:.{digits}g}")
-    if isinstance(value, dict):
-        return {k: rounded(v, digits) for k, v in value.items()}
-    if isinstance(value, list):
-        return [rounded(v, digits) for v in value]
-    return value
-
-
-def fmt(value: Any, spec: str, missing: str = "-") -> str:
-    return missing if value is None else format(value, spec)
-
-
-def in_phases(c: dict[str, Any]) -> str:
-    """Collectives inside generation / inside fast_decode ('-' where fast_decode did not run)."""
-    if "in_generation" not in c:
-        return "-"
-    decode = c["in_decode"]["count"] if c.get("fast_decode_calls") else "-"
-    return f"{c['in_generation']['count']} / {decode}"
-
-
-def table(runs: list[dict[str, Any]]) -> str:
-    cols = "GPUs|DeepSpeed|status|s/step|first s|samples/s|weak eff.|gen. share|decode ms/tok|collectives s (share)"
-    cols += "|collectives in gen. / decode|peak GiB/rank|features on|off"
-    cols = cols.split("|")
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in sorted(runs, key=lambda r: r["nproc"]):
-        c = r.get("collectives") or {}
-        coll = f"{c['collective_s']:.3f} ({c['share_of_step']:.0%})" if c.get("share_of_step") is not None else "-"
-        peaks = [p for p in r.get("peak_alloc_gib") or [] if p is not None]
-        feats = r.get("features") or {}
-        eff = r.get("weak_efficiency")
-        cells = [
-            str(r["nproc"]),
-            r["ds"],
-            r["status"],
-            fmt(r.get("step_s"), ".3f"),
-            fmt(r.get("first_step_s"), ".1f"),
-            fmt(r.get("samples_per_s"), ".2f"),
-            f"{eff:.0%} (vs {r['base']})" if eff is not None else "-",
-            fmt(r.get("generation_share"), ".0%"),
-            fmt(r.get("decode_ms_per_token"), ".2f"),
-            coll,
-            in_phases(c),
-            f"{max(peaks):.1f}" if peaks else "-",
-            ", ".join(k for k, v in feats.items() if v in ("on", "blocks")) or "-",
-            "; ".join(f"{k}: {v}" for k, v in feats.items() if v not in ("on", "blocks")) or "-",
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -414,15 +388,23 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ds", choices=["zero2", "zero3", "none"], default=None, help="override the plan's stage")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None)
     p.add_argument("--nproc", type=int, nargs="+", default=None, help="GPU counts, in run order (default 1 4 2)")
-    p.add_argument("--prompts_per_device", type=int, default=2)
-    p.add_argument("--num_generations", type=int, default=8)
+    p.add_argument("--prompts_per_device", type=int, default=None, help="default 2")
+    p.add_argument("--num_generations", type=int, default=None, help="default 8")
     p.add_argument("--image_size", type=int, default=None, help="default 448 (cpu plan: 56)")
     p.add_argument("--completion_length", type=int, default=None, help="forced tokens (default 128; cpu plan: 8)")
     p.add_argument("--vary_prompts", type=int, default=0, help="bench_grpo's prompt-length variation (0: one length)")
+    p.add_argument(
+        "--shape", default=None,
+        help="an EasyR1-shaped cycle per GPU (bench_shape.py): easyr1_geo3k, easyr1_geo3k_32x8 or easyr1_geo3k_varied, "
+        "with field overrides as name:prompts=4,max_completion=32; it sets the batch and length flags, --warmup / "
+        "--steps then count cycles (default 1 cold + 1 measured) and no step is profiled",
+    )  # fmt: skip
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--steps", type=int, default=None, help="measured steps (default 5; cpu plan: 2)")
+    p.add_argument("--steps", type=int, default=None, help="measured steps (default 5; cpu plan: 2; --shape: 1 cycle)")
     p.add_argument("--no_profile", dest="profile", action="store_false", help="no extra profiled step")
-    p.add_argument("--timeout", type=float, default=330.0, help="seconds per run at most")
+    p.add_argument(
+        "--timeout", type=float, default=None, help="seconds per run at most (default 330; --shape: the budget)"
+    )
     p.add_argument("--budget_s", type=float, default=520.0, help="the whole command ends within this (runs skipped)")
     p.add_argument("--min_run_s", type=float, default=90.0, help="skip a run with less budget than this left")
     p.add_argument("--headroom_gib", type=float, default=5.0, help="activations etc. on top of the model states")
@@ -431,20 +413,31 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--work", default="/tmp/scale_out", help="models, data, logs (kept between commands)")
     p.add_argument("--out", default=None, help="result files (default $OUT, else WORK/results)")
     p.add_argument("--python", default=sys.executable)
+    p.add_argument(
+        "--merge", nargs="+", type=Path, default=None, metavar="JSON",
+        help="no runs: merge these commands' summaries (or run files) into one, with the weak-scaling efficiency "
+        "against the fewest GPUs among them, written to --out (a .json file)",
+    )  # fmt: skip
     p.add_argument("extra", nargs="*", help="after --: more grpo_jsonl.py flags for every run")
     args = p.parse_args(argv)
+    if args.merge:
+        return args
     plan = PLANS[args.plan]
+    args.shape_def = scale_shape.setup(args) if args.shape else None
     for key, default in (
         ("preset", None),
         ("ds", None),
         ("device", "cuda"),
         ("nproc", [1, 4, 2]),
+        ("prompts_per_device", 2),
+        ("num_generations", 8),
         ("image_size", 448),
         ("completion_length", 128),
         ("steps", 5),
     ):
         if getattr(args, key) is None:
             setattr(args, key, plan.get(key, default))
+    args.timeout = args.timeout or (args.budget_s if args.shape else 330.0)
     args.out = args.out or os.environ.get("OUT") or str(Path(args.work) / "results")
     return args
 
@@ -453,15 +446,34 @@ def report(out: Path, run: dict[str, Any]) -> None:
     """The run's JSON file, and its one-line summary."""
     (out / f"{run['name']}.json").write_text(json.dumps(run, indent=1))
     keys = ("name", "ds", "status", "step_s", "first_step_s", "samples_per_s", "generation_share", "wall_s")
-    brief = {k: run.get(k) for k in keys}
+    brief = {k: run.get(k) for k in keys} | {k: run[k] for k in ("tokens_per_s_per_gpu", "notes") if run.get(k)}
     brief["peak_gib"] = max((p for p in run.get("peak_alloc_gib") or [] if p is not None), default=None)
     brief["collective_s"] = (run.get("collectives") or {}).get("collective_s")
     brief["features"] = run.get("features")
     print(f"[scale] {json.dumps(rounded(brief))}", flush=True)
 
 
+@contextlib.contextmanager
+def locked(work: Path):
+    """Commands sharing ``--work`` build its model and data one at a time (the other waits, then reuses them)."""
+    with open(work / ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def visible_gpus(gpus: int) -> int:
+    """The GPUs this command may use: ``CUDA_VISIBLE_DEVICES``'s, else every one nvidia-smi lists."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return gpus if visible is None else len([d for d in visible.split(",") if d.strip()])
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse(argv)
+    if args.merge:
+        return merge(args, scale_shape.table)
     start = time.time()
     work, out = Path(args.work), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
@@ -471,22 +483,30 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     # The same host threads per rank whatever N (torchrun sets 1 for N > 1 only).
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 4) // max(args.nproc))))
+    # On a GPU machine each rank gets its share of the host's cores (also with other commands on the other GPUs).
     gpus, card_gib, gpu_name = gpu_info() if args.device == "cuda" else (0, None, "cpu")
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 4) // max(gpus, *args.nproc))))
     model_dir = work / f"model_{args.preset}"
-    build_s = build_model(args, model_dir, env)
     rows_needed = args.prompts_per_device * max(args.nproc) * (args.warmup + args.steps + int(args.profile))
-    jsonl = write_data(args, work / f"data_{args.image_size}_v{args.vary_prompts}", rows_needed)
+    data = (
+        f"data_{args.shape_def.name}_{args.shape_def.image_size}_v{args.shape_def.vary_images}_{rows_needed}"
+        if args.shape
+        else f"data_{args.image_size}_v{args.vary_prompts}"
+    )
+    with locked(work):
+        build_s = build_model(args, model_dir, env)
+        jsonl = write_data(args, work / data, rows_needed)
     params = safetensors_params(model_dir)
     ctx = {
         "start": start,
-        "gpus": gpus,
+        "gpus": visible_gpus(gpus),
+        "peak_tflops": scale_shape.peak_tflops(gpu_name),
         "card_gib": card_gib,
         "params": params,
         "model_dir": model_dir,
         "jsonl": jsonl,
         "env": env,
-        "estimate_s": RUN_ESTIMATE_S.get(args.preset, 60.0),
+        "estimate_s": (scale_shape.RUN_ESTIMATE_S if args.shape else RUN_ESTIMATE_S).get(args.preset, 60.0),
         "measured_estimate": False,
     }
     print(
@@ -504,36 +524,28 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             run = run_one(args, "none", n, ctx, note)
         report(out, run)
         runs.append(run)
-    done = [r for r in runs if r.get("step_s")]
-    if done:
-        base = min(done, key=lambda r: r["nproc"])
-        for r in done:
-            r["base_nproc"] = base["nproc"]
-            r["base"] = f"{base['nproc']} GPU" + (f", {base['ds']}" if base["ds"] != r["ds"] else "")
-            r["weak_efficiency"] = base["step_s"] / r["step_s"]  # samples/s per GPU, relative to the base
-            r["speedup"] = r["samples_per_s"] / base["samples_per_s"]
-            (out / f"{r['name']}.json").write_text(json.dumps(r, indent=1))
-    text = table(runs)
+    done = efficiency(runs)
+    for r in done:
+        (out / f"{r['name']}.json").write_text(json.dumps(r, indent=1))
+    text = scale_shape.table(runs) if args.shape else table(runs)
     header = (
         f"plan {args.plan}: {args.preset}, {gpu_name}, {args.prompts_per_device} prompts x G={args.num_generations}"
         f" per GPU, {args.image_size}px, C{args.completion_length}, {args.warmup} warm-up + {args.steps} measured"
         f" steps (median)"
     )
-    print(f"\n{header}\n\n{text}\n", flush=True)
-    for r in sorted(done, key=lambda r: r["nproc"]):
-        print(
-            f"[scale] {r['name']}: {r['speedup']:.2f}x the samples/s of {r['base']} "
-            f"(weak-scaling efficiency {r['weak_efficiency']:.0%})",
-            flush=True,
-        )
-    sys.path.insert(0, str(HERE))
+    header = scale_shape.header(args, args.shape_def, gpu_name) if args.shape else header
+    print(f"\n{header}\n\n{text}\n", *efficiency_lines(done), sep="\n", flush=True)
     from bench_common import run_stamp
 
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     summary = {
         **run_stamp(),
+        "command": (f"CUDA_VISIBLE_DEVICES={visible} " if visible is not None else "")
+        + shlex.join(["python3", "benchmarks/scale_out.py", *(sys.argv[1:] if argv is None else argv)]),
         "plan": args.plan,
         "header": header,
-        "args": vars(args),
+        "args": {k: v for k, v in vars(args).items() if k != "shape_def"},
+        **({"shape": scale_shape.shape_record(args.shape_def)} if args.shape else {}),
         "gpu": gpu_name,
         "card_gib": card_gib,
         "params": params,
@@ -542,8 +554,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "runs": runs,
         "table": text,
     }
-    (out / f"{args.plan}_summary.json").write_text(json.dumps(summary, indent=1))
-    with open(out / f"{args.plan}_logs.txt", "w") as f:  # the end of every run's log (device runs: one file back)
+    stem = f"{args.plan}_{args.shape_def.name}_n{'-'.join(map(str, args.nproc))}" if args.shape else args.plan
+    (out / f"{stem}_summary.json").write_text(json.dumps(summary, indent=1))
+    with open(out / f"{stem}_logs.txt", "w") as f:  # the end of every run's log (device runs: one file back)
         for r in runs:
             log = Path(r.get("log", ""))
             if log.is_file():

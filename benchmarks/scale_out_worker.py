@@ -6,7 +6,9 @@ warm-up and measured steps, whether to profile, device, start time) and hands ov
 time of every step, peak memory, which speed features ran, from ``Probe``'s counters and log lines); rank 0 also
 profiles one extra step after the measured ones and sums the GPU time of its NCCL kernels, the time in collectives
 (``collective_summary``). Each rank writes ``rank{N}.json`` in the spec's folder; the driver reads them. The model is
-never saved (``save_model`` is a no-op here).
+never saved (``save_model`` is a no-op here). With a shape (``scale_out.py --shape``) every rank's model gets the EOS
+bias (``install_shape_bias``) before the trainer is built, and each rank writes its file after every cycle, with its
+completion lengths and valid prompt tokens.
 
 Nothing here imports the driver; torch, transformers and the package are imported inside the functions, so the
 pure helpers (``collective_summary``, ``collective_kind``) import without them.
@@ -213,6 +215,8 @@ def make_recorder(spec: dict[str, Any], timer: Any, probe: Probe, rank: int, dev
     import torch
     from transformers import TrainerCallback
 
+    shape = spec.get("shape")
+
     class Recorder(TrainerCallback):
         """Writes this rank's results after the measured steps (a later crash or time-out keeps them), again after
         the profiled step (rank 0) and at the end of training."""
@@ -241,6 +245,8 @@ def make_recorder(spec: dict[str, Any], timer: Any, probe: Probe, rank: int, dev
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step == self.measured_end:
                 self.write(peak=True)
+            elif shape and state.global_step % shape["updates"] == 0:  # a cycle ended: a time-out keeps it
+                self.write(peak=True)  # the peak so far
             if self.prof is not None and state.global_step == self.measured_end + 1:
                 self.prof.__exit__(None, None, None)
                 try:
@@ -264,6 +270,7 @@ def make_recorder(spec: dict[str, Any], timer: Any, probe: Probe, rank: int, dev
             if cuda:
                 self.data["peak_alloc_gib_end"] = torch.cuda.max_memory_allocated(device) / 2**30
             self.data["steps"] = [{k: round(v, 6) for k, v in step.items()} for step in timer.per_step]
+            self.data["lengths"] = timer.lengths
             self.data["counts"] = dict(probe.counts)
             self.data["log_lines"] = probe.lines
             tmp = self.path.with_suffix(".tmp")
@@ -273,11 +280,29 @@ def make_recorder(spec: dict[str, Any], timer: Any, probe: Probe, rank: int, dev
     return Recorder()
 
 
+def install_shape_bias(model: Any, mean: int, device: Any) -> float:
+    """bench_shape's EOS bias on this rank's freshly loaded model (every rank computes the same bias from the same
+    weights). A ZeRO-3 model is loaded partitioned: the calibration pass gathers it whole for the moment; DeepSpeed
+    partitions the head's new bias with the rest when it wraps the model."""
+    from bench_shape import install_eos_bias
+
+    eos = model.generation_config.eos_token_id
+    eos = eos[0] if isinstance(eos, list) else eos
+    partitioned = [p for p in model.parameters() if hasattr(p, "ds_id")]
+    if partitioned:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(partitioned):
+            return install_eos_bias(model, eos, mean)
+    return install_eos_bias(model.to(device), eos, mean)
+
+
 def worker(spec: dict[str, Any], argv: list[str]) -> None:
     import torch
 
     sys.path.insert(0, str(HERE))
     from bench_common import OptimizerTimer, PhaseTimer, timed_fast_decode, timed_trainer_class
+    from bench_shape import CyclePrinter
 
     import vlm_grpo.trainer as trainer_module
     from vlm_grpo import grpo_jsonl
@@ -291,17 +316,27 @@ def worker(spec: dict[str, Any], argv: list[str]) -> None:
     probe = Probe()
     probe.install()
     recorder = make_recorder(spec, timer, probe, rank, device)
+    shape = spec.get("shape")
+    printer = [CyclePrinter(f"rank {rank}", shape["updates"], timer.per_step)] if shape and rank == 0 else []
 
     class Bench(timed_trainer_class(trainer_module.VLMGRPOTrainer)):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             # OptimizerTimer closes each step's record before the Recorder reads it.
-            kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), OptimizerTimer(timer), recorder]
+            kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), OptimizerTimer(timer), *printer, recorder]
+            if shape:  # before TRL wraps the model (DeepSpeed, the optimizer)
+                recorder.data["eos_bias"] = install_shape_bias(kwargs["model"], shape["mean_completion"], device)
             super().__init__(*args, **kwargs)
             recorder.trainer = self
 
         def _generate_single_turn(self, *args: Any, **kwargs: Any) -> Any:
             probe.counts["generate_calls"] += 1
             return super()._generate_single_turn(*args, **kwargs)
+
+        def _prepare_inputs(self, *args: Any, **kwargs: Any) -> Any:
+            inputs = super()._prepare_inputs(*args, **kwargs)
+            if shape:  # each row's valid prompt tokens, in the order of the completion lengths
+                recorder.data.setdefault("prompt_lengths", []).extend(inputs["prompt_mask"].sum(1).tolist())
+            return inputs
 
         def save_model(self, *args: Any, **kwargs: Any) -> None:
             """No weights kept: a ZeRO-3 save at 7B gathers and writes 16 GB."""

@@ -79,7 +79,7 @@ def kv_cache_gib(model_dir: Path, shape: Any) -> float | None:
 
 
 def peak_tflops(gpu_name: str) -> float | None:
-    from bench_common import PEAK_TFLOPS
+    from bench_policy import PEAK_TFLOPS
 
     return next((v for k, v in PEAK_TFLOPS.items() if k in gpu_name), None)
 

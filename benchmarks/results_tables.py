@@ -97,6 +97,8 @@ def _kind(data: dict[str, Any]) -> str:
         return "scale_out"
     if "card_gib" in data and "results" in data:
         return "max_fit"
+    if "compact_s" in data and "full_width_s" in data:
+        return "decode_compact"
     if "calls" in data and "decode_ms_per_token" in data:
         return "decode"
     if "tools" in data:
@@ -113,6 +115,7 @@ SCRIPTS = {
     "max_fit": "benchmarks/max_fit.py",
     "scale_out": "benchmarks/scale_out.py",
     "decode": "benchmarks/micro/decode_lengths.py",
+    "decode_compact": "benchmarks/micro/decode_compact_micro.py",
 }
 
 
@@ -302,7 +305,31 @@ def shape_table(data: dict[str, Any]) -> list[str]:
     return out
 
 
+def decode_compact_table(data: dict[str, Any]) -> list[str]:
+    """The decode alone, with finished rows leaving the batch and at full width, from the same prefill and seed."""
+    a = data["args"]
+    calls = data.get("calls", [])
+    same = sorted({c.get("rows_with_the_same_tokens") for c in calls if c.get("rows_with_the_same_tokens")})
+    widths = max((c.get("widths", []) for c in calls if c.get("compact")), key=len, default=[])
+    return [
+        f"Decode alone: {a['unique']} prompts x {a['group']} rows, prompts of {a['prompt_len']} tokens, sampled "
+        f"completions ended by the model's own EOS (geometric lengths, mean {a['mean']}, at most "
+        f"{a['max_new_tokens']}); median of the calls after the first (which compiles).",
+        "",
+        "| variant | decode s | row-steps computed | speed-up |",
+        "|---|---|---|---|",
+        f"| full width | {_fmt(data['full_width_s'])} | {data['full_width_row_steps']:,.0f} | 1.0x |",
+        f"| finished rows leave the batch | {_fmt(data['compact_s'])} | {data['compact_row_steps']:,.0f} "
+        f"| **{data['full_width_s'] / data['compact_s']:.1f}x** |",
+        "",
+        f"Widths the batch went through: {', '.join(map(str, widths))}. Rows whose tokens equal the full-width "
+        f"decode's: {', '.join(same)} (a GEMM over fewer rows rounds some logits differently in bf16, so a sampled "
+        "row can take another token from there on, as at another batch size).",
+    ]
+
+
 TABLES = {
+    "decode_compact": decode_compact_table,
     "shape": shape_table,
     "grpo": grpo_table,
     "tools": tools_table,

@@ -48,6 +48,7 @@ from vlm_grpo.tools.rollouts import (
     tile_fields,
     tool_turns,
 )
+from vlm_grpo.tools.rounds import RoundSync, round_sync_for
 from vlm_grpo.trainer_common import (
     CheckpointReloadMixin,
     CompleteCheckpointMixin,
@@ -234,6 +235,9 @@ class VLMGRPOTrainer(
 
     # The rollouts' held KV caches while a tool generation runs (None outside one, or without fast_decode).
     _turn_cache: TurnCache | None = None
+    # Inside TRL's tool loop (the turns after the first), and the ranks' round votes there (ZeRO-3 / FSDP).
+    _in_tool_loop = False
+    _round_sync: RoundSync | None = None
     #: What the last tool generation's turns after the first did (:class:`~vlm_grpo.fastpath.turn_cache.TurnStats`).
     last_turn_stats = None
     #: What the last packed log-prob pass ran (:class:`~vlm_grpo.fastpath.sharing.PackedPass`: tokens, padding).
@@ -339,6 +343,8 @@ class VLMGRPOTrainer(
         """One turn of every row (:meth:`_generate_turn`) within the tool budgets: ``max_turn_tokens`` new tokens
         a turn, and a row's whole context (prompt, turns, tool replies) within ``max_context_tokens``; each turn
         ends at the tool protocol's stop string (:meth:`~vlm_grpo.tools.rollouts.ToolTurns.cut`)."""
+        if self._in_tool_loop and self._round_sync is not None:
+            self._round_sync.vote(True)  # a tool round: the ranks whose loops ended join it (tools.rounds)
         ids, logprobs = self._generate_within_budgets(
             prompt_ids, images, multimodal_fields, num_generations, has_tool_images
         )
@@ -358,7 +364,7 @@ class VLMGRPOTrainer(
             return self._generate_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         rooms = [limit if limit is not None else self.max_completion_length] * len(prompt_ids)
         if budget is not None:  # the first turn keeps a token: TRL's bookkeeping needs a non-empty completion
-            least = 0 if getattr(self, "_in_tool_loop", False) else 1
+            least = 0 if self._in_tool_loop else 1
             rooms = [max(least, min(room, budget - len(ids))) for room, ids in zip(rooms, prompt_ids, strict=True)]
         config = getattr(self, "generation_config", None)
         before = getattr(config, "max_new_tokens", None)
@@ -436,11 +442,14 @@ class VLMGRPOTrainer(
         )
         # The rollouts' sandbox cells run together, per round; later turns are read as TRL's loop parses them.
         self._in_tool_loop = True
+        self._round_sync = round_sync_for(self)
         try:
             with ToolBatch(self.environments, completions), parse_with_protocol(self, turns):
                 result = super()._tool_call_loop(
                     prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields
                 )
+            if self._round_sync is not None:  # ranks with rounds left generate collectively: join them
+                self._round_sync.drain(self._join_round)
         finally:
             self._in_tool_loop = False
         stats = rollout_tool_stats(result[1], self.environments)
@@ -450,6 +459,17 @@ class VLMGRPOTrainer(
         stats["image_budget_refusals"] = [turns.image_refusals / n]
         self._log_tool_stats(stats)
         return result
+
+    def _join_round(self) -> None:
+        """This rank's part in another rank's tool round: TRL's generation of one token for a one-token prompt
+        (the parameters gathered, ``synced_gpus`` steps until the other ranks are done); the output is dropped."""
+        config = self.generation_config
+        saved = config.max_new_tokens, config.min_new_tokens
+        config.max_new_tokens, config.min_new_tokens = 1, None
+        try:
+            super()._generate_single_turn([[self._tokenizer.pad_token_id]], None, {}, 1)
+        finally:
+            config.max_new_tokens, config.min_new_tokens = saved
 
     def _log_tool_stats(self, stats: dict[str, list[float]]) -> None:
         mode = "train" if self.model.training else "eval"

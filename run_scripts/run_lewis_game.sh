@@ -4,7 +4,7 @@
 #   1. speaker phase  (run_lewis_speaker.sh): serve the current listener, wait for /health, train the speaker STEPS
 #      steps (rewards listener + format_speaker + one_sentence), save round_r/speaker, stop the listener;
 #   2. listener phase: serve the new speaker, have it describe every game's target
-#      (python -m vlm_grpo.serve.lewis_listener), stop it, train the listener STEPS steps on picking the target among
+#      (python -m vlm_grpo.data.lewis_listener), stop it, train the listener STEPS steps on picking the target among
 #      the K candidates (configs/lewis_listener.yaml: accuracy (mcq) + format), save round_r/listener;
 #   3. swap: the next round starts from these two checkpoints (a LoRA output is merged first).
 #
@@ -43,10 +43,10 @@ for model_dir in "$SPEAKER_MODEL" "$LISTENER_MODEL"; do
 done
 if [ ! -f "$GAMES" ]; then
   if [ -n "$CONCEPTS" ]; then
-    "$PYTHON" -m vlm_grpo.serve.lewis --concepts "$CONCEPTS" --image_root "$IMAGES" --out "$GAMES" \
+    "$PYTHON" -m vlm_grpo.data.lewis --concepts "$CONCEPTS" --image_root "$IMAGES" --out "$GAMES" \
       --rows "${ROWS:-16}" --k "${K:-3}" --distractors "${DISTRACTORS:-same_concept}"
   else
-    "$PYTHON" -m vlm_grpo.serve.lewis --images "$IMAGES" --out "$GAMES" --rows "${ROWS:-16}" --k "${K:-3}"
+    "$PYTHON" -m vlm_grpo.data.lewis --images "$IMAGES" --out "$GAMES" --rows "${ROWS:-16}" --k "${K:-3}"
   fi
 fi
 echo "================ Lewis game: $ROUNDS rounds of $STEPS steps per phase ================"

@@ -79,7 +79,7 @@ for arg in "$@"; do
   if [ "$arg" = --dataset_name ] || [[ "$arg" == --dataset_name=* ]]; then DATA_ARGS=(--data_file_paths ""); fi
 done
 if [ "${#DATA_ARGS[@]}" -eq 0 ] && [ ! -f "$DATA" ]; then
-  "$PYTHON" -m vlm_grpo.serve.lewis --images "$IMAGES" --out "$DATA" --rows "${ROWS:-16}" --k "${K:-3}"
+  "$PYTHON" -m vlm_grpo.data.lewis --images "$IMAGES" --out "$DATA" --rows "${ROWS:-16}" --k "${K:-3}"
 fi
 mkdir -p "$OUTPUT_DIR"
 export DEBUG_MODE="${DEBUG_MODE:-true}"

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from vlm_grpo.data.lewis import make_concept_games, read_concepts
 from vlm_grpo.grpo_jsonl import parse_args
-from vlm_grpo.serve.lewis import make_concept_games, read_concepts
 from vlm_grpo.serve.lewis_listener import listener_rows
 from vlm_grpo.serve.threaded import free_port
 

@@ -13,8 +13,8 @@ import pytest
 from PIL import Image
 
 from vlm_grpo.cli_errors import UserError
+from vlm_grpo.data.lewis import dataset_name_source, perva_games
 from vlm_grpo.rollout_log import rollout_log_path
-from vlm_grpo.serve.lewis import dataset_name_source, perva_games
 from vlm_grpo.serve.threaded import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -175,7 +175,7 @@ def test_a_subset_suffix_keeps_that_many_games(perva, tmp_path, caplog, n, kept)
 
     every = perva_games(perva.rename(tmp_path / "PerVA_all_test_subset_seed_23_K_3"))
     folder = (tmp_path / "PerVA_all_test_subset_seed_23_K_3").rename(tmp_path / f"{PERVA[: -len('30')]}{n}")
-    with caplog.at_level(logging.INFO, logger="vlm_grpo.serve.lewis"):
+    with caplog.at_level(logging.INFO, logger="vlm_grpo.data.lewis"):
         games = perva_games(folder)
     assert len(games) == kept and len({g["image"] for g in games}) == kept
     strip = [json.dumps(g).replace(folder.name, "X") for g in games]

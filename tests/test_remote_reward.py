@@ -237,8 +237,8 @@ def test_a_server_that_is_down_gives_the_fallback_quickly_and_warns_once_per_n(l
 
 
 def test_down_server_does_not_stop_grpo_training(tiny_models, lewis_images, tmp_path):
+    from vlm_grpo.data.lewis import write_lewis_dataset
     from vlm_grpo.grpo_jsonl import main, parse_args
-    from vlm_grpo.serve.lewis import write_lewis_dataset
 
     data = write_lewis_dataset(lewis_images, tmp_path / "lewis.jsonl", rows=4, k=3)
     down = f"http://127.0.0.1:{free_port()}"

@@ -181,7 +181,7 @@ def check_fresh_output_dir(output_dir: str, overwrite: bool) -> None:
 
 def check_dataset_name(script_args: GRPOScriptArguments, output_dir: str, seed: int) -> None:
     """``--dataset_name`` naming a folder or file (the Lewis seed's PerVA games, a saved dataset, a data file) is
-    the data (:func:`vlm_grpo.serve.lewis.dataset_name_source`). Any other name is not read (VLM-R1's grpo_jsonl.py
+    the data (:func:`vlm_grpo.data.lewis.dataset_name_source`). Any other name is not read (VLM-R1's grpo_jsonl.py
     scripts pass ``this_is_not_used``; its older grpo_rec.py took a data-config YAML there): an error without
     ``--data_file_paths``, else a log line."""
     name = script_args.dataset_name
@@ -192,7 +192,7 @@ def check_dataset_name(script_args: GRPOScriptArguments, output_dir: str, seed: 
             raise UserError(
                 f"--dataset_name {name} and --data_file_paths {script_args.data_file_paths} both name data; pass one"
             )
-        from vlm_grpo.serve.lewis import dataset_name_source
+        from vlm_grpo.data.lewis import dataset_name_source
 
         script_args.data_file_paths = dataset_name_source(name, output_dir, seed)
         logger.info("--dataset_name %s: training on %s", name, script_args.data_file_paths)

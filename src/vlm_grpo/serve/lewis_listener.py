@@ -1,9 +1,9 @@
 """The listener's half of the Lewis game: GRPO rows built from a served speaker's descriptions.
 
-    python -m vlm_grpo.serve.lewis_listener --games runs/lewis/train.jsonl --speaker_url http://127.0.0.1:9001 \\
+    python -m vlm_grpo.data.lewis_listener --games runs/lewis/train.jsonl --speaker_url http://127.0.0.1:9001 \\
         --out runs/lewis/round_1/listener.jsonl
 
-For each speaker game (``python -m vlm_grpo.serve.lewis``) the speaker service (``vlm-grpo-serve speaker``)
+For each speaker game (``python -m vlm_grpo.data.lewis``) the speaker service (``vlm-grpo-serve speaker``)
 describes the target; the listener row shows the ``k`` candidates as images A, B, C, ... with that description and
 asks which one it is. The solution is the target's letter in ``<answer></answer>``, scored by ``accuracy`` with
 ``reward_method: mcq`` (``configs/lewis_listener.yaml``). Candidate paths stay relative to the game's image folder.
@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from vlm_grpo.data.lewis import SPEAKER_PROMPT
 from vlm_grpo.rewards.listener import describe_text
-from vlm_grpo.serve.lewis import SPEAKER_PROMPT
 
 logger = logging.getLogger("vlm_grpo")
 
@@ -81,9 +81,9 @@ def describe_games(
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m vlm_grpo.serve.lewis_listener", description=__doc__.split("\n\n")[0]
+        prog="python -m vlm_grpo.data.lewis_listener", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--games", required=True, help="speaker games JSONL (python -m vlm_grpo.serve.lewis)")
+    parser.add_argument("--games", required=True, help="speaker games JSONL (python -m vlm_grpo.data.lewis)")
     parser.add_argument("--speaker_url", required=True, help="base URL of vlm-grpo-serve speaker")
     parser.add_argument("--out", required=True, help="listener rows JSONL to write")
     args = parser.parse_args(argv)

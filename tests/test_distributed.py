@@ -47,20 +47,26 @@ def torchrun(argv: list[str], nproc: int = 2) -> None:
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
 
 
-def torchrun_plan(plan: list[dict], root: Path) -> tuple[int, str]:
-    """Several training runs (``{"out": ..., "argv": [...]}`` each) in turn in one 2-process launch: the return
-    code and the end of the log. A run that failed leaves ``error<rank>.txt`` in its ``out``."""
+def torchrun_runs(argvs: dict[Hashable, list[str]], root: Path) -> tuple[dict[Hashable, Path], int, str]:
+    """Several training runs, in the dict's order, in ONE 2-process launch (``matrix_dist_entry.py``): each run's
+    output folder (its ``--output_dir``), the launch's return code and the end of its log. A run that failed leaves
+    ``error<rank>.txt`` in its folder (``ran`` reports it)."""
+    outs = {name: Path(argv[argv.index("--output_dir") + 1]) for name, argv in argvs.items()}
+    plan = [{"out": str(outs[name]), "argv": argv} for name, argv in argvs.items()]
     (root / "plan.json").write_text(json.dumps(plan))
     result = _launch("matrix_dist_entry.py", [str(root / "plan.json")], 2)
-    return result.returncode, result.stdout[-4000:] + result.stderr[-4000:]
+    return outs, result.returncode, result.stdout[-4000:] + result.stderr[-4000:]
 
 
-def ran(runs: tuple[dict, int, str], name: Hashable) -> Path:
-    """The output folder of the planned run ``name``, after checking that it finished on both ranks."""
+def ran(runs: tuple[dict[Hashable, Path], int, str], name: Hashable) -> Path:
+    """The output folder of the planned run ``name``, after checking that it finished on both ranks (and that the
+    launch ended cleanly where no run failed)."""
     outs, returncode, log = runs
     out = outs[name]
     assert not (out / "error0.txt").exists(), f"{name}: {(out / 'error0.txt').read_text()[-3000:]}"
     assert (out / "rank1.json").is_file(), f"{name} did not finish (rc {returncode}): {log}"
+    failed = [o for o in outs.values() if any(o.glob("error*.txt"))]
+    assert returncode == 0 or failed, f"the launch failed (rc {returncode}) after every run finished: {log}"
     return out
 
 
@@ -95,7 +101,7 @@ def runs(request, tiny_models, dataset, tmp_path_factory):
     data, plugin = dataset
     model_dir = tiny_models["qwen2_5_vl"]
     mixed_data, mixed_plugin = make_dataset(root / "mixed_data", kinds=("single", "text"), n=4)
-    argv = {
+    argvs = {
         # group sharing on (the default), with the opt-in compiled decoder layers under gradient checkpointing
         "ddp": [*base_args(model_dir, data, plugin, root / "ddp"), *COMPILED],
         "ddp_plain": [*base_args(model_dir, data, plugin, root / "ddp_plain"), *SHARING_OFF],
@@ -110,9 +116,7 @@ def runs(request, tiny_models, dataset, tmp_path_factory):
         if getattr(item, "module", None) is request.module:
             stage = item.callspec.params.get("stage") if hasattr(item, "callspec") else None
             needed.update(NEEDS.get(item.originalname, {}).get(stage, ()))
-    plan = [{"out": str(root / name), "argv": args} for name, args in argv.items() if name in needed]
-    returncode, log = torchrun_plan(plan, root)
-    return {name: root / name for name in needed}, returncode, log
+    return torchrun_runs({name: argv for name, argv in argvs.items() if name in needed}, root)
 
 
 def test_ddp_two_ranks_train_together_and_agree(tiny_models, runs):

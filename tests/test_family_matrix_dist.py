@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForImageTextToText
 
 from e2e_utils import base_args, make_dataset, original_params
-from test_distributed import ran, torchrun_plan
+from test_distributed import ran, torchrun_runs
 from vlm_grpo.testing.presets import TINY_FAMILIES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,20 +36,15 @@ def zero_runs(request, tiny_models, tmp_path_factory):
     params = [item.callspec.params for item in tests if hasattr(item, "callspec")]
     selected = {p["family"] for p in params if "family" in p}
     reference = any(item.originalname == "test_qwen2_5_vl_zero_runs_train_the_vision_tower_like_ddp" for item in tests)
-    plan = []
+    argvs = {}
     if reference:  # DDP first: DeepSpeed's ZeRO-3 state must not reach a DDP run
         selected.add("qwen2_5_vl")
-        out = root / "qwen2_5_vl" / "ddp"
-        plan.append({"family": "qwen2_5_vl", "stage": "ddp", "out": str(out)})
-        plan[-1]["argv"] = base_args(tiny_models["qwen2_5_vl"], data, plugin, out)
+        argvs["qwen2_5_vl", "ddp"] = base_args(tiny_models["qwen2_5_vl"], data, plugin, root / "qwen2_5_vl" / "ddp")
     for family in [f for f in TINY_FAMILIES if f in selected]:
         for stage in STAGES:
-            out = root / family / stage
-            argv = base_args(tiny_models[family], data, plugin, out)
-            argv += ["--deepspeed", str(REPO / "local_scripts" / f"{stage}.json")]
-            plan.append({"family": family, "stage": stage, "out": str(out), "argv": argv})
-    returncode, log = torchrun_plan(plan, root)
-    return {(p["family"], p["stage"]): Path(p["out"]) for p in plan}, returncode, log
+            argv = base_args(tiny_models[family], data, plugin, root / family / stage)
+            argvs[family, stage] = [*argv, "--deepspeed", str(REPO / "local_scripts" / f"{stage}.json")]
+    return torchrun_runs(argvs, root)
 
 
 @pytest.mark.slow

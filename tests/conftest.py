@@ -8,6 +8,12 @@ from pathlib import Path
 
 import pytest
 
+# One torch (OpenMP) thread per process unless the user set their own: the suite runs two workers on two cores, and
+# the runs they start (torchrun ranks, run scripts, benchmarks) inherit it. More threads than cores make OpenMP's
+# waiting threads spin against each other and slow tiny-model runs several times over on a busy machine. Set before
+# any test module imports torch, so the workers' own torch reads it too.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 class TinyModels(Mapping[str, Path]):
     """family -> folder of a tiny random checkpoint, built on first access and kept for the session."""

@@ -1,7 +1,8 @@
-"""torchrun entry of the family matrix: several training runs in turn, in one process group.
+"""torchrun entry of the family matrix and the distributed tests: several training runs in turn, in one process
+group (one launch: the ranks start, import and join once).
 
 ``matrix_dist_entry.py PLAN.json``: each plan entry (``out``, ``argv``) is one run of the command line's ``main``;
-after it, what each rank saw goes into ``out`` (as ``dist_entry.py`` writes it). A run that fails writes its
+after it, what each rank holds goes into ``out`` (``dist_entry.dump``). A run that fails writes its
 error into ``error<rank>.txt``; the next run starts when both ranks failed alike (e.g. loading the model), else the
 launch ends (the other rank waits in a collective of the failed run). Accelerate's state
 (its DeepSpeed plugin above all) is reset between runs; the process group stays, so one launch serves every family.
@@ -16,20 +17,14 @@ from pathlib import Path
 
 from accelerate.state import AcceleratorState
 
+from dist_entry import dump
 from vlm_grpo.grpo_jsonl import main, parse_args
 from vlm_grpo.recipe import end_distributed
 
 
 def run_one(argv: list[str], out: Path, rank: int) -> None:
     trainer = main(*parse_args(argv))
-    with open(out / f"rank{rank}.json", "w") as f:
-        json.dump({"world_size": trainer.args.world_size, "step": trainer.state.global_step}, f)
-    keys = ("loss", "grad_norm", "entropy")
-    losses = [[entry[k] for k in keys] for entry in trainer.state.log_history if "grad_norm" in entry]
-    with open(out / f"losses{rank}.json", "w") as f:
-        json.dump(losses, f)
-    with open(out / f"vision{rank}.json", "w") as f:
-        json.dump({"dummy_passes": sum(s.dummy_passes for s in getattr(trainer, "_vision_syncs", []))}, f)
+    dump(trainer, out, rank)
     for sync in getattr(trainer, "_vision_syncs", []):
         sync.remove()
 
@@ -61,6 +56,6 @@ if __name__ == "__main__":
             if not _both_failed():
                 end_distributed(synchronize=False)
                 raise
-        AcceleratorState._reset_state()
+        AcceleratorState._reset_state(reset_partial_state=True)
         print(f"[matrix] rank {rank}: {out} in {time.perf_counter() - start:.1f} s", flush=True)
     end_distributed(synchronize=True)

@@ -246,15 +246,19 @@ def _rollouts(out, step):
 @pytest.mark.slow  # two processes under torchrun
 def test_two_gloo_ranks_whiten_reinforce_plus_plus_over_both_and_share_remax_baselines(tiny_models, tmp_path):
     from e2e_utils import base_args, make_dataset
-    from test_distributed import torchrun
+    from test_distributed import ran, torchrun_runs
 
     data, plugin = make_dataset(tmp_path / "data", kinds=("single",))
-    for name in ("reinforce_plus_plus", "remax"):
-        out = tmp_path / name
-        argv = base_args(tiny_models["qwen2_5_vl"], data, plugin, out)
+    estimators = ("reinforce_plus_plus", "remax")
+    argvs = {}
+    for name in estimators:  # both runs in one launch
+        argv = base_args(tiny_models["qwen2_5_vl"], data, plugin, tmp_path / name)
         i = argv.index("--reward_funcs")
         argv[i + 1 : i + 3] = [f"{plugin}:text_shape"]
-        torchrun([*argv, "--advantage_estimator", name, "--rollout_log", str(out / "rollouts.jsonl")])
+        argvs[name] = [*argv, "--advantage_estimator", name, "--rollout_log", str(tmp_path / name / "rollouts.jsonl")]
+    runs = torchrun_runs(argvs, tmp_path)
+    for name in estimators:
+        out = ran(runs, name)
         rank0, rank1 = torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")
         assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)  # the ranks trained together
         for step in (1, 2):

@@ -1,4 +1,8 @@
-"""Several processes on CPU: DDP over gloo, DeepSpeed ZeRO-2 and ZeRO-3 (torchrun, 2 ranks)."""
+"""Several processes on CPU: DDP over gloo, DeepSpeed ZeRO-2 and ZeRO-3 (torchrun, 2 ranks).
+
+The two-rank runs of this file share ONE torchrun launch (``matrix_dist_entry.py`` runs them in turn in one process
+group): the ``runs`` fixture launches the runs the selected tests need; each test reads what its runs left.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Hashable
 from pathlib import Path
 
 import pytest
@@ -26,15 +31,61 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(argv: list[str], nproc: int = 2) -> None:
+def _launch(script: str, args: list[str], nproc: int) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
         "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-        str(REPO / "tests" / "dist_entry.py"), *argv,
+        str(REPO / "tests" / script), *args,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+
+
+def torchrun(argv: list[str], nproc: int = 2) -> None:
+    """One training run of ``argv`` under torchrun (``dist_entry.py``)."""
+    result = _launch("dist_entry.py", argv, nproc)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+
+
+def torchrun_runs(argvs: dict[Hashable, list[str]], root: Path) -> tuple[dict[Hashable, Path], int, str]:
+    """Several training runs, in the dict's order, in ONE 2-process launch (``matrix_dist_entry.py``): each run's
+    output folder (its ``--output_dir``), the launch's return code and the end of its log. A run that failed leaves
+    ``error<rank>.txt`` in its folder (``ran`` reports it)."""
+    outs = {name: Path(argv[argv.index("--output_dir") + 1]) for name, argv in argvs.items()}
+    plan = [{"out": str(outs[name]), "argv": argv} for name, argv in argvs.items()]
+    (root / "plan.json").write_text(json.dumps(plan))
+    result = _launch("matrix_dist_entry.py", [str(root / "plan.json")], 2)
+    return outs, result.returncode, result.stdout[-4000:] + result.stderr[-4000:]
+
+
+def ran(runs: tuple[dict[Hashable, Path], int, str], name: Hashable) -> Path:
+    """The output folder of the planned run ``name``, after checking that it finished on both ranks (and that the
+    launch ended cleanly where no run failed)."""
+    outs, returncode, log = runs
+    out = outs[name]
+    assert not (out / "error0.txt").exists(), f"{name}: {(out / 'error0.txt').read_text()[-3000:]}"
+    assert (out / "rank1.json").is_file(), f"{name} did not finish (rc {returncode}): {log}"
+    failed = [o for o in outs.values() if any(o.glob("error*.txt"))]
+    assert returncode == 0 or failed, f"the launch failed (rc {returncode}) after every run finished: {log}"
+    return out
+
+
+SHARING_OFF = ["--share_prompt", "false", "--share_prefill", "false"]
+COMPILED = ["--compile_layers", "true", "--gradient_checkpointing", "true"]
+SAVE = ["--save_strategy", "steps", "--save_steps", "2"]
+
+
+def _zero(stage: str) -> list[str]:
+    return ["--deepspeed", str(REPO / "local_scripts" / f"{stage}.json"), *SAVE]
+
+
+# The runs each test reads (by test name, and by its ``stage`` parameter where it has one).
+NEEDS = {
+    "test_ddp_two_ranks_train_together_and_agree": {None: ("ddp", "ddp_plain")},
+    "test_ddp_with_text_only_and_image_batches_on_different_ranks": {None: ("mixed",)},
+    "test_deepspeed_trains_saves_and_reloads": {"zero2": ("zero2",), "zero3": ("zero3", "zero3_plain")},
+    "test_two_nodes_on_loopback_train_like_one_node_with_two_processes": {None: ("one_node",)},
+}
 
 
 @pytest.fixture(scope="module")
@@ -42,27 +93,44 @@ def dataset(tmp_path_factory):
     return make_dataset(tmp_path_factory.mktemp("dist_data"))
 
 
-SHARING_OFF = ["--share_prompt", "false", "--share_prefill", "false"]
-COMPILED = ["--compile_layers", "true", "--gradient_checkpointing", "true"]
-
-
-def test_ddp_two_ranks_train_together_and_agree(tiny_models, dataset, tmp_path):
+@pytest.fixture(scope="module")
+def runs(request, tiny_models, dataset, tmp_path_factory):
+    """The selected tests' two-rank runs, DDP ones first (DeepSpeed's ZeRO-3 state must not reach a DDP run), in
+    ONE launch: ``name -> output folder``, the launch's return code, the end of its log."""
+    root = tmp_path_factory.mktemp("dist_runs")
     data, plugin = dataset
     model_dir = tiny_models["qwen2_5_vl"]
-    out = tmp_path / "ddp"
-    # Group sharing on (the default), with the opt-in compiled decoder layers under gradient checkpointing.
-    torchrun(base_args(model_dir, data, plugin, out) + COMPILED)
+    mixed_data, mixed_plugin = make_dataset(root / "mixed_data", kinds=("single", "text"), n=4)
+    argvs = {
+        # group sharing on (the default), with the opt-in compiled decoder layers under gradient checkpointing
+        "ddp": [*base_args(model_dir, data, plugin, root / "ddp"), *COMPILED],
+        "ddp_plain": [*base_args(model_dir, data, plugin, root / "ddp_plain"), *SHARING_OFF],
+        "mixed": [*base_args(model_dir, mixed_data, mixed_plugin, root / "mixed"), "--max_steps", "3"],
+        "one_node": base_args(model_dir, data, plugin, root / "one_node"),
+        "zero2": [*base_args(model_dir, data, plugin, root / "zero2"), *_zero("zero2"), *COMPILED],
+        "zero3": [*base_args(model_dir, data, plugin, root / "zero3"), *_zero("zero3")],  # refuses compiled layers
+        "zero3_plain": [*base_args(model_dir, data, plugin, root / "zero3_plain"), *_zero("zero3"), *SHARING_OFF],
+    }
+    needed = set()
+    for item in request.session.items:
+        if getattr(item, "module", None) is request.module:
+            stage = item.callspec.params.get("stage") if hasattr(item, "callspec") else None
+            needed.update(NEEDS.get(item.originalname, {}).get(stage, ()))
+    return torchrun_runs({name: argv for name, argv in argvs.items() if name in needed}, root)
+
+
+def test_ddp_two_ranks_train_together_and_agree(tiny_models, runs):
+    out = ran(runs, "ddp")  # group sharing on, compiled decoder layers under gradient checkpointing
     for rank in (0, 1):
         info = json.loads((out / f"rank{rank}.json").read_text())
         assert info == {"world_size": 2, "step": 2}, info  # a real 2-process group, not two solo runs
     rank0, rank1 = torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")
     assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)
-    before = original_params(model_dir)
+    before = original_params(tiny_models["qwen2_5_vl"])
     assert any(not torch.equal(before[k], rank0[k]) for k in before)
 
     # The same run with TRL's per-row passes gives the same losses.
-    plain = tmp_path / "ddp_plain"
-    torchrun(base_args(model_dir, data, plugin, plain) + SHARING_OFF)
+    plain = ran(runs, "ddp_plain")
     shared_losses = json.loads((out / "losses0.json").read_text())
     plain_losses = json.loads((plain / "losses0.json").read_text())
     assert len(shared_losses) == 2 and all(step[1] > 0 for step in shared_losses)  # non-zero gradients
@@ -70,30 +138,17 @@ def test_ddp_two_ranks_train_together_and_agree(tiny_models, dataset, tmp_path):
         assert shared_step == pytest.approx(plain_step, rel=1e-4, abs=1e-6)
 
 
-def test_ddp_with_text_only_and_image_batches_on_different_ranks(tiny_models, tmp_path):
+def test_ddp_with_text_only_and_image_batches_on_different_ranks(runs):
     """One rank's batch is text-only while the other's has images: TRL's image gather for the
     completions table deadlocked here; multi-process runs turn it off."""
-    data, plugin = make_dataset(tmp_path / "data", kinds=("single", "text"), n=4)
-    out = tmp_path / "mixed"
-    torchrun([*base_args(tiny_models["qwen2_5_vl"], data, plugin, out), "--max_steps", "3"])
+    out = ran(runs, "mixed")
     assert json.loads((out / "rank1.json").read_text()) == {"world_size": 2, "step": 3}
 
 
 @pytest.mark.parametrize("stage", ["zero2", "zero3"])
-def test_deepspeed_trains_saves_and_reloads(stage, tiny_models, dataset, tmp_path):
-    data, plugin = dataset
+def test_deepspeed_trains_saves_and_reloads(stage, tiny_models, runs):
     model_dir = tiny_models["qwen2_5_vl"]
-    out = tmp_path / stage
-    argv = base_args(model_dir, data, plugin, out)
-    argv += [
-        "--deepspeed",
-        str(REPO / "local_scripts" / f"{stage}.json"),
-        "--save_strategy",
-        "steps",
-        "--save_steps",
-        "2",
-    ]
-    torchrun(argv + (COMPILED if stage == "zero2" else []))  # ZeRO-3 refuses compiled layers
+    out = ran(runs, stage)  # ZeRO-2 with compiled layers (ZeRO-3 refuses them), a checkpoint at step 2
     assert json.loads((out / "rank1.json").read_text()) == {"world_size": 2, "step": 2}
     assert (out / "checkpoint-2").is_dir()
     # marked complete after both ranks wrote their DeepSpeed shards: what --resume_from_checkpoint true picks
@@ -106,48 +161,9 @@ def test_deepspeed_trains_saves_and_reloads(stage, tiny_models, dataset, tmp_pat
     changed = [k for k in before if not torch.equal(before[k], after[k].detach())]
     assert changed, "the saved model equals the initial one"
     if stage == "zero3":  # every optimisation on under ZeRO-3 gives the per-row losses
-        plain = tmp_path / "zero3_plain"
-        torchrun(base_args(model_dir, data, plugin, plain) + argv[len(base_args(model_dir, data, plugin, out)) :]
-                 + SHARING_OFF)  # fmt: skip
-        expected = json.loads((plain / "losses0.json").read_text())
+        expected = json.loads((ran(runs, "zero3_plain") / "losses0.json").read_text())
         for shared_step, plain_step in zip(json.loads((out / "losses0.json").read_text()), expected, strict=True):
             assert shared_step == pytest.approx(plain_step, rel=1e-4, abs=1e-6)
-
-
-@pytest.fixture(scope="module")
-def mixed_reference(tiny_models, tmp_path_factory):
-    """One text-only and one image row: every step, one rank's batch is text-only and the other's has images.
-    The DDP run (no sharding, no dummy pass) is the reference for the ZeRO runs."""
-    root = tmp_path_factory.mktemp("mixed_ref")
-    data, plugin = make_dataset(root / "data", kinds=("single", "text"), n=1)
-    out = root / "ddp"
-    torchrun(base_args(tiny_models["qwen2_5_vl"], data, plugin, out))
-    return data, plugin, out
-
-
-@pytest.mark.parametrize("stage", ["zero2", "zero3"])
-def test_deepspeed_mixed_text_and_image_ranks_train_the_vision_tower(stage, tiny_models, mixed_reference, tmp_path):
-    """ZeRO-2/3 with a trainable vision tower, one rank text-only and the other with images in the same step:
-    the ranks' collectives used to part ways (gloo: 'Received data size doesn't match expected size'). The
-    text-only rank now runs the tower on a dummy image (zero-weighted), and training equals the DDP run."""
-    data, plugin, reference = mixed_reference
-    model_dir = tiny_models["qwen2_5_vl"]
-    out = tmp_path / stage
-    torchrun([*base_args(model_dir, data, plugin, out), "--deepspeed", str(REPO / "local_scripts" / f"{stage}.json")])
-    assert json.loads((out / "rank1.json").read_text()) == {"world_size": 2, "step": 2}
-    dummy = [json.loads((out / f"vision{rank}.json").read_text())["dummy_passes"] for rank in (0, 1)]
-    assert sum(dummy) >= 2, dummy  # a text-only rank in both steps (generation prefill + loss pass at least)
-
-    after = dict(AutoModelForImageTextToText.from_pretrained(out).named_parameters())
-    before = original_params(model_dir)
-    vision = [k for k in before if k.startswith("model.visual.")]
-    assert vision and all(not torch.equal(before[k], after[k].detach()) for k in vision)  # the tower trained
-    expected = torch.load(reference / "rank0.pt")
-    for name, value in expected.items():
-        torch.testing.assert_close(after[name].detach(), value, rtol=1e-4, atol=1e-5, msg=name)
-    losses = json.loads((out / "losses0.json").read_text())
-    for step, ref_step in zip(losses, json.loads((reference / "losses0.json").read_text()), strict=True):
-        assert step == pytest.approx(ref_step, rel=1e-4, abs=1e-6)
 
 
 def _script_torchrun_args(**env: str) -> list[str]:
@@ -172,13 +188,12 @@ def test_the_run_scripts_place_nodes_and_rendezvous():
     ]  # fmt: skip
 
 
-def test_two_nodes_on_loopback_train_like_one_node_with_two_processes(tiny_models, dataset, tmp_path):
+def test_two_nodes_on_loopback_train_like_one_node_with_two_processes(tiny_models, dataset, runs, tmp_path):
     """Two torchrun launchers (--nnodes 2, one process each, gloo over loopback), placed by the run scripts'
     own flags: both nodes end with the same weights, equal to a one-node run of two processes."""
     data, plugin = dataset
     model_dir = tiny_models["qwen2_5_vl"]
-    one_node = tmp_path / "one_node"
-    torchrun(base_args(model_dir, data, plugin, one_node))
+    one_node = ran(runs, "one_node")
 
     two_nodes = tmp_path / "two_nodes"
     port = str(_free_port())

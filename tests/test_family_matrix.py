@@ -9,7 +9,8 @@ new family is checked for everything a user relies on. Rows, per family:
   negative control that must fail; where the speed path does not serve a family it must say why in the log and
   still match TRL;
 * two GRPO steps through the command line's ``main``, LoRA on the language model and the vision tower, every
-  batch holding a two-image row and a text-only row, then a resume from the first step's checkpoint that
+  batch holding a two-image row and a text-only row (a reward that fails on the two-image row still scores the
+  text row), then a resume from the first step's checkpoint that
   reaches the same adapter weights;
 * a multi-turn tool step (a ``zoom_in`` call, then the model's own turn after the tool image) with TRL's tokens, or,
   for a family that cannot take tool images (``TOOLS_REFUSED``), the clear error that refuses ``--tools``;
@@ -140,16 +141,21 @@ def _base_name(name: str) -> str:
 
 @EACH_FAMILY
 def test_two_lora_steps_on_mixed_batches_then_resume(family, tiny_models, tmp_path):
-    """LoRA on the language model and the vision tower; each step's batch holds a two-image and a text-only row."""
+    """LoRA on the language model and the vision tower; each step's batch holds a two-image and a text-only row, and
+    a reward that fails on the two-image row: its samples get no score, the text row's theirs."""
     data, plugin = make_dataset(tmp_path / "data", kinds=("multi", "text"), n=1)
     model_dir = tiny_models[family]
     argv = base_args(model_dir, data, plugin, tmp_path / "full")
     argv[argv.index("--per_device_train_batch_size") + 1] = "8"
+    argv[argv.index("--reward_funcs") + 2] = f"{plugin}:flaky"
     argv[argv.index("--save_strategy") + 1] = "steps"
     argv += ["--save_steps", "1", "--use_peft", "true", "--lora_r", "4", "--lora_alpha", "8"]
     argv += ["--lora_include_vision", "true"]
     full = main(*parse_args(argv))
     assert full.state.global_step == 2
+    logs = [entry for entry in full.state.log_history if "rewards/flaky/failures" in entry]
+    assert logs and sum(entry["rewards/flaky/failures"] for entry in logs) > 0
+    assert all(entry["rewards/flaky/mean"] == 1.0 for entry in logs)  # text rows still scored
 
     module = get_vlm_module(str(model_dir))
     before = original_params(model_dir)

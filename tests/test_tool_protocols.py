@@ -275,6 +275,7 @@ class Budgeted:
         self.max_completion_length = 50
         self.generation_config = SimpleNamespace(max_new_tokens=50)
         self._in_tool_loop = in_loop
+        self._round_sync = None  # one process: no round votes
         self.asked = None
 
     def _generate_within_budgets(self, *args):

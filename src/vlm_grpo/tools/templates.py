@@ -72,6 +72,22 @@ MISTRAL_TURNS = Turns(
 )
 
 
+def _render_macro(image: str, video: str | None = None) -> str:
+    """The templates' ``render(content)`` macro: a message's text, ``image`` (a Jinja expression) for each of its
+    images and ``video`` for each video (None: videos are not rendered)."""
+    media = "{%- if item.type == 'image' or 'image' in item or 'image_url' in item -%}{{- " + image + " -}}"
+    if video is not None:
+        media += "{%- elif item.type == 'video' or 'video' in item -%}{{- " + video + " -}}"
+    return (
+        "{%- macro render(content) -%}"
+        "{%- if content is string -%}{{- content -}}"
+        "{%- else -%}{%- for item in content -%}" + media + "{%- elif 'text' in item -%}{{- item['text'] -}}"
+        "{%- endif -%}"
+        "{%- endfor -%}{%- endif -%}"
+        "{%- endmacro -%}"
+    )
+
+
 def tool_chat_template(image: str, video: str, default_system: str | None, turns: Turns = QWEN_TURNS) -> str:
     """The template, with the family's image / video placeholders, default system prompt (None: none) and turns."""
     default = "" if default_system is None else default_system
@@ -79,16 +95,8 @@ def tool_chat_template(image: str, video: str, default_system: str | None, turns
         (
             "{%- macro open(role) -%}{{- __OPEN__ -}}{%- endmacro -%}"
             "{%- macro close(role) -%}{{- __CLOSE__ -}}{%- endmacro -%}"
-            "{%- macro render(content) -%}"
-            "{%- if content is string -%}{{- content -}}"
-            "{%- else -%}{%- for item in content -%}"
-            "{%- if item.type == 'image' or 'image' in item or 'image_url' in item -%}{{- IMAGE -}}"
-            "{%- elif item.type == 'video' or 'video' in item -%}{{- VIDEO -}}"
-            "{%- elif 'text' in item -%}{{- item['text'] -}}"
-            "{%- endif -%}"
-            "{%- endfor -%}{%- endif -%}"
-            "{%- endmacro -%}"
-            "{{- __START__ -}}"
+            + _render_macro("IMAGE", "VIDEO")
+            + "{{- __START__ -}}"
             "{%- set has_system = messages and messages[0]['role'] == 'system' -%}"
             "{%- if tools -%}"
             "{{- open('system') -}}"
@@ -142,15 +150,7 @@ def smolvlm_tool_template() -> str:
     the generation, as the real checkpoints write it."""
     footer = _TOOLS_FOOTER.replace("<|im_end|>", "<end_of_utterance>")
     return (
-        "{%- macro render(content) -%}"
-        "{%- if content is string -%}{{- content -}}"
-        "{%- else -%}{%- for item in content -%}"
-        "{%- if item.type == 'image' or 'image' in item or 'image_url' in item -%}{{- '<image>' -}}"
-        "{%- elif 'text' in item -%}{{- item['text'] -}}"
-        "{%- endif -%}"
-        "{%- endfor -%}{%- endif -%}"
-        "{%- endmacro -%}"
-        "{%- macro opens_with_image(content) -%}"
+        _render_macro("'<image>'") + "{%- macro opens_with_image(content) -%}"
         "{%- if content is not string and content and content[0].type == 'image' -%}1{%- endif -%}"
         "{%- endmacro -%}"
         "{{- '<|im_start|>' -}}"
@@ -212,16 +212,7 @@ def glm_tool_template() -> str:
     """GLM-4.1V / GLM-4.5V turns with GLM-4.5's tool format (for checkpoints whose template renders no tools)."""
     return (
         (
-            "{%- macro render(content) -%}"
-            "{%- if content is string -%}{{- content -}}"
-            "{%- else -%}{%- for item in content -%}"
-            "{%- if item.type == 'image' or 'image' in item or 'image_url' in item -%}{{- IMAGE -}}"
-            "{%- elif item.type == 'video' or 'video' in item -%}{{- VIDEO -}}"
-            "{%- elif 'text' in item -%}{{- item['text'] -}}"
-            "{%- endif -%}"
-            "{%- endfor -%}{%- endif -%}"
-            "{%- endmacro -%}"
-            "{{- '[gMASK]<sop>' -}}"
+            _render_macro("IMAGE", "VIDEO") + "{{- '[gMASK]<sop>' -}}"
             "{%- if tools -%}"
             f"{{{{- '{_GLM_TOOLS_HEADER}' -}}}}"
             "{%- for tool in tools -%}{{- '\n' + (tool | tojson) -}}{%- endfor -%}"
@@ -292,16 +283,7 @@ def mistral_tool_template(version: str = "v11") -> str:
     """Mistral 3's turns with Mistral's own tool format of ``version`` (for checkpoints whose template renders no
     tools)."""
     return (
-        "{%- macro render(content) -%}"
-        "{%- if content is string -%}{{- content -}}"
-        "{%- else -%}{%- for item in content -%}"
-        "{%- if item.type == 'image' or 'image' in item or 'image_url' in item -%}{{- '[IMG]' -}}"
-        "{%- elif item.type == 'video' or 'video' in item -%}{{- '[IMG]' -}}"
-        "{%- elif 'text' in item -%}{{- item['text'] -}}"
-        "{%- endif -%}"
-        "{%- endfor -%}{%- endif -%}"
-        "{%- endmacro -%}"
-        "{{- bos_token -}}"
+        _render_macro("'[IMG]'", "'[IMG]'") + "{{- bos_token -}}"
         "{%- set has_system = messages and messages[0]['role'] == 'system' -%}"
         "{%- if has_system -%}{{- '[SYSTEM_PROMPT]' + render(messages[0]['content']) + '[/SYSTEM_PROMPT]' -}}"
         "{%- endif -%}"

@@ -28,27 +28,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_common.py 
 import torch
 from bench_common import device_defaults, flag_bool, run_stamp
 from bench_shape import install_eos_bias
+from decode_lengths import prefilled
 
 
 def decode_once(model, config, ids: torch.Tensor, group: int, compile: bool, compact: bool, seed: int) -> dict:
     """Prefill ``ids`` (unique prompts), decode ``group`` rows each; the call's record and its tokens."""
-    from transformers import DynamicCache
-
     from vlm_grpo.fastpath import decode, decode_compact
-    from vlm_grpo.fastpath.sharing import _generation_positions, _next_positions
-    from vlm_grpo.utils import peft_base
 
-    base = peft_base(model)
     device = ids.device
     mask = torch.ones_like(ids)
     with torch.no_grad():
-        cache = DynamicCache(config=model.config)
-        prefill = {"attention_mask": mask[:, :-1]}
-        positions = _generation_positions(base, ids[:, :-1], prefill)
-        if positions is not None:
-            prefill["position_ids"] = positions
-        model(input_ids=ids[:, :-1], **decode.cache_kwarg(model, cache), use_cache=True, **prefill)
-        next_pos = _next_positions(positions, getattr(getattr(base, "model", base), "rope_deltas", None))
+        cache, next_pos = prefilled(model, ids)
         index = torch.arange(ids.size(0), device=device).repeat_interleave(group)
         index = index[torch.randperm(index.numel(), generator=torch.Generator().manual_seed(seed)).to(device)]
         real, decode_compact.COMPACT = decode_compact.COMPACT, compact

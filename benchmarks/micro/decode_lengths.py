@@ -44,6 +44,26 @@ from bench_policy import WHOLE_K_DOWN, decode_weight_bytes, hbm_bandwidth
 CAPTURES: list[float] = []  # seconds of each CUDA-graph warm-up + capture (once per window of a fast_decode call)
 
 
+def prefilled(model, ids: torch.Tensor, autocast: tuple | None = None) -> tuple:
+    """The cache of ``ids[:, :-1]`` (one prefill, as the shared prefill runs it) and each row's next rotary position:
+    what ``fast_decode`` starts from."""
+    from transformers import DynamicCache
+
+    from vlm_grpo.fastpath import decode
+    from vlm_grpo.fastpath.sharing import _generation_positions, _next_positions
+    from vlm_grpo.utils import peft_base
+
+    base = peft_base(model)
+    cache = DynamicCache(config=model.config)
+    prefill = {"attention_mask": torch.ones_like(ids)[:, :-1]}
+    positions = _generation_positions(base, ids[:, :-1], prefill)
+    if positions is not None:
+        prefill["position_ids"] = positions
+    with torch.autocast(*autocast) if autocast else contextlib.nullcontext():
+        model(input_ids=ids[:, :-1], **decode.cache_kwarg(model, cache), use_cache=True, **prefill)
+    return cache, _next_positions(positions, getattr(getattr(base, "model", base), "rope_deltas", None))
+
+
 def configure(mode: str, compile_mode: str | None = None) -> None:
     import vlm_grpo.fastpath.decode as decode
 
@@ -137,26 +157,13 @@ def one_call(
     ``shared_prompt``: ``decode_attention.SHARED_PROMPT`` for this call (False: each row reads its own prompt copy).
     ``down_slices`` False: ``decode_mlp``'s down settings as before the slices (16 columns, 512-column blocks, K
     whole)."""
-    from transformers import DynamicCache
-
     from vlm_grpo.fastpath import decode, decode_attention, decode_mlp, decode_select
-    from vlm_grpo.fastpath.sharing import _generation_positions, _next_positions
-    from vlm_grpo.utils import peft_base
 
-    base = peft_base(model)
-    backbone = getattr(base, "model", base)
     g = torch.Generator().manual_seed(seed + prompt_len)
     ids = torch.randint(100, 1000, (unique, prompt_len), generator=g).to(device)
     mask = torch.ones_like(ids)
     with torch.no_grad():
-        cache = DynamicCache(config=model.config)
-        prefill = {"attention_mask": mask[:, :-1]}
-        positions = _generation_positions(base, ids[:, :-1], prefill)
-        if positions is not None:
-            prefill["position_ids"] = positions
-        with torch.autocast(*autocast) if autocast else contextlib.nullcontext():
-            model(input_ids=ids[:, :-1], **decode.cache_kwarg(model, cache), use_cache=True, **prefill)
-        next_pos = _next_positions(positions, getattr(backbone, "rope_deltas", None))
+        cache, next_pos = prefilled(model, ids, autocast)
         index = torch.arange(unique, device=device).repeat_interleave(group)
         if device.type == "cuda":
             torch.cuda.synchronize()

@@ -182,13 +182,17 @@ class OptimizerTimer(TrainerCallback):
         self.timer.sync()
         self.timer.totals["optimizer"] += time.perf_counter() - self.start
 
-    def on_step_begin(self, args, state, control, **kwargs):
+    def on_train_begin(self, args, state, control, **kwargs):
         self.timer.sync()
         self.step_start = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
+        # A step's wall time runs from the previous step's end: what the Trainer does between steps (fetching the
+        # next micro-batches from the loader, logging) is part of every real step.
         self.timer.sync()
-        self.timer.totals["_wall"] += time.perf_counter() - self.step_start
+        now = time.perf_counter()
+        self.timer.totals["_wall"] += now - self.step_start
+        self.step_start = now
         self.timer.close_step()
 
 

@@ -29,7 +29,8 @@ were reached is in `CHANGELOG.md`.
 
 Models are randomly initialised with the real architectures' shapes (`vlm_grpo.testing.presets`): speed and memory
 do not depend on the weights' values. Ratios compare against vanilla `trl.GRPOTrainer` run in the same command on
-the same card, data and seed. `s/step` is the median wall time of one optimizer step over the measured steps;
+the same card, data and seed. `s/step` is the median wall time of one optimizer step over the measured steps
+(from the previous step's end in results dated 2026-11-29 and later: the loader's fetch and logging included);
 `samples/s` completions per second (prompts per step x G); `peak GiB` `torch.cuda.max_memory_allocated`;
 generation is forced to the full completion length so every trainer decodes the same number of tokens; prompt
 lengths change from step to step where the command says `--vary_prompts`. A trainer named `name:key=value` is

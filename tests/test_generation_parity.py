@@ -25,6 +25,7 @@ from test_group_sharing import (
     real_batch,
     rows_file,  # noqa: F401  (a fixture)
 )
+from vlm_grpo.data.deferred import decode_pending
 from vlm_grpo.testing.tiny import FAMILIES, build_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -49,7 +50,7 @@ def sharp_models(tmp_path_factory):
 def _tokenized_batch(trainer):
     from trl.data_utils import prepare_multimodal_messages
 
-    batch = next(iter(trainer.get_train_dataloader()))
+    batch = decode_pending(next(iter(trainer.get_train_dataloader())), trainer._pending_transform)
     prompts = [prepare_multimodal_messages(x["prompt"], images=x["images"]) for x in batch]
     return trainer._tokenize_prompts(prompts)
 

@@ -18,6 +18,7 @@ from trl import GRPOTrainer
 
 from vlm_grpo.configs import VLMGRPOConfig
 from vlm_grpo.data import prepare_rows, read_rows, to_datasets
+from vlm_grpo.data.deferred import decode_pending
 from vlm_grpo.modules import ImageLimits, get_vlm_module
 from vlm_grpo.testing.tiny import FAMILIES
 from vlm_grpo.trainer import VLMGRPOTrainer, rows_forward_kwargs
@@ -145,7 +146,7 @@ def assert_parity(trainer, inputs, tol=1e-5):
 def _tokenized_batch(trainer):
     from trl.data_utils import prepare_multimodal_messages
 
-    batch = next(iter(trainer.get_train_dataloader()))
+    batch = decode_pending(next(iter(trainer.get_train_dataloader())), trainer._pending_transform)
     prompts = [prepare_multimodal_messages(x["prompt"], images=x["images"]) for x in batch]
     return trainer._tokenize_prompts(prompts)
 

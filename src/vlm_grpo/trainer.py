@@ -22,6 +22,7 @@ from trl import GRPOTrainer
 
 from vlm_grpo.advantages import AdvantageEstimatorMixin
 from vlm_grpo.configs import VLMGRPOConfig
+from vlm_grpo.data.deferred import decode_pending, deferred_view
 from vlm_grpo.dynamic_sampling import DynamicSamplingMixin
 from vlm_grpo.fastpath.block_attention import use_block_attention
 from vlm_grpo.fastpath.compile_cache import use_compile_cache
@@ -186,6 +187,7 @@ class VLMGRPOTrainer(
         elif args.max_tool_calling_iterations is not None:
             logger.warning("max_tool_calling_iterations has no effect without tools (--tools)")
         self.max_turn_tokens = max_turn_tokens
+        self._pending_transform = None  # what decodes the training loader's PendingImages (get_train_dataloader)
 
         super().__init__(
             model=model,
@@ -314,6 +316,19 @@ class VLMGRPOTrainer(
         inputs = super()._prepare_inputs(generation_batch)
         return trim_completion_padding(inputs) if self.args.trim_completion_padding else inputs
 
+    def get_train_dataloader(self) -> Any:
+        """TRL's loader, over rows whose images are decoded only when a step generates from them
+        (:mod:`vlm_grpo.data.deferred`: TRL fetches a generation batch at every micro-step and drops most)."""
+        view = deferred_view(self.train_dataset)
+        if view is None:
+            return super().get_train_dataloader()
+        dataset, self._pending_transform = self.train_dataset, view[1]
+        self.train_dataset = view[0]
+        try:
+            return super().get_train_dataloader()
+        finally:
+            self.train_dataset = dataset
+
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """TRL's, with the processor run once per distinct prompt (``process_prompts_once``), and without the
         input-embedding hooks its gradient-checkpointing toggles leave behind (:func:`drop_stacked_input_grad_hooks`).
@@ -321,6 +336,7 @@ class VLMGRPOTrainer(
         TRL calls ``self.processing_class`` inside this method (for generation, then for the log-prob passes'
         pixels) without a hook around either call: the stand-in takes its place for the method's duration only.
         """
+        inputs = decode_pending(inputs, self._pending_transform)
         processor = self.processing_class
         if self.args.process_prompts_once:
             self.processing_class = ProcessOnce(processor, self.accelerator.device)

@@ -228,6 +228,11 @@ def question_template(row: dict, module: Any) -> str:
     return "{question}" if row.get("format_prompt") else module.question_template(row.get("task_type"))
 
 
+def batch_rows(batch: dict[str, list]) -> list[dict]:
+    """A ``datasets`` batch (columns of lists) as one dict per row."""
+    return [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
+
+
 class LazyImageTransform:
     """``datasets`` transform: adds ``prompt`` (chat messages) and ``images`` (decoded RGB) on access.
 
@@ -245,9 +250,12 @@ class LazyImageTransform:
         self._replacement: dict[str, tuple[dict, list]] = {}
 
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
-        rows = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
-        decoded = [self._decode(r) for r in rows]
-        out = {column: [row[column] for row, _ in decoded] for column in batch}
+        return self.columns(list(batch), [self.decode(r) for r in batch_rows(batch)])
+
+    def columns(self, names: list[str], decoded: list[tuple[dict, Any]]) -> dict[str, list]:
+        """The transform's output for ``(row, images)`` pairs: the raw ``names`` columns, ``prompt``, ``images``."""
+        batch = {column: [row[column] for row, _ in decoded] for column in names}
+        out = dict(batch)
         out["prompt"] = [build_messages(r, question_template(r, self.module)) for r, _ in decoded]
         out["images"] = [images for _, images in decoded]
         if "image_grids" in batch:  # VLM-R1's reward kwarg: [t, h, w] for a one-image row, else one per image
@@ -258,7 +266,8 @@ class LazyImageTransform:
     def _images(self, row: dict) -> list:
         return [decode_rgb(p, self.limit) for p in row["image_path"]]
 
-    def _decode(self, row: dict) -> tuple[dict, list]:
+    def decode(self, row: dict) -> tuple[dict, list]:
+        """``(row, its images)``; for a row whose images no longer decode, its replacement and that row's."""
         source = row.get("source")
         if source in self._replacement:
             return self._replacement[source]

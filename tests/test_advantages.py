@@ -15,6 +15,7 @@ from trl import GRPOTrainer
 from vlm_grpo.advantages import reinforce_plus_plus_advantages, remax_advantages, rloo_advantages
 from vlm_grpo.configs import VLMGRPOConfig
 from vlm_grpo.data import prepare_rows, read_rows, to_datasets
+from vlm_grpo.data.deferred import decode_pending
 from vlm_grpo.modules import get_vlm_module
 from vlm_grpo.trainer import VLMGRPOTrainer
 
@@ -194,7 +195,7 @@ def test_remax_baseline_is_the_reward_of_each_prompts_greedy_completion(speed, t
     recorder = Recorder()
     trainer.reward_funcs = [recorder]
     trainer.model.train()
-    batch_inputs = next(iter(trainer.get_train_dataloader()))
+    batch_inputs = decode_pending(next(iter(trainer.get_train_dataloader())), trainer._pending_transform)
     batch = trainer._generate_and_score_completions(batch_inputs)
     greedy, sampled = recorder.calls
     assert len(greedy) == 2 and len(sampled) == 2 * G  # one greedy completion per prompt (group)

@@ -138,21 +138,27 @@ def geo3k_questions(n: int, seed: int) -> list[str]:
     return out
 
 
+# The positions the EOS bias is calibrated at: where the shape's completions decode (prompts of ~500 tokens).
+CALIBRATION_START, CALIBRATION_END = 480, 1536
+
+
 @torch.no_grad()
 def install_eos_bias(model: Any, eos_id: int, mean: int, seed: int = 0) -> float:
     """Give the LM head a bias on ``eos_id`` so that a sampled token (temperature 1) is EOS with probability about
     ``1 / mean``. Calibrated on random token ids through the model's own decoder: the bias makes the EOS probability
     averaged over those positions ``1 / mean`` (a geometric length's mean is 1 / the average stop probability; the
-    median log-odds would overshoot it, as the probability is convex in them). The head keeps its (possibly tied)
-    weight; the bias does not train. Returns the bias."""
+    median log-odds would overshoot it, as the probability is convex in them). The positions are those a completion
+    decodes at (after a prompt of ~500 tokens, up to ~1,500): in a random-weight model the logits spread less as the
+    context grows, so EOS gets likelier with position (calibrated on positions 16-128, lengths averaged 339 for an
+    asked 500). The head keeps its (possibly tied) weight; the bias does not train. Returns the bias."""
     from vlm_grpo.utils import peft_base
 
     base = peft_base(model)
     head, decoder = base.get_output_embeddings(), base.get_decoder()
     vocab = head.weight.size(0)
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    ids = torch.randint(0, vocab, (4, 128), generator=gen).to(head.weight.device)
-    hidden = decoder(input_ids=ids).last_hidden_state[:, 16:].float()
+    ids = torch.randint(0, vocab, (2, CALIBRATION_END), generator=gen).to(head.weight.device)
+    hidden = decoder(input_ids=ids).last_hidden_state[:, CALIBRATION_START:].float()
     logits = hidden @ head.weight.float().T
     eos = logits[..., eos_id].clone()
     logits[..., eos_id] = -math.inf

@@ -164,6 +164,7 @@ def packed_logps(
     mm: dict[str, Any],
     batch_size: int | None = None,
     usable: bool = True,
+    replay: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Per-token log-probs (and entropies) of the completions, one packed forward per chunk of groups.
 
@@ -171,7 +172,8 @@ def packed_logps(
     needs), or with ``packed_chunk_tokens`` set, the packed tokens it holds. Returns None when no two rows share a
     prompt and the varlen kernel does not run (nothing to gain: with it, no row is padded to the longest), or when
     ``usable`` is False (inputs the packed pass does not know), on any rank: all ranks take the same path (see
-    ``_all_ranks_agree``), and the caller falls back to TRL.
+    ``_all_ranks_agree``), and the caller falls back to TRL. ``replay``: the rows' image features kept from
+    generation (:class:`~vlm_grpo.fastpath.vision_reuse.FeatureReplay`; None: the pass encodes its images).
     """
     C = logits_to_keep
     prompt_ids, prompt_mask = input_ids[:, :-C], attention_mask[:, :-C]
@@ -195,7 +197,9 @@ def packed_logps(
     lengths = block_lengths(input_ids[:, -C:], attention_mask[:, -C:], image_token, BLOCK_MULTIPLE)
     max_tokens = trainer.args.packed_chunk_tokens if batch_size else None
     chunks = chunk_groups(groups, lengths, batch_size, max_tokens)
-    parts = [_packed_forward(trainer, model, input_ids, attention_mask, C, chunk, mm, lengths) for chunk in chunks]
+    parts = [
+        _packed_forward(trainer, model, input_ids, attention_mask, C, chunk, mm, lengths, replay) for chunk in chunks
+    ]
     rows = torch.tensor([r for chunk in chunks for g in chunk for r in g.rows], device=input_ids.device)
     order = torch.argsort(rows)
     logps = torch.cat([p[0] for p in parts])[order]
@@ -244,6 +248,7 @@ def _packed_forward(
     groups: list[Group],
     mm: dict[str, Any],
     lengths: list[int],
+    replay: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One forward over the packed groups (``lengths``: each batch row's block length); returns (log-probs,
     entropies) of their rows, in group order."""
@@ -288,6 +293,8 @@ def _packed_forward(
         "position_ids": torch.cat(positions, dim=-2),
         **module.group_vision_inputs(groups, mm),
     }
+    if replay is not None:
+        inputs = replay.packed(groups, inputs)
     if blocked:
         inputs[LAYOUT_KWARG] = varlen_layout(pack.layout, total, device)
         mask_scope = packing()
@@ -434,7 +441,13 @@ def shared_prefill_generate(
         if positions is not None:
             prefill["position_ids"] = positions
         with autocast_seen(base.get_decoder()) as amp:
-            unwrapped(input_ids=lead_ids[:, :-1], **decode.cache_kwarg(unwrapped, cache), use_cache=True, **prefill)
+            out = unwrapped(
+                input_ids=lead_ids[:, :-1], **decode.cache_kwarg(unwrapped, cache), use_cache=True, **prefill
+            )
+        keep = getattr(trainer, "keep_prefill_features", None)
+        if keep is not None and not own_history:  # the log-prob passes reuse them (vlm_grpo.fastpath.vision_reuse)
+            keep(getattr(out, "image_outputs", None), groups, mm, len(prompt_ids))
+        del out
         decode_positions = _next_positions(positions, getattr(backbone, "rope_deltas", None))
         reason = _fast_decode_blocker(trainer, unwrapped, decode_positions)
         exported: list = []  # the decode's cache, held for the rollouts' next turns (turn_cache)

@@ -12,7 +12,6 @@ import json
 import pytest
 import torch
 from PIL import Image
-from test_group_sharing import G, MM_KEYS, make_trainer
 from trl.trainer.utils import (
     shuffle_sequence_dict,
     split_pixel_values_by_grid,
@@ -20,6 +19,7 @@ from trl.trainer.utils import (
     unsplit_pixel_values_by_grid,
 )
 
+from test_group_sharing import MM_KEYS, G, make_trainer
 from vlm_grpo.fastpath.vision_reuse import FEATURES_KEY
 from vlm_grpo.fastpath.vision_sync import vision_backbone
 from vlm_grpo.testing.tiny import FAMILIES
@@ -186,10 +186,10 @@ def test_trained_tower_encodes_in_the_loss_pass(family, tiny_models, two_images,
     out, _ = generation_batch(trainer, counter)
     assert counter.take() is not None  # counted above: generation, old pass (reused), reference pass (encodes)
     for micro in micro_batches(trainer, out):
-        loss, grads = loss_and_grads(trainer, micro, reuse=True)
+        _, grads = loss_and_grads(trainer, micro, reuse=True)
         calls, units = counter.take()
         assert trainer.last_vision_reuse == "the vision tower (or its projector) is trained"
-        assert calls > 0 and units >= 2 if family != "internvl" else units >= 2
+        assert calls > 0 and units == len({id(f[0]) for f in micro[FEATURES_KEY]})  # each distinct image once
         assert any(trainer.vlm_module.is_vision_parameter(n) for n in grads)
 
 

@@ -73,7 +73,7 @@ def chunks_of(outputs: Any, images: Sequence[int], units: Sequence[int]) -> list
         return None
     deep = getattr(outputs, "deepstack_features", None)
     split = isinstance(pooled, (tuple, list))
-    if split and len(pooled) != sum(images) or not split and pooled.size(0) != sum(units):
+    if (split and len(pooled) != sum(images)) or (not split and pooled.size(0) != sum(units)):
         return None
     layers = [pooled, *(deep or [])]
     chunks, image, unit = [], 0, 0
@@ -213,6 +213,8 @@ class VisionReuseMixin:
     _ref_same_tower: bool | None = None
     #: Vision-feature reuse of the last log-prob pass: "reused", or why it encoded (tests and logs read it).
     last_vision_reuse: str | None = None
+    #: Log-prob passes so far that took kept features instead of encoding.
+    vision_reused_passes = 0
 
     def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
         reuse = self.args.reuse_vision_features
@@ -296,6 +298,7 @@ class VisionReuseMixin:
         if not agreed:
             yield None
             return
+        self.vision_reused_passes += 1
         syncs = getattr(self, "_vision_syncs", [])
         for sync in syncs:
             sync.suspended = True

@@ -71,9 +71,11 @@ class TowerCounter:
         return counts
 
 
-def build(family, tiny_models, rows_file, tmp_path, variant, **overrides):
+def build(family, tiny_models, rows_file, tmp_path, variant, tools=None, **overrides):
     """``variant``: "frozen" (--freeze_vision_modules), "lora" (LoRA on the language model) or "trained"."""
     kwargs = {"freeze_vision_modules": True} if variant == "frozen" else {}
+    if tools:
+        kwargs["tools"] = tools
     trainer = make_trainer(
         tiny_models[family], rows_file, tmp_path, lora=variant == "lora", trainer_kwargs=kwargs,
         per_device_train_batch_size=G, steps_per_generation=2, beta=0.04, **overrides,
@@ -82,15 +84,15 @@ def build(family, tiny_models, rows_file, tmp_path, variant, **overrides):
     return trainer, TowerCounter(trainer.model)
 
 
-def generation_batch(trainer, counter):
-    """TRL's generation output (old and reference log-probs computed) with ragged completions; tower counts of the
-    generation and of the old/reference passes."""
+def generation_batch(trainer, counter, ragged=True):
+    """TRL's generation output (old and reference log-probs computed), with ``ragged`` completions (two rows cut
+    short); tower counts of the generation and of the old/reference passes."""
     trainer.model.train()
     batch = next(iter(trainer.get_train_dataloader()))
     torch.manual_seed(0)
     out = trainer._generate_and_score_completions(batch)
     pad = trainer._tokenizer.pad_token_id
-    for row, keep in ((1, 2), (4, 4)):
+    for row, keep in ((1, 2), (4, 4)) if ragged else ():
         out["completion_mask"][row, keep:] = 0
         out["completion_ids"][row, keep:] = pad
     return out, counter.take()
@@ -235,3 +237,63 @@ def test_separate_reference_model_with_other_tower_weights_encodes(tiny_models, 
     trainer._get_per_token_logps_and_entropies = spy
     generation_batch(trainer, counter)
     assert seen == ["reused", "the reference model's tower is not provably the policy's"]
+
+
+# A box valid in each family's frame: Qwen2.5-VL writes resized-image pixels (>= 56 here), the others 0-1000.
+BOX = {"qwen2_5_vl": [4, 4, 44, 44], "qwen2_vl": [100, 100, 800, 800], "qwen3_vl": [100, 100, 800, 800]}
+BOX["internvl"] = BOX["qwen2_vl"]
+
+
+def script_tool_calls(trainer, family):
+    """Every first turn ends in a ``zoom_in`` call, every other row's with a bad box (an error text, no image)."""
+    calls = [
+        {"name": "zoom_in", "arguments": {"bbox_2d": BOX[family], "image_index": 0}},
+        {"name": "zoom_in", "arguments": {"bbox_2d": [50, 50, 10, 10]}},
+    ]
+    texts = [f"<tool_call>\n{json.dumps(call)}\n</tool_call><|im_end|>" for call in calls]
+    real = trainer._generate_single_turn
+
+    def scripted(prompt_ids, images, fields, num_generations, has_tool_images=False):
+        if num_generations == 1:
+            return real(prompt_ids, images, fields, num_generations, has_tool_images)
+        config = trainer.generation_config
+        budget, config.max_new_tokens = config.max_new_tokens, 3  # a few own tokens, then the call
+        try:
+            ids, logprobs = real(prompt_ids, images, fields, num_generations, has_tool_images)
+        finally:
+            config.max_new_tokens = budget
+        eos = set(trainer.eos_token_ids)
+        tok = trainer._tokenizer
+        calls = [tok.encode(texts[i % 2], add_special_tokens=False) for i in range(len(ids))]
+        return [[t for t in own if t not in eos] + call for own, call in zip(ids, calls, strict=True)], None
+
+    trainer._generate_single_turn = scripted
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tool_images_are_encoded_once_and_reused(family, tiny_models, two_images, tmp_path):
+    """Tool rows: the tool turn's prefill encodes each tool image once; the old, reference and loss passes take the
+    kept features of prompt and tool images, at parity with the passes that encode them."""
+    trainer, counter = build(
+        family, tiny_models, two_images, tmp_path, "lora", max_completion_length=400, max_tool_calling_iterations=2,
+        tools=["zoom_in"],
+    )  # fmt: skip
+    trainer.generation_config.max_new_tokens = 8
+    script_tool_calls(trainer, family)
+    out, (_, generation_units) = generation_batch(trainer, counter, ragged=False)  # rollouts differ in length
+    assert out["completion_mask"].sum(1).unique().numel() > 1
+    tool_rows = [f for f in out[FEATURES_KEY] if f is not None and len(f) > 1]
+    assert len(tool_rows) == G  # every other rollout's call returned an image (3 of 6)
+    assert trainer.last_turn_stats.images_encoded == G
+    assert generation_units == 2 + G  # the prompts' images once each, each tool image once; nothing more
+    assert trainer.last_vision_reuse == "reused"
+    ref = pass_logps(trainer, out)
+    assert counter.take()[0] > 0
+    torch.testing.assert_close(out["old_per_token_logps"] * out["completion_mask"], ref, rtol=0, atol=1e-5)
+    for micro in micro_batches(trainer, out):
+        loss, grads = loss_and_grads(trainer, micro, reuse=True)
+        assert (trainer.last_vision_reuse, counter.take()) == ("reused", (0, 0))
+        ref_loss, ref_grads = loss_and_grads(trainer, micro, reuse=False)
+        assert counter.take()[0] > 0
+        torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-5)
+        assert_grads_close(grads, ref_grads)

@@ -258,6 +258,35 @@ class VisionReuseMixin:
             return
         self._recorded = row_features(chunks, groups, rows)
 
+    def keep_turn_features(self, outputs: Any, images: Sequence[Any], units: Sequence[int]) -> None:
+        """Keep what a tool turn's prefill encoded (``images``: the image objects, in the order it encoded them)."""
+        if self._tool_features is None:
+            return
+        chunks = chunks_of(outputs, [1] * len(images), units)
+        for image, chunk in zip(images, chunks or [], strict=False):
+            self._tool_features[id(image)] = (image, chunk)  # the image held: its id stays its own
+
+    _tool_features: dict[int, tuple[Any, FeatureChunk]] | None = None
+
+    def _generate(self, prompts: list) -> Any:
+        """TRL's; the rows' kept features gain those of their tool images (kept by the tool turns' prefills)."""
+        self._tool_features = {} if self.args.reuse_vision_features else None
+        try:
+            out = super()._generate(prompts)
+            tool_images = out[-1]
+            if self._recorded is not None and tool_images and any(tool_images):
+                self._recorded = [
+                    row if not extra else (*row, *(self._tool_chunk(image) for image in extra))
+                    for row, extra in zip(self._recorded, tool_images, strict=True)
+                ]
+        finally:
+            self._tool_features = None
+        return out
+
+    def _tool_chunk(self, image: Any) -> FeatureChunk | None:
+        kept = self._tool_features.get(id(image))
+        return kept[1] if kept is not None and kept[0] is image else None
+
     def _unwrapped_policy(self) -> torch.nn.Module:
         return self.accelerator.unwrap_model(self.model)
 
@@ -323,6 +352,8 @@ def _missing(features: Sequence[RowFeatures | None] | None, mm: dict[str, Any], 
     units = module.units_per_sample(mm)
     for row, kept in enumerate(features):
         chunks = [c for c in kept if c is not None]
+        if any(c is None for c in kept[1:]):
+            return "a row has tool images whose features were not kept"
         if num_images is not None and sum(c.images for c in chunks) != num_images[row]:
             return "a row has images (tool images) whose features were not kept"
         if units is not None and sum(c.units for c in chunks) != units[row]:

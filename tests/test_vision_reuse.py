@@ -259,7 +259,7 @@ def script_tool_calls(trainer, family):
         config = trainer.generation_config
         budget, config.max_new_tokens = config.max_new_tokens, 3  # a few own tokens, then the call
         try:
-            ids, logprobs = real(prompt_ids, images, fields, num_generations, has_tool_images)
+            ids, _ = real(prompt_ids, images, fields, num_generations, has_tool_images)
         finally:
             config.max_new_tokens = budget
         eos = set(trainer.eos_token_ids)

@@ -270,10 +270,15 @@ def script_tool_calls(trainer, family):
     trainer._generate_single_turn = scripted
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_tool_images_are_encoded_once_and_reused(family, tiny_models, two_images, tmp_path):
-    """Tool rows: the tool turn's prefill encodes each tool image once; the old, reference and loss passes take the
-    kept features of prompt and tool images, at parity with the passes that encode them."""
+@pytest.mark.parametrize(
+    ("family", "held"), [*((f, True) for f in FAMILIES), ("qwen2_5_vl", False), ("internvl", False)]
+)
+def test_tool_images_are_encoded_once_and_reused(family, held, tiny_models, two_images, tmp_path, monkeypatch):
+    """Tool rows: the tool turn's prefill encodes each tool image once (``held``: continuing each rollout's held
+    cache; else prefilling whole histories); the old, reference and loss passes take the kept features of prompt and
+    tool images, at parity with the passes that encode them."""
+    if not held:
+        monkeypatch.setattr("vlm_grpo.trainer.continue_turns", lambda *args: None)
     trainer, counter = build(
         family, tiny_models, two_images, tmp_path, "lora", max_completion_length=400, max_tool_calling_iterations=2,
         tools=["zoom_in"],
@@ -284,8 +289,9 @@ def test_tool_images_are_encoded_once_and_reused(family, tiny_models, two_images
     assert out["completion_mask"].sum(1).unique().numel() > 1
     tool_rows = [f for f in out[FEATURES_KEY] if f is not None and len(f) > 1]
     assert len(tool_rows) == G  # every other rollout's call returned an image (3 of 6)
-    assert trainer.last_turn_stats.images_encoded == G
-    assert generation_units == 2 + G  # the prompts' images once each, each tool image once; nothing more
+    if held:
+        assert trainer.last_turn_stats.images_encoded == G
+        assert generation_units == 2 + G  # the prompts' images once each, each tool image once; nothing more
     assert trainer.last_vision_reuse == "reused"
     ref = pass_logps(trainer, out)
     assert counter.take()[0] > 0

@@ -444,10 +444,12 @@ def shared_prefill_generate(
             out = unwrapped(
                 input_ids=lead_ids[:, :-1], **decode.cache_kwarg(unwrapped, cache), use_cache=True, **prefill
             )
-        keep = getattr(trainer, "keep_prefill_features", None)
-        if keep is not None and not own_history:  # the log-prob passes reuse them (vlm_grpo.fastpath.vision_reuse)
-            keep(getattr(out, "image_outputs", None), groups, mm, len(prompt_ids))
-        del out
+        encoded = getattr(out, "image_outputs", None)  # the log-prob passes reuse them (fastpath.vision_reuse)
+        if own_history and images is not None and hasattr(trainer, "keep_history_features"):
+            trainer.keep_history_features(encoded, groups, mm, images)
+        elif not own_history and hasattr(trainer, "keep_prefill_features"):
+            trainer.keep_prefill_features(encoded, groups, mm, len(prompt_ids))
+        del out, encoded
         decode_positions = _next_positions(positions, getattr(backbone, "rope_deltas", None))
         reason = _fast_decode_blocker(trainer, unwrapped, decode_positions)
         exported: list = []  # the decode's cache, held for the rollouts' next turns (turn_cache)

@@ -268,6 +268,32 @@ class VisionReuseMixin:
 
     _tool_features: dict[int, tuple[Any, FeatureChunk]] | None = None
 
+    def keep_history_features(self, outputs: Any, groups: Sequence[Any], mm: dict[str, Any], images: list) -> None:
+        """Keep what a tool turn that prefilled whole histories encoded (rows with equal histories share a group)."""
+        if self._tool_features is None or outputs is None:
+            return
+        imaged = [g for g in groups if g.image_range is not None]
+        grid = mm.get("image_grid_thw")
+        units = []
+        for group in imaged:
+            a, b = group.image_range
+            if grid is not None:
+                units += grid[a:b].prod(-1).tolist()
+            elif group.image_rows[1] - group.image_rows[0] == b - a:  # one tile an image
+                units += [1] * (b - a)
+            else:
+                return  # tiles per image not known: these rows' passes encode
+        chunks = chunks_of(outputs, [1] * len(units), units)
+        if chunks is None:
+            return
+        at = 0
+        for group in imaged:
+            count = group.image_range[1] - group.image_range[0]
+            for row in group.rows:
+                for image, chunk in zip(images[row] or [], chunks[at : at + count], strict=False):
+                    self._tool_features[id(image)] = (image, chunk)
+            at += count
+
     def _generate(self, prompts: list) -> Any:
         """TRL's; the rows' kept features gain those of their tool images (kept by the tool turns' prefills)."""
         self._tool_features = {} if self.args.reuse_vision_features else None

@@ -213,7 +213,7 @@ class VisionReuseMixin:
     _ref_same_tower: bool | None = None
     #: Vision-feature reuse of the last log-prob pass: "reused", or why it encoded (tests and logs read it).
     last_vision_reuse: str | None = None
-    #: Log-prob passes so far that took kept features instead of encoding.
+    #: Log-prob passes so far that ran on kept features, the vision tower (and the vision sync's dummy image) idle.
     vision_reused_passes = 0
 
     def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
@@ -354,7 +354,7 @@ class VisionReuseMixin:
             yield None
             return
         self.vision_reused_passes += 1
-        syncs = getattr(self, "_vision_syncs", [])
+        syncs = self._vision_syncs
         for sync in syncs:
             sync.suspended = True
         try:

@@ -71,9 +71,10 @@ class TowerCounter:
         return counts
 
 
-def build(family, tiny_models, rows_file, tmp_path, variant, tools=None, **overrides):
+def build(family, tiny_models, rows_file, tmp_path, variant, tools=None, trainer_kwargs_extra=None, **overrides):
     """``variant``: "frozen" (--freeze_vision_modules), "lora" (LoRA on the language model) or "trained"."""
     kwargs = {"freeze_vision_modules": True} if variant == "frozen" else {}
+    kwargs |= trainer_kwargs_extra or {}
     if tools:
         kwargs["tools"] = tools
     trainer = make_trainer(
@@ -211,6 +212,30 @@ def test_old_pass_reuses_and_reference_encodes_with_a_trained_tower(tiny_models,
     trainer._get_per_token_logps_and_entropies = spy
     generation_batch(trainer, counter)
     assert passes == [(False, "reused", 0), (True, "the vision tower (or its projector) is trained", 2)]
+
+
+def test_lora_in_the_tower_reuses_only_in_the_old_pass(tiny_models, two_images, tmp_path):
+    """LoRA on the tower (``lora_include_vision``): the old pass has the generation's adapters and reuses; PEFT's
+    reference pass (adapters off) and the loss pass encode."""
+    trainer, counter = build(
+        "qwen2_5_vl", tiny_models, two_images, tmp_path, "lora", trainer_kwargs_extra={"lora_include_vision": True}
+    )
+    assert any("lora" in n for n, _ in trainer.model.named_parameters() if trainer.vlm_module.is_vision_parameter(n))
+    seen = []
+    real = trainer._get_per_token_logps_and_entropies
+
+    def spy(model, *args, **kwargs):
+        counter.take()
+        result = real(model, *args, **kwargs)
+        seen.append((trainer.last_vision_reuse, counter.take()[1]))
+        return result
+
+    trainer._get_per_token_logps_and_entropies = spy
+    out, _ = generation_batch(trainer, counter)
+    assert seen == [("reused", 0), ("the tower's LoRA adapter is switched for the reference pass", 2)]
+    seen.clear()
+    loss_and_grads(trainer, micro_batches(trainer, out)[0], reuse=True)
+    assert seen == [("the vision tower (or its projector) is trained", 2)]
 
 
 def test_off_switch_encodes_every_pass(tiny_models, two_images, tmp_path):

@@ -172,7 +172,7 @@ def packed_logps(
     needs), or with ``packed_chunk_tokens`` set, the packed tokens it holds. Returns None when no two rows share a
     prompt and the varlen kernel does not run (nothing to gain: with it, no row is padded to the longest), or when
     ``usable`` is False (inputs the packed pass does not know), on any rank: all ranks take the same path (see
-    ``_all_ranks_agree``), and the caller falls back to TRL. ``replay``: the rows' image features kept from
+    ``all_ranks_agree``), and the caller falls back to TRL. ``replay``: the rows' image features kept from
     generation (:class:`~vlm_grpo.fastpath.vision_reuse.FeatureReplay`; None: the pass encodes its images).
     """
     C = logits_to_keep
@@ -190,7 +190,7 @@ def packed_logps(
             groups = plan_groups(prompt_ids, prompt_mask, pixels, num_images, units, *split)
     # Rows that share nothing still gain where groups share packed rows: no row is padded to the longest.
     padding_free = use_block_attention(inner, trainer.args.packed_attention) and shares_rows(input_ids.device)
-    if not _all_ranks_agree(trainer, groups is not None and (padding_free or len(groups) < input_ids.size(0))):
+    if not all_ranks_agree(trainer, groups is not None and (padding_free or len(groups) < input_ids.size(0))):
         return None
     trainer.last_packed_pass = PackedPass(rows=input_ids.size(0), width=C)
     image_token = getattr(inner.config, "image_token_id", None)
@@ -357,7 +357,7 @@ def _plan_shared_prefill(
     return plan_groups(ids, mask, mm.get("pixel_values"), mm.get("num_images"), units), mm
 
 
-def _all_ranks_agree(trainer: Any, use_shared: bool) -> bool:
+def all_ranks_agree(trainer: Any, use_shared: bool) -> bool:
     """Whether every rank takes the shared path (multi-process runs decide together).
 
     Under ZeRO-3 (and FSDP) every top-level forward is a collective point (DeepSpeed's start-of-forward
@@ -412,7 +412,7 @@ def shared_prefill_generate(
     if own_history:
         if plan is None or not trainer.args.fast_decode:
             return None
-    elif not _all_ranks_agree(trainer, plan is not None and len(plan[0]) < len(prompt_ids)):
+    elif not all_ranks_agree(trainer, plan is not None and len(plan[0]) < len(prompt_ids)):
         return None
     groups, mm = plan
 

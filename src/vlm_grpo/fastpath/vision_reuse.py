@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from vlm_grpo.fastpath.sharing import _all_ranks_agree
+from vlm_grpo.fastpath.sharing import all_ranks_agree
 from vlm_grpo.fastpath.vision_sync import vision_backbone
 from vlm_grpo.utils import is_zero3, peft_base, warn_once
 
@@ -348,7 +348,7 @@ class VisionReuseMixin:
         reason = self._reuse_blocker(model)
         if reason is None:
             reason = _missing(features, mm, rows, self.vlm_module)
-        agreed = reason != "turned off" and _all_ranks_agree(self, reason is None)
+        agreed = reason != "turned off" and all_ranks_agree(self, reason is None)
         self.last_vision_reuse = "reused" if agreed else reason or "another rank encodes"
         if not agreed:
             yield None

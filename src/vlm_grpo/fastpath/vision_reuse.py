@@ -351,6 +351,9 @@ class VisionReuseMixin:
         agreed = reason != "turned off" and all_ranks_agree(self, reason is None)
         self.last_vision_reuse = "reused" if agreed else reason or "another rank encodes"
         if not agreed:
+            if reason != "turned off":
+                message = f"reuse_vision_features: a log-prob pass encodes its images ({self.last_vision_reuse})"
+                warn_once(logger, message, logging.INFO)
             yield None
             return
         self.vision_reused_passes += 1

@@ -415,8 +415,8 @@ class VLMGRPOConfig(GRPOConfig):
             "when the vision tower and projector train no parameter (--freeze_vision_modules, LoRA outside the "
             "tower) and a separate reference model's tower holds the same weights. A trained tower encodes in the "
             "loss pass, as gradients flow through it. Holds the features of a generation batch on the device "
-            "(Qwen2.5-VL-3B, 64 distinct 512x512 images: about 85 MB). Qwen-VL and InternVL families; others "
-            "encode in every pass."
+            "(Qwen2.5-VL-3B, 64 distinct 512x512 images: about 85 MB). Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE), "
+            "GLM-4.1V/4.5V and InternVL; other families encode in every pass."
         },
     )
 

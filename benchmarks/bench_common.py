@@ -491,6 +491,11 @@ def parse(argv: list[str] | None = None, description: str | None = None) -> argp
     p.add_argument("--gradient_checkpointing", type=flag_bool, default=True)
     p.add_argument("--lora_r", type=int, default=0, help="> 0: every trainer trains the same LoRA (language model)")
     p.add_argument(
+        "--freeze_vision", type=flag_bool, default=False,
+        help="freeze the vision tower and projector for every trainer (LoRA freezes them anyway): ours then reuses "
+        "the generation's image features in every log-prob pass (reuse_vision_features)",
+    )  # fmt: skip
+    p.add_argument(
         "--lora_dropout", type=float, default=0.05, help="0: fast decode folds the adapters into its fused weights"
     )
     p.add_argument(

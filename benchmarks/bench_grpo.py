@@ -264,8 +264,9 @@ def run_one(
     device = torch.device(args.device)
     torch.backends.cuda.enable_cudnn_sdp(not args.no_cudnn_sdpa)  # a trainer before this one may have changed it
     model, processor, module = build_policy(
-        args, workdir, kind.partition(":")[0], lora_r=args.lora_r, lora_dropout=args.lora_dropout
-    )
+        args, workdir, kind.partition(":")[0], lora_r=args.lora_r, lora_dropout=args.lora_dropout,
+        freeze_vision=args.freeze_vision,
+    )  # fmt: skip
     per_cycle = shape.updates if shape else 1
     measured_steps = (args.warmup + args.steps) * per_cycle
     extra = config_fields(shape) if shape else {}

@@ -102,13 +102,19 @@ def bench_switches(kind: str):
 
 
 def build_policy(
-    args: argparse.Namespace, workdir: Path, tag: str, lora_r: int = 0, lora_dropout: float = 0.05
+    args: argparse.Namespace,
+    workdir: Path,
+    tag: str,
+    lora_r: int = 0,
+    lora_dropout: float = 0.05,
+    freeze_vision: bool = False,
 ) -> tuple[Any, Any, Any]:
     """(model, processor, adapter) of ``args.preset`` with random weights, on ``args.device`` in ``args.dtype``.
 
     A reference model (beta > 0) is loaded by TRL from the policy's path: the weights are saved under
     ``workdir/model_<tag>`` then. ``lora_r > 0`` wraps the model in LoRA on the language model with the
     vision tower frozen (the targets the package picks), once, so every trainer trains the same adapter.
+    ``freeze_vision`` (without LoRA): the vision tower and projector are frozen for every trainer.
     ``lora_dropout == 0`` lets fast decode fold the adapters into its fused weights (``decode_fusion``).
     """
     from vlm_grpo.modules import get_vlm_module
@@ -130,6 +136,8 @@ def build_policy(
         lora = LoraConfig(r=lora_r, lora_alpha=2 * lora_r, lora_dropout=lora_dropout, task_type="CAUSAL_LM")
         apply_adapter_options(module, model, lora, freeze_vision_modules=True)
         model = get_peft_model(model, lora)
+    elif freeze_vision:
+        module.freeze_vision(model)  # the tower and projector train nothing: the log-prob passes may reuse features
     return model, processor, module
 
 

@@ -123,7 +123,7 @@ def run_one(
     from vlm_grpo.trainer import VLMGRPOTrainer
 
     device = torch.device(args.device)
-    model, processor, module = build_policy(args, workdir, kind)
+    model, processor, module = build_policy(args, workdir, kind, freeze_vision=args.freeze_vision)
     steps = args.warmup + args.steps
     rounds, half = rounds_of(tools_scenario)
     # Room for the tool results (text + a 448 px image each) on top of the sampled answer.

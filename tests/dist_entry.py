@@ -24,7 +24,8 @@ def dump(trainer, out: Path, rank: int) -> None:
         json.dump(losses, f)
     # Dummy vision passes this rank ran to stay in step with ranks that had images (vlm_grpo.fastpath.vision_sync).
     with open(out / f"vision{rank}.json", "w") as f:
-        json.dump({"dummy_passes": sum(s.dummy_passes for s in getattr(trainer, "_vision_syncs", []))}, f)
+        syncs = getattr(trainer, "_vision_syncs", [])
+        json.dump({"dummy_passes": sum(s.dummy_passes for s in syncs), "reused": trainer.vision_reused_passes}, f)
     with open(out / f"history{rank}.json", "w") as f:
         json.dump(trainer.state.log_history, f)
 

@@ -85,7 +85,10 @@ NEEDS = {
     "test_ddp_with_text_only_and_image_batches_on_different_ranks": {None: ("mixed",)},
     "test_deepspeed_trains_saves_and_reloads": {"zero2": ("zero2",), "zero3": ("zero3", "zero3_plain")},
     "test_two_nodes_on_loopback_train_like_one_node_with_two_processes": {None: ("one_node",)},
+    "test_zero3_ranks_reuse_image_features_together": {None: ("zero3_reuse", "zero3_reuse_off")},
 }
+# A frozen tower, a text-only batch on one rank, old-log-prob and reference passes, two micro-batches a generation.
+REUSE = ["--freeze_vision_modules", "true", "--steps_per_generation", "2", "--beta", "0.04", "--max_steps", "4"]
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +113,12 @@ def runs(request, tiny_models, dataset, tmp_path_factory):
         "zero2": [*base_args(model_dir, data, plugin, root / "zero2"), *_zero("zero2"), *COMPILED],
         "zero3": [*base_args(model_dir, data, plugin, root / "zero3"), *_zero("zero3")],  # refuses compiled layers
         "zero3_plain": [*base_args(model_dir, data, plugin, root / "zero3_plain"), *_zero("zero3"), *SHARING_OFF],
-    }
+        "zero3_reuse": [*base_args(model_dir, mixed_data, mixed_plugin, root / "zero3_reuse"), *_zero("zero3"), *REUSE],
+        "zero3_reuse_off": [
+            *base_args(model_dir, mixed_data, mixed_plugin, root / "zero3_reuse_off"), *_zero("zero3"), *REUSE,
+            "--reuse_vision_features", "false",
+        ],
+    }  # fmt: skip
     needed = set()
     for item in request.session.items:
         if getattr(item, "module", None) is request.module:
@@ -164,6 +172,18 @@ def test_deepspeed_trains_saves_and_reloads(stage, tiny_models, runs):
         expected = json.loads((ran(runs, "zero3_plain") / "losses0.json").read_text())
         for shared_step, plain_step in zip(json.loads((out / "losses0.json").read_text()), expected, strict=True):
             assert shared_step == pytest.approx(plain_step, rel=1e-4, abs=1e-6)
+
+
+def test_zero3_ranks_reuse_image_features_together(runs):
+    """Under ZeRO-3 a rank that skipped the tower while another encoded would leave their parameter gathers
+    unpaired: the ranks decide each pass together (and skip the dummy image together), and train as without reuse."""
+    out, plain = ran(runs, "zero3_reuse"), ran(runs, "zero3_reuse_off")
+    vision = [json.loads((out / f"vision{rank}.json").read_text()) for rank in (0, 1)]
+    assert vision[0]["reused"] == vision[1]["reused"] > 0, vision  # the same passes reused on both ranks
+    assert json.loads((plain / "vision0.json").read_text())["reused"] == 0
+    reused = json.loads((out / "losses0.json").read_text())
+    for step, plain_step in zip(reused, json.loads((plain / "losses0.json").read_text()), strict=True):
+        assert step == pytest.approx(plain_step, rel=1e-4, abs=1e-6)
 
 
 def _script_torchrun_args(**env: str) -> list[str]:

@@ -33,6 +33,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl.trainer.utils import split_pixel_values_by_grid, unsplit_pixel_values_by_grid
 
 from vlm_grpo.fastpath.contract import PrivateName
+from vlm_grpo.fastpath.vision_reuse import FEATURES_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +154,8 @@ def merge_batches(parts: list[dict[str, Any]], pad_token_id: int) -> dict[str, A
             template = next(v for v in values if v)[0]
             empty = template.new_zeros((0, *template.shape[1:]))
             merged[key] = [t for value, n in zip(values, sizes, strict=True) for t in (value or [empty] * n)]
+        elif key == FEATURES_KEY:  # per-row objects; a round without them: None (that pass encodes)
+            merged[key] = [x for value, n in zip(values, sizes, strict=True) for x in (value or [None] * n)]
         elif key in _PER_ROW_INTS:
             merged[key] = [x for value, n in zip(values, sizes, strict=True) for x in (value or [0] * n)]
         elif all(isinstance(v, torch.Tensor) and v.ndim == 1 for v in values):  # advantages and other row vectors

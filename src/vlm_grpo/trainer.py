@@ -34,6 +34,7 @@ from vlm_grpo.fastpath.sharing import packed_logps, packed_pass_reason, shared_p
 from vlm_grpo.fastpath.trim import trim_completion_padding
 from vlm_grpo.fastpath.turn_cache import TurnCache, continue_turns, image_pad_id
 from vlm_grpo.fastpath.vision_attention import use_batched_vision_attention
+from vlm_grpo.fastpath.vision_reuse import VisionReuseMixin, replay_rows
 from vlm_grpo.fastpath.vision_sync import install_vision_sync, needs_vision_sync
 from vlm_grpo.modules import VLMModule
 from vlm_grpo.rewards import build_reward_funcs
@@ -100,6 +101,7 @@ class VLMGRPOTrainer(
     RolloutLogMixin,
     AdvantageEstimatorMixin,
     CheckpointReloadMixin,
+    VisionReuseMixin,  # after the mixins that regroup generation outputs: each round's rows keep their features
     GRPOTrainer,
 ):
     """GRPO for vision-language models.
@@ -292,24 +294,25 @@ class VLMGRPOTrainer(
         )
         if "token_type_ids" not in self._forward_parameters():
             extra.discard("token_type_ids")  # TRL's tool-image pass adds it for families whose forward ignores it
-        if self.args.share_prompt:  # every rank asks: ranks decide together
-            usable = packed_pass_reason(self.accelerator.unwrap_model(model), extra, compute_aux_loss) is None
-            result = packed_logps(
-                self, model, input_ids, attention_mask, logits_to_keep, compute_entropy, mm, batch_size, usable
-            )
-            if result is not None:
-                return (*result, None)
-        args = (model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss)
-        if self.tools:
-            # Tool images reach TRL's old/reference passes as everything the image processor returned; InternVL's
-            # carries ``num_patches``, which TRL's pass does not take (its tile counts come as ``num_tiles``). That
-            # is one entry per image, which TRL's own cuts expect: no family inputs are added.
-            mm = {k: v for k, v in mm.items() if k in _TRL_LOGP_PARAMS}
-            mm |= self.vlm_module.tool_pixel_fields(self.processing_class, mm, input_ids)
-            with rows_forward_kwargs(model, self.vlm_module, mm, tool_images=True):
+        with self._vision_reuse(model, mm, input_ids.size(0)) as replay:  # features kept from generation
+            if self.args.share_prompt:  # every rank asks: ranks decide together
+                usable = packed_pass_reason(self.accelerator.unwrap_model(model), extra, compute_aux_loss) is None
+                result = packed_logps(
+                    self, model, input_ids, attention_mask, logits_to_keep, compute_entropy, mm, batch_size, usable,
+                    replay,
+                )  # fmt: skip
+                if result is not None:
+                    return (*result, None)
+            args = (model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss)
+            tool_images = bool(self.tools)
+            if tool_images:
+                # Tool images reach TRL's old/reference passes as everything the image processor returned;
+                # InternVL's carries ``num_patches``, which TRL's pass does not take (its tile counts come as
+                # ``num_tiles``). That is one entry per image, which TRL's own cuts expect: no family inputs added.
+                mm = {k: v for k, v in mm.items() if k in _TRL_LOGP_PARAMS}
+                mm |= self.vlm_module.tool_pixel_fields(self.processing_class, mm, input_ids)
+            with rows_forward_kwargs(model, self.vlm_module, mm, tool_images), replay_rows(model, replay):
                 return super()._get_per_token_logps_and_entropies(*args, **mm)
-        with rows_forward_kwargs(model, self.vlm_module, mm):
-            return super()._get_per_token_logps_and_entropies(*args, **mm)
 
     def _prepare_inputs(self, generation_batch: Any) -> dict[str, Any]:
         """TRL's micro-batch, its completions cut to its own longest one (``trim_completion_padding``)."""

@@ -25,6 +25,12 @@ class PrivateName:
 PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName(
         "trl:GRPOTrainer",
+        "_compute_loss",
+        ("model", "inputs"),
+        why="reuse_vision_features: the loss pass reads its micro-batch's kept image features",
+    ),
+    PrivateName(
+        "trl:GRPOTrainer",
         "_get_per_token_logps_and_entropies",
         ("model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy"),
         why="share_prompt overrides it (the packed log-prob pass)",

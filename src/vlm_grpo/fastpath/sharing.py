@@ -164,6 +164,7 @@ def packed_logps(
     mm: dict[str, Any],
     batch_size: int | None = None,
     usable: bool = True,
+    replay: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Per-token log-probs (and entropies) of the completions, one packed forward per chunk of groups.
 
@@ -171,7 +172,8 @@ def packed_logps(
     needs), or with ``packed_chunk_tokens`` set, the packed tokens it holds. Returns None when no two rows share a
     prompt and the varlen kernel does not run (nothing to gain: with it, no row is padded to the longest), or when
     ``usable`` is False (inputs the packed pass does not know), on any rank: all ranks take the same path (see
-    ``_all_ranks_agree``), and the caller falls back to TRL.
+    ``all_ranks_agree``), and the caller falls back to TRL. ``replay``: the rows' image features kept from
+    generation (:class:`~vlm_grpo.fastpath.vision_reuse.FeatureReplay`; None: the pass encodes its images).
     """
     C = logits_to_keep
     prompt_ids, prompt_mask = input_ids[:, :-C], attention_mask[:, :-C]
@@ -188,14 +190,16 @@ def packed_logps(
             groups = plan_groups(prompt_ids, prompt_mask, pixels, num_images, units, *split)
     # Rows that share nothing still gain where groups share packed rows: no row is padded to the longest.
     padding_free = use_block_attention(inner, trainer.args.packed_attention) and shares_rows(input_ids.device)
-    if not _all_ranks_agree(trainer, groups is not None and (padding_free or len(groups) < input_ids.size(0))):
+    if not all_ranks_agree(trainer, groups is not None and (padding_free or len(groups) < input_ids.size(0))):
         return None
     trainer.last_packed_pass = PackedPass(rows=input_ids.size(0), width=C)
     image_token = getattr(inner.config, "image_token_id", None)
     lengths = block_lengths(input_ids[:, -C:], attention_mask[:, -C:], image_token, BLOCK_MULTIPLE)
     max_tokens = trainer.args.packed_chunk_tokens if batch_size else None
     chunks = chunk_groups(groups, lengths, batch_size, max_tokens)
-    parts = [_packed_forward(trainer, model, input_ids, attention_mask, C, chunk, mm, lengths) for chunk in chunks]
+    parts = [
+        _packed_forward(trainer, model, input_ids, attention_mask, C, chunk, mm, lengths, replay) for chunk in chunks
+    ]
     rows = torch.tensor([r for chunk in chunks for g in chunk for r in g.rows], device=input_ids.device)
     order = torch.argsort(rows)
     logps = torch.cat([p[0] for p in parts])[order]
@@ -244,6 +248,7 @@ def _packed_forward(
     groups: list[Group],
     mm: dict[str, Any],
     lengths: list[int],
+    replay: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One forward over the packed groups (``lengths``: each batch row's block length); returns (log-probs,
     entropies) of their rows, in group order."""
@@ -288,6 +293,8 @@ def _packed_forward(
         "position_ids": torch.cat(positions, dim=-2),
         **module.group_vision_inputs(groups, mm),
     }
+    if replay is not None:
+        inputs = replay.packed(groups, inputs)
     if blocked:
         inputs[LAYOUT_KWARG] = varlen_layout(pack.layout, total, device)
         mask_scope = packing()
@@ -350,7 +357,7 @@ def _plan_shared_prefill(
     return plan_groups(ids, mask, mm.get("pixel_values"), mm.get("num_images"), units), mm
 
 
-def _all_ranks_agree(trainer: Any, use_shared: bool) -> bool:
+def all_ranks_agree(trainer: Any, use_shared: bool) -> bool:
     """Whether every rank takes the shared path (multi-process runs decide together).
 
     Under ZeRO-3 (and FSDP) every top-level forward is a collective point (DeepSpeed's start-of-forward
@@ -405,7 +412,7 @@ def shared_prefill_generate(
     if own_history:
         if plan is None or not trainer.args.fast_decode:
             return None
-    elif not _all_ranks_agree(trainer, plan is not None and len(plan[0]) < len(prompt_ids)):
+    elif not all_ranks_agree(trainer, plan is not None and len(plan[0]) < len(prompt_ids)):
         return None
     groups, mm = plan
 
@@ -434,7 +441,15 @@ def shared_prefill_generate(
         if positions is not None:
             prefill["position_ids"] = positions
         with autocast_seen(base.get_decoder()) as amp:
-            unwrapped(input_ids=lead_ids[:, :-1], **decode.cache_kwarg(unwrapped, cache), use_cache=True, **prefill)
+            out = unwrapped(
+                input_ids=lead_ids[:, :-1], **decode.cache_kwarg(unwrapped, cache), use_cache=True, **prefill
+            )
+        encoded = getattr(out, "image_outputs", None)  # the log-prob passes reuse them (fastpath.vision_reuse)
+        if own_history and images is not None and hasattr(trainer, "keep_history_features"):
+            trainer.keep_history_features(encoded, groups, mm, images)
+        elif not own_history and hasattr(trainer, "keep_prefill_features"):
+            trainer.keep_prefill_features(encoded, groups, mm, len(prompt_ids))
+        del out, encoded
         decode_positions = _next_positions(positions, getattr(backbone, "rope_deltas", None))
         reason = _fast_decode_blocker(trainer, unwrapped, decode_positions)
         exported: list = []  # the decode's cache, held for the rollouts' next turns (turn_cache)

@@ -62,6 +62,7 @@ class TurnCache:
 
     def __init__(self, image_pad_id: int | None, pad_id: int) -> None:
         self.image_pad_id = image_pad_id
+        self.encoded: Any = None  # the image outputs of the last prefill's new images (see continue_turns)
         self.pad_id = pad_id
         self.held: list[Held] = []
         self.stats = TurnStats()
@@ -287,6 +288,11 @@ def continue_turns(
         result.append(tokens[:cut])
     turns.remember(cache, list(range(len(result))), layouts, result, next_slot, deltas, row_keys)
     turns.stats.calls += 1
+    keep = getattr(trainer, "keep_turn_features", None)
+    if keep is not None and grid_rows and turns.encoded is not None:  # for the log-prob passes (vision_reuse)
+        flat = [image for row in images or [] for image in row or []]
+        keep(turns.encoded, [flat[k] for k in grid_rows], [b - a for a, b in pixel_rows])
+    turns.encoded = None
     return result
 
 
@@ -380,7 +386,7 @@ def _prefill_and_decode(
         inputs["logits_to_keep"] = 1
     with autocast_seen(base.get_decoder()) as amp:
         if width:
-            unwrapped(
+            out = unwrapped(
                 input_ids=chunk_ids,
                 attention_mask=mask[:, : past + width],
                 position_ids=chunk_positions.to(device),
@@ -388,6 +394,8 @@ def _prefill_and_decode(
                 **decode.cache_kwarg(unwrapped, cache),
                 **inputs,
             )
+            turns.encoded = getattr(out, "image_outputs", None) if pixel_rows else None  # the new images' features
+            del out
     autocast = amp[0] if amp else None
     positions = torch.tensor(next_positions, dtype=torch.long, device=device)
     if mrope:

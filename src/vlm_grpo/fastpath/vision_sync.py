@@ -52,6 +52,9 @@ class VisionSync:
         self.vlm_module = vlm_module
         self.backbone = backbone
         self.pending = False
+        #: Set while every rank's pass takes kept image features (:mod:`vlm_grpo.fastpath.vision_reuse`): no rank
+        #: runs the tower then, so none runs the dummy image either.
+        self.suspended = False
         #: Dummy vision passes run so far (tests read it).
         self.dummy_passes = 0
         language_model = backbone.get_decoder()  # language_model; Idefics3 / SmolVLM: text_model
@@ -63,7 +66,7 @@ class VisionSync:
         ]
 
     def _note_inputs(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        self.pending = not _has_images(args, kwargs) and _cache_is_empty(kwargs)
+        self.pending = not self.suspended and not _has_images(args, kwargs) and _cache_is_empty(kwargs)
 
     def _dummy_vision(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]):
         if not self.pending:

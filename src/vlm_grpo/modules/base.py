@@ -61,6 +61,9 @@ class GroupSharingMixin:
     #: :meth:`group_vision_inputs` slices per group (Pixtral's and LLaVA-OneVision's ``image_sizes``, Idefics3's
     #: ``pixel_attention_mask``); the speed path steps aside for any other input.
     grouped_vision_inputs: ClassVar[frozenset[str]] = frozenset()
+    #: The log-prob passes may take the generation's image features as ``mm_encoder_outputs`` (the backbone's
+    #: ``get_image_features`` output layout is known: :mod:`vlm_grpo.fastpath.vision_reuse`).
+    reuses_image_features: ClassVar[bool] = False
 
     def units_per_sample(self, mm: dict[str, Any]) -> list[int] | None:
         """Rows of ``pixel_values`` each sample owns (None: no images in the batch)."""

@@ -21,6 +21,7 @@ class InternVLModule(VLMModule):
 
     name: ClassVar[str] = "internvl"
     vision_prefixes: ClassVar[tuple[str, ...]] = ("model.vision_tower", "model.multi_modal_projector")
+    reuses_image_features: ClassVar[bool] = True
     # The InternViT blocks (q/k/v_proj are among the default names) and the projector's MLP.
     vision_lora_targets: ClassVar[tuple[str, ...]] = ("projection_layer", "fc1", "fc2", "linear_1", "linear_2")
     templates: ClassVar[dict[str, str]] = {"rec": rec_template("coordinates normalised to 0-1000")}

@@ -39,6 +39,7 @@ class Qwen2VLModule(VLMModule):
 
     name: ClassVar[str] = "qwen2_vl"
     vision_prefixes: ClassVar[tuple[str, ...]] = ("model.visual",)
+    reuses_image_features: ClassVar[bool] = True
     varlen_vision: ClassVar[bool] = True  # also Qwen2.5-VL (windows) and Qwen3-VL: same attention dispatch
     # Vision blocks' attention and MLP: fc1/fc2 (Qwen2-VL), gated MLP (Qwen2.5-VL), linear_fc1/2 (Qwen3-VL).
     vision_lora_targets: ClassVar[tuple[str, ...]] = ("qkv", "proj", "fc1", "fc2", "linear_fc1", "linear_fc2")

@@ -48,6 +48,7 @@ from vlm_grpo.tools.rollouts import (
     tile_fields,
     tool_turns,
 )
+from vlm_grpo.tools.round_cache import RoundCaches
 from vlm_grpo.tools.rounds import RoundSync, round_sync_for
 from vlm_grpo.trainer_common import (
     CheckpointReloadMixin,
@@ -235,11 +236,15 @@ class VLMGRPOTrainer(
 
     # The rollouts' held KV caches while a tool generation runs (None outside one, or without fast_decode).
     _turn_cache: TurnCache | None = None
+    # Reply tokens and preprocessed images of one tool generation, reused across its rollouts and rounds.
+    _round_caches: RoundCaches | None = None
     # Inside TRL's tool loop (the turns after the first), and the ranks' round votes there (ZeRO-3 / FSDP).
     _in_tool_loop = False
     _round_sync: RoundSync | None = None
     #: What the last tool generation's turns after the first did (:class:`~vlm_grpo.fastpath.turn_cache.TurnStats`).
     last_turn_stats = None
+    #: What the last tool generation's loop asked of the host and ran (:class:`~vlm_grpo.tools.round_cache.RoundWork`).
+    last_round_work = None
     #: What the last packed log-prob pass ran (:class:`~vlm_grpo.fastpath.sharing.PackedPass`: tokens, padding).
     last_packed_pass = None
 
@@ -443,8 +448,11 @@ class VLMGRPOTrainer(
         # The rollouts' sandbox cells run together, per round; later turns are read as TRL's loop parses them.
         self._in_tool_loop = True
         self._round_sync = round_sync_for(self)
+        processor = self.processing_class
+        processor = processor._processor if isinstance(processor, ProcessOnce) else processor
+        caches = self._round_caches.images(processor) if self._round_caches else contextlib.nullcontext()
         try:
-            with ToolBatch(self.environments, completions), parse_with_protocol(self, turns):
+            with ToolBatch(self.environments, completions), parse_with_protocol(self, turns), caches:
                 result = super()._tool_call_loop(
                     prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields
                 )
@@ -485,11 +493,13 @@ class VLMGRPOTrainer(
         if self.tools and self.args.share_prefill and self.args.fast_decode:
             # Each rollout's KV cache is held from one turn to the next (see vlm_grpo.fastpath.turn_cache).
             self._turn_cache = TurnCache(image_pad_id(self._tokenizer), self._tokenizer.pad_token_id)
+            self._round_caches = RoundCaches(super()._get_tool_suffix_ids)
         try:
             out = super()._generate(prompts)
         finally:
             self.last_turn_stats = self._turn_cache.stats if self._turn_cache is not None else None
-            self._turn_cache = None
+            self.last_round_work = self._round_caches.work if self._round_caches is not None else None
+            self._turn_cache = self._round_caches = None
         if self._tool_turns is None or out[2] is None:
             return out
         prompt_ids, completion_ids, tool_mask, completions, *rest = out
@@ -501,9 +511,12 @@ class VLMGRPOTrainer(
         return (prompt_ids, completion_ids, tool_mask, completions, *rest)
 
     def _get_tool_suffix_ids(self, tool_messages):
-        """A protocol that words its own replies (PyVision, DeepEyes) has them rendered as one user turn."""
+        """A protocol that words its own replies (PyVision, DeepEyes) has them rendered as one user turn; on the speed
+        path, each reply shape is rendered once per generation (:class:`~vlm_grpo.tools.round_cache.SuffixIds`)."""
         if self._tool_turns is not None:
             tool_messages = self._tool_turns.reply_messages(tool_messages)
+        if self._round_caches is not None:
+            return self._round_caches.suffix(tool_messages)
         return super()._get_tool_suffix_ids(tool_messages)
 
     def _order_tools(self, order: Sequence[str]) -> None:

@@ -1,0 +1,236 @@
+"""Per-round host work of TRL's tool loop, done once per generation instead of once per rollout and round.
+
+Every round of TRL's tool loop does, on the host, work that grows with the rollouts and their history:
+
+* ``_get_tool_suffix_ids`` renders two chat templates per rollout (the reply tokens after a dummy call), and the
+  processor behind them preprocesses the reply's images again;
+* the loop runs the image processor on *every* image of every live rollout (prompt images and all tool images so
+  far), round after round.
+
+:class:`RoundCaches` serves both from what the generation has seen already: a reply's tokens depend only on its
+messages' text and its images' sizes (the processor expands an image placeholder by the image's grid or tile count,
+read from its size), so they are computed once per reply shape (:class:`SuffixIds`); an image's preprocessed rows
+depend only on its pixels and the call's options, so each image is preprocessed once and its rows are reused
+(:class:`CachedImageProcessor`). Outputs are the ones the uncached calls return (tests compare them). A processor
+whose outputs it cannot cut per image (padded to the batch's largest image, tiles counted per batch) runs as it is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from PIL import Image
+
+from vlm_grpo.utils import warn_once
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RoundWork:
+    """What one generation's tool loop asked of the host, and what it actually ran: reply suffixes asked for and
+    rendered (each render is two chat templates), images asked of the image processor and preprocessed."""
+
+    suffix_requests: int = 0
+    suffix_renders: int = 0
+    image_requests: int = 0
+    images_processed: int = 0
+    processor_calls: int = 0
+
+
+def _image_key(image: Image.Image, memo: dict[int, tuple[Any, bytes]]) -> bytes:
+    """A key of an image's contents (kept per object: the same object is hashed once)."""
+    known = memo.get(id(image))
+    if known is not None and known[0] is image:
+        return known[1]
+    digest = hashlib.blake2b(image.tobytes(), digest_size=16)
+    digest.update(repr((image.mode, image.size, image.getpalette())).encode())
+    memo[id(image)] = (image, digest.digest())
+    return memo[id(image)][1]
+
+
+def _frozen(value: Any) -> Hashable:
+    """``value`` as a hashable key; TypeError for what has no stable one (tensors, arrays, objects)."""
+    if value is None or isinstance(value, (str, bytes, int, float, bool)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), _frozen(v)) for k, v in value.items()))
+    raise TypeError(type(value).__name__)
+
+
+def _flat_images(images: Any) -> list | None:
+    """The images of a call, in the order the processor lays out their rows; None for anything but PIL images."""
+    if isinstance(images, Image.Image):
+        return [images]
+    if not isinstance(images, (list, tuple)):
+        return None
+    flat: list = []
+    for item in images:
+        if isinstance(item, Image.Image):
+            flat.append(item)
+        elif isinstance(item, (list, tuple)) and all(isinstance(x, Image.Image) for x in item):
+            flat.extend(item)
+        else:
+            return None
+    return flat
+
+
+def _per_image(out: Any, count: int) -> list[dict[str, Any]] | None:
+    """Each image's share of an image processor's output for ``count`` images, or None when the layout is not one
+    where an image's rows are its own: rows per image read from ``image_grid_thw`` (Qwen, GLM) or ``num_patches``
+    (InternVL's tiles), or one row an image."""
+    keys = set(out.keys())
+    pixels = out.get("pixel_values")
+    if not isinstance(pixels, torch.Tensor) or not keys <= {"pixel_values", "image_grid_thw", "num_patches"}:
+        return None
+    grid = out.get("image_grid_thw")
+    if grid is not None:
+        units = torch.as_tensor(grid).prod(-1).tolist()
+    elif out.get("num_patches") is not None:
+        units = torch.as_tensor(out["num_patches"]).tolist()
+    else:
+        units = [1] * count
+    if len(units) != count or sum(units) != pixels.size(0):
+        return None
+    shares: list[dict[str, Any]] = [{} for _ in range(count)]
+    for key, value in out.items():
+        per_row = value if key == "pixel_values" else torch.as_tensor(value)
+        pieces = per_row.split(units) if key == "pixel_values" else per_row.split(1)
+        if len(pieces) != count:
+            return None
+        for share, piece in zip(shares, pieces, strict=True):
+            share[key] = piece
+    return shares
+
+
+class CachedImageProcessor:
+    """The image processor of one generation's tool loop: each image (by its pixels) is preprocessed once per call
+    options, and a call returns the rows of its images from what was preprocessed, in its order. Everything else is
+    the image processor's own."""
+
+    def __init__(self, image_processor: Any, work: RoundWork) -> None:
+        self._inner = image_processor
+        self._work = work
+        self._rows: dict[tuple[bytes, Hashable], dict[str, Any]] = {}
+        self._memo: dict[int, tuple[Any, bytes]] = {}
+        self._off = False
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("_inner", "_work", "_rows", "_memo", "_off"):
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+    def __call__(self, images: Any = None, *args: Any, **kwargs: Any) -> Any:
+        flat = None if self._off or args else _flat_images(images)
+        try:
+            options = _frozen({k: v for k, v in kwargs.items() if k != "return_tensors"})
+        except TypeError:
+            flat = None
+        if not flat or kwargs.get("return_tensors") not in (None, "pt"):
+            return self._through(images, *args, **kwargs)
+        from transformers import BatchFeature
+
+        keys = [(_image_key(image, self._memo), options) for image in flat]
+        self._work.image_requests += len(flat)
+        new: dict[tuple[bytes, Hashable], Image.Image] = {}
+        for key, image in zip(keys, flat, strict=True):
+            if key not in self._rows:
+                new.setdefault(key, image)
+        if new:
+            out = self._through(list(new.values()), **kwargs)
+            shares = _per_image(out, len(new))
+            if shares is None:
+                self._off = True
+                warn_once(
+                    logger,
+                    f"tool loop: the image processor's outputs ({', '.join(sorted(out.keys()))}) cannot be cut per "
+                    "image: every round preprocesses every image of the conversations",
+                    logging.INFO,
+                )
+                return self._through(images, *args, **kwargs) if len(new) != len(flat) else out
+            self._rows.update(zip(new, shares, strict=True))
+        first = self._rows[keys[0]]
+        return BatchFeature(data={name: torch.cat([self._rows[key][name] for key in keys]) for name in first})
+
+    def _through(self, images: Any, *args: Any, **kwargs: Any) -> Any:
+        self._work.processor_calls += 1
+        self._work.images_processed += len(_flat_images(images) or []) if images is not None else 0
+        return self._inner(images, *args, **kwargs)
+
+
+def _reply_key(messages: Sequence[dict[str, Any]], memo: dict[int, tuple[Any, bytes]]) -> Hashable:
+    """What a reply's tokens depend on: its messages with each image as its mode and size (the processor expands a
+    placeholder by the image's size, never by its pixels); TypeError for content without a stable key."""
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            blocks = []
+            for block in content:
+                if not isinstance(block, dict):
+                    raise TypeError(type(block).__name__)
+                image = block.get("image")
+                if isinstance(image, Image.Image):
+                    rest = {k: v for k, v in block.items() if k != "image"}
+                    blocks.append(("image", image.mode, image.size, _frozen(rest)))
+                else:
+                    blocks.append(_frozen(block))
+            content = tuple(blocks)
+        else:
+            content = _frozen(content)
+        out.append((_frozen({k: v for k, v in message.items() if k != "content"}), content))
+    return tuple(out)
+
+
+class SuffixIds:
+    """The reply tokens of TRL's ``_get_tool_suffix_ids``, rendered once per reply shape (:func:`_reply_key`) in a
+    generation and reused for every rollout and round with the same shape."""
+
+    def __init__(self, render: Callable[[list[dict[str, Any]]], list[int]], work: RoundWork) -> None:
+        self._render = render
+        self._work = work
+        self._ids: dict[Hashable, list[int]] = {}
+        self._memo: dict[int, tuple[Any, bytes]] = {}
+
+    def __call__(self, messages: list[dict[str, Any]]) -> list[int]:
+        self._work.suffix_requests += 1
+        try:
+            key = _reply_key(messages, self._memo)
+        except TypeError:
+            key = None
+        if key is not None and key in self._ids:
+            return list(self._ids[key])
+        self._work.suffix_renders += 1
+        ids = list(self._render(messages))
+        if key is not None:
+            self._ids[key] = ids
+        return list(ids)
+
+
+class RoundCaches:
+    """The caches of one generation's tool loop (see the module's docstring) and what they saved (``work``)."""
+
+    def __init__(self, render: Callable[[list[dict[str, Any]]], list[int]]) -> None:
+        self.work = RoundWork()
+        self.suffix = SuffixIds(render, self.work)
+
+    @contextmanager
+    def images(self, processor: Any) -> Iterator[None]:
+        """``processor.image_processor`` is a :class:`CachedImageProcessor` inside the block, its own after it."""
+        inner = getattr(processor, "image_processor", None)
+        if inner is None:
+            yield
+            return
+        processor.image_processor = CachedImageProcessor(inner, self.work)
+        try:
+            yield
+        finally:
+            processor.image_processor = inner

@@ -329,17 +329,22 @@ class VLMGRPOTrainer(
         processor = self.processing_class
         if self.args.process_prompts_once:
             self.processing_class = ProcessOnce(processor, self.accelerator.device)
+        if self.tools and self.args.share_prefill and self.args.fast_decode:  # see vlm_grpo.tools.round_cache
+            self._round_caches = RoundCaches(super()._get_tool_suffix_ids)
         try:
-            output = super()._generate_and_score_completions(inputs)
-            # Before TRL splits and shuffles the batch by its pixels
-            if self.tools:
-                ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
-                output.update(self.vlm_module.tool_pixel_fields(processor, output, ids))
-            else:
-                output.update(self.vlm_module.trl_pixel_fields(output))
+            with self._round_caches.images(processor) if self._round_caches else contextlib.nullcontext():
+                output = super()._generate_and_score_completions(inputs)
+                # Before TRL splits and shuffles the batch by its pixels
+                if self.tools:
+                    ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+                    output.update(self.vlm_module.tool_pixel_fields(processor, output, ids))
+                else:
+                    output.update(self.vlm_module.trl_pixel_fields(output))
             return output
         finally:
             self.processing_class = processor
+            self.last_round_work = self._round_caches.work if self._round_caches is not None else None
+            self._round_caches = None
             drop_stacked_input_grad_hooks(self.model)
 
     def _generate_single_turn(
@@ -448,11 +453,8 @@ class VLMGRPOTrainer(
         # The rollouts' sandbox cells run together, per round; later turns are read as TRL's loop parses them.
         self._in_tool_loop = True
         self._round_sync = round_sync_for(self)
-        processor = self.processing_class
-        processor = processor._processor if isinstance(processor, ProcessOnce) else processor
-        caches = self._round_caches.images(processor) if self._round_caches else contextlib.nullcontext()
         try:
-            with ToolBatch(self.environments, completions), parse_with_protocol(self, turns), caches:
+            with ToolBatch(self.environments, completions), parse_with_protocol(self, turns):
                 result = super()._tool_call_loop(
                     prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields
                 )
@@ -493,13 +495,11 @@ class VLMGRPOTrainer(
         if self.tools and self.args.share_prefill and self.args.fast_decode:
             # Each rollout's KV cache is held from one turn to the next (see vlm_grpo.fastpath.turn_cache).
             self._turn_cache = TurnCache(image_pad_id(self._tokenizer), self._tokenizer.pad_token_id)
-            self._round_caches = RoundCaches(super()._get_tool_suffix_ids)
         try:
             out = super()._generate(prompts)
         finally:
             self.last_turn_stats = self._turn_cache.stats if self._turn_cache is not None else None
-            self.last_round_work = self._round_caches.work if self._round_caches is not None else None
-            self._turn_cache = self._round_caches = None
+            self._turn_cache = None
         if self._tool_turns is None or out[2] is None:
             return out
         prompt_ids, completion_ids, tool_mask, completions, *rest = out

@@ -23,6 +23,7 @@ import test_turn_cache
 from test_turn_cache import ROUNDS, run
 from vlm_grpo.tools.round_cache import CachedImageProcessor, RoundCaches, RoundWork, SuffixIds
 from vlm_grpo.trainer import VLMGRPOTrainer
+from vlm_grpo.utils import peft_base
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 dataset, sharp_models = test_turn_cache.dataset, test_turn_cache.sharp_models  # the fixtures
@@ -196,3 +197,34 @@ def test_round_caches_put_the_image_processor_back():
         assert isinstance(processor.image_processor, CachedImageProcessor)
         raise RuntimeError
     assert processor.image_processor is inner
+
+
+@pytest.mark.parametrize("spares", [2, 0], ids=["spares", "control_no_spares"])
+def test_rounds_of_other_widths_replay_their_kept_steps(spares, tiny_models, monkeypatch):
+    """A tool step decodes its first turn over every rollout and later rounds over the rollouts still calling
+    tools: widths alternate from step to step. Each width's kept workspace (its steps, on a GPU its graphs) serves it
+    again; the control keeps only the last one and makes a workspace at every change of width. Tokens stay
+    generate's."""
+    import test_decode_speed
+    from test_decode_keep import _decode, _tiny_qwen
+    from test_decode_windows import _windows_on
+    from vlm_grpo.fastpath import decode, decode_keep
+
+    _windows_on(monkeypatch, window=4, bucket=8)
+    monkeypatch.setattr(decode_keep, "SPARES", spares)
+    made = []
+    workspace = decode._workspace
+    monkeypatch.setattr(decode, "_workspace", lambda *a, **k: made.append(a[2]) or workspace(*a, **k))
+    model = _tiny_qwen(tiny_models)
+    kept = []
+    for g in (2, 1, 2, 1, 2):  # 4 rows, then 2 (half the rollouts answered), from step to step
+        monkeypatch.setattr(test_decode_speed, "G", g)
+        ours, plain = _decode(model, 20, compile=False, keep=True)
+        assert ours == plain and len(ours) == 2 * g
+        kept.append(decode._KEPT[peft_base(model).get_decoder()])
+    if spares:
+        assert made == [4, 2] and kept[2] is kept[0] is kept[4] and kept[3] is kept[1] is not kept[0]
+    else:
+        assert made == [4, 2, 4, 2, 4]
+    decode._KEPT.clear()
+    decode_keep.drop_spares(peft_base(model).get_decoder())

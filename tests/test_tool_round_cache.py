@@ -140,21 +140,34 @@ def test_cached_image_processor_returns_the_processors_own_outputs(family, tiny_
     images = _random_images([(300, 200), (448, 448), (100, 60), (500, 90)])
     work = RoundWork()
     cached = CachedImageProcessor(inner, work)
-    for call in (images[:2], [images[1], images[3], images[0]], images, [images[2]]):
-        want, got = inner(images=call, return_tensors="pt"), cached(images=call, return_tensors="pt")
+    # The processor's own calls (inside apply_chat_template: no return_tensors) and TRL's, in any order.
+    calls = [(images[:2], None), ([images[1], images[3], images[0]], "pt"), (images, "pt"), ([images[2]], None)]
+    for call, tensors in calls:
+        want = inner(images=call, return_tensors=tensors)
+        got = cached(images=call, return_tensors=tensors)
         assert set(got.keys()) == set(want.keys())
         for key in want:
-            assert torch.equal(torch.as_tensor(got[key]), torch.as_tensor(want[key])), (family, key)
+            assert type(got[key]) is type(want[key]), (family, key)
+            if isinstance(want[key], list):
+                assert len(got[key]) == len(want[key])
+                assert all(
+                    torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+                    for a, b in zip(got[key], want[key], strict=True)
+                )
+            else:
+                assert torch.equal(torch.as_tensor(got[key]), torch.as_tensor(want[key])), (family, key)
     if family == "mistral3":  # padded to the batch: runs as it is, every call
         assert work.images_processed == 2 + 3 + 4 + 1
+    elif family == "internvl":  # lists without return_tensors: those are kept apart from the tensors
+        assert work.images_processed == 3 + len(images)
     else:
         assert work.images_processed == len(images)
         assert work.image_requests == 2 + 3 + 4 + 1
-    # A copy with the same pixels is the same image; other options are another preprocessing.
+    # A copy with the same pixels is the same image: nothing preprocessed again (but for Pixtral's batches).
+    processed = work.images_processed
     again = cached(images=[images[0].copy()], return_tensors="pt")
     assert torch.equal(again["pixel_values"], inner(images=[images[0]], return_tensors="pt")["pixel_values"])
-    if family != "mistral3":
-        assert work.images_processed == len(images)
+    assert work.images_processed == processed + (family == "mistral3")
 
 
 def test_suffix_ids_render_once_per_text_and_image_size():

@@ -89,7 +89,7 @@ def _per_image(out: Any, count: int) -> list[dict[str, Any]] | None:
     (InternVL's tiles), or one row an image."""
     keys = set(out.keys())
     pixels = out.get("pixel_values")
-    if not isinstance(pixels, torch.Tensor) or not keys <= {"pixel_values", "image_grid_thw", "num_patches"}:
+    if not isinstance(pixels, (torch.Tensor, list)) or not keys <= {"pixel_values", "image_grid_thw", "num_patches"}:
         return None
     grid = out.get("image_grid_thw")
     if grid is not None:
@@ -98,12 +98,18 @@ def _per_image(out: Any, count: int) -> list[dict[str, Any]] | None:
         units = torch.as_tensor(out["num_patches"]).tolist()
     else:
         units = [1] * count
-    if len(units) != count or sum(units) != pixels.size(0):
+    if len(units) != count or sum(units) != len(pixels):
         return None
     shares: list[dict[str, Any]] = [{} for _ in range(count)]
     for key, value in out.items():
-        per_row = value if key == "pixel_values" else torch.as_tensor(value)
-        pieces = per_row.split(units) if key == "pixel_values" else per_row.split(1)
+        sizes = units if key == "pixel_values" else [1] * count
+        if isinstance(value, torch.Tensor):
+            pieces = list(value.split(sizes))
+        elif isinstance(value, list) and len(value) == sum(sizes):  # kept a list, as the processor returned it
+            starts = [sum(sizes[:i]) for i in range(count + 1)]
+            pieces = [value[starts[i] : starts[i + 1]] for i in range(count)]
+        else:
+            return None
         if len(pieces) != count:
             return None
         for share, piece in zip(shares, pieces, strict=True):
@@ -111,36 +117,47 @@ def _per_image(out: Any, count: int) -> list[dict[str, Any]] | None:
     return shares
 
 
+def _joined(pieces: list) -> Any:
+    return torch.cat(pieces) if isinstance(pieces[0], torch.Tensor) else [x for piece in pieces for x in piece]
+
+
 class CachedImageProcessor:
     """The image processor of one generation's tool loop: each image (by its pixels) is preprocessed once per call
     options, and a call returns the rows of its images from what was preprocessed, in its order. Everything else is
-    the image processor's own."""
+    the image processor's own.
+
+    A call without ``return_tensors`` (the processor's own, inside ``apply_chat_template``) shares the rows of calls
+    with ``return_tensors="pt"`` (TRL's) once such a call was seen to return tensors too; InternVL's returns lists
+    there, kept apart."""
 
     def __init__(self, image_processor: Any, work: RoundWork) -> None:
         self._inner = image_processor
         self._work = work
-        self._rows: dict[tuple[bytes, Hashable], dict[str, Any]] = {}
+        self._rows: dict[tuple[bytes, Hashable, bool], dict[str, Any]] = {}
         self._memo: dict[int, tuple[Any, bytes]] = {}
-        self._off = False
+        self._off: set[Hashable] = set()  # call options whose outputs cannot be cut per image
+        self._plain_tensors: dict[Hashable, bool] = {}  # options -> whether a call without return_tensors gives tensors
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("_inner", "_work", "_rows", "_memo", "_off"):
+        if name in ("_inner", "_work", "_rows", "_memo", "_off", "_plain_tensors"):
             raise AttributeError(name)
         return getattr(self._inner, name)
 
     def __call__(self, images: Any = None, *args: Any, **kwargs: Any) -> Any:
-        flat = None if self._off or args else _flat_images(images)
+        flat = None if args else _flat_images(images)
+        pt = kwargs.get("return_tensors") == "pt"
         try:
             options = _frozen({k: v for k, v in kwargs.items() if k != "return_tensors"})
         except TypeError:
             flat = None
-        if not flat or kwargs.get("return_tensors") not in (None, "pt"):
+        if not flat or options in self._off or kwargs.get("return_tensors") not in (None, "pt"):
             return self._through(images, *args, **kwargs)
         from transformers import BatchFeature
 
-        keys = [(_image_key(image, self._memo), options) for image in flat]
+        tensors = pt or self._plain_tensors.get(options, False)
+        keys = [(_image_key(image, self._memo), options, tensors) for image in flat]
         self._work.image_requests += len(flat)
-        new: dict[tuple[bytes, Hashable], Image.Image] = {}
+        new: dict[tuple[bytes, Hashable, bool], Image.Image] = {}
         for key, image in zip(keys, flat, strict=True):
             if key not in self._rows:
                 new.setdefault(key, image)
@@ -148,7 +165,7 @@ class CachedImageProcessor:
             out = self._through(list(new.values()), **kwargs)
             shares = _per_image(out, len(new))
             if shares is None:
-                self._off = True
+                self._off.add(options)
                 warn_once(
                     logger,
                     f"tool loop: the image processor's outputs ({', '.join(sorted(out.keys()))}) cannot be cut per "
@@ -156,9 +173,14 @@ class CachedImageProcessor:
                     logging.INFO,
                 )
                 return self._through(images, *args, **kwargs) if len(new) != len(flat) else out
+            if not pt and options not in self._plain_tensors:
+                self._plain_tensors[options] = all(isinstance(v, torch.Tensor) for v in out.values())
+                if self._plain_tensors[options]:  # the same rows as a call with return_tensors="pt"
+                    keys = [(k[0], options, True) for k in keys]
+                    new = {(k[0], options, True): image for k, image in new.items()}
             self._rows.update(zip(new, shares, strict=True))
         first = self._rows[keys[0]]
-        return BatchFeature(data={name: torch.cat([self._rows[key][name] for key in keys]) for name in first})
+        return BatchFeature(data={name: _joined([self._rows[key][name] for key in keys]) for name in first})
 
     def _through(self, images: Any, *args: Any, **kwargs: Any) -> Any:
         self._work.processor_calls += 1
@@ -166,7 +188,7 @@ class CachedImageProcessor:
         return self._inner(images, *args, **kwargs)
 
 
-def _reply_key(messages: Sequence[dict[str, Any]], memo: dict[int, tuple[Any, bytes]]) -> Hashable:
+def _reply_key(messages: Sequence[dict[str, Any]]) -> Hashable:
     """What a reply's tokens depend on: its messages with each image as its mode and size (the processor expands a
     placeholder by the image's size, never by its pixels); TypeError for content without a stable key."""
     out = []
@@ -198,12 +220,11 @@ class SuffixIds:
         self._render = render
         self._work = work
         self._ids: dict[Hashable, list[int]] = {}
-        self._memo: dict[int, tuple[Any, bytes]] = {}
 
     def __call__(self, messages: list[dict[str, Any]]) -> list[int]:
         self._work.suffix_requests += 1
         try:
-            key = _reply_key(messages, self._memo)
+            key = _reply_key(messages)
         except TypeError:
             key = None
         if key is not None and key in self._ids:

@@ -329,10 +329,11 @@ class VLMGRPOTrainer(
         processor = self.processing_class
         if self.args.process_prompts_once:
             self.processing_class = ProcessOnce(processor, self.accelerator.device)
+        caches = None
         if self.tools and self.args.share_prefill and self.args.fast_decode:  # see vlm_grpo.tools.round_cache
-            self._round_caches = RoundCaches(super()._get_tool_suffix_ids)
+            caches = self._round_caches = RoundCaches(super()._get_tool_suffix_ids)
         try:
-            with self._round_caches.images(processor) if self._round_caches else contextlib.nullcontext():
+            with caches.images(processor) if caches is not None else contextlib.nullcontext():
                 output = super()._generate_and_score_completions(inputs)
                 # Before TRL splits and shuffles the batch by its pixels
                 if self.tools:
@@ -343,7 +344,7 @@ class VLMGRPOTrainer(
             return output
         finally:
             self.processing_class = processor
-            self.last_round_work = self._round_caches.work if self._round_caches is not None else None
+            self.last_round_work = caches.work if caches is not None else None
             self._round_caches = None
             drop_stacked_input_grad_hooks(self.model)
 

@@ -241,3 +241,27 @@ def test_rounds_of_other_widths_replay_their_kept_steps(spares, tiny_models, mon
         assert made == [4, 2, 4, 2, 4]
     decode._KEPT.clear()
     decode_keep.drop_spares(peft_base(model).get_decoder())
+
+
+def test_trls_calls_get_their_rows_on_the_device_once(tiny_models):
+    """TRL's own calls (``images=...``, ``return_tensors="pt"``; TRL moves their outputs to the device next) get tensors
+    on the device, each image's rows copied there once; the processor's own calls (images passed positionally) get
+    them where the image processor puts them. The meta device stands in for a GPU."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(tiny_models["qwen2_5_vl"])
+    images = _random_images([(300, 200), (448, 448), (100, 60)])
+    cached = CachedImageProcessor(processor.image_processor, RoundWork(), torch.device("meta"))
+    moved = []
+    for call in (images[:2], images, images[1:]):
+        out = cached(images=call, return_tensors="pt")
+        assert {v.device.type for v in out.values()} == {"meta"}
+        assert (
+            out["pixel_values"].shape
+            == processor.image_processor(images=call, return_tensors="pt")["pixel_values"].shape
+        )
+        moved.append(len(cached._on_device))
+    assert moved == [2, 3, 3]  # each image once
+    own = cached(images[:1])  # the processor's own call, positional
+    want = processor.image_processor(images[:1])
+    assert own["pixel_values"].device.type == "cpu" and torch.equal(own["pixel_values"], want["pixel_values"])

@@ -333,7 +333,7 @@ class VLMGRPOTrainer(
         if self.tools and self.args.share_prefill and self.args.fast_decode:  # see vlm_grpo.tools.round_cache
             caches = self._round_caches = RoundCaches(super()._get_tool_suffix_ids)
         try:
-            with caches.images(processor) if caches is not None else contextlib.nullcontext():
+            with caches.images(processor, self.accelerator.device) if caches is not None else contextlib.nullcontext():
                 output = super()._generate_and_score_completions(inputs)
                 # Before TRL splits and shuffles the batch by its pixels
                 if self.tools:

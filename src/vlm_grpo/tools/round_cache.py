@@ -128,22 +128,40 @@ class CachedImageProcessor:
 
     A call without ``return_tensors`` (the processor's own, inside ``apply_chat_template``) shares the rows of calls
     with ``return_tensors="pt"`` (TRL's) once such a call was seen to return tensors too; InternVL's returns lists
-    there, kept apart."""
+    there, kept apart.
 
-    def __init__(self, image_processor: Any, work: RoundWork) -> None:
+    ``device``: where TRL's own calls (``image_processor(images=..., return_tensors="pt")``, whose outputs TRL moves
+    there next) get their tensors: each image's rows are copied there once, not every image of the history in every
+    round. The processor's calls get them where the image processor puts them."""
+
+    _OWN = ("_inner", "_work", "_rows", "_memo", "_off", "_plain_tensors", "_device", "_on_device")
+
+    def __init__(self, image_processor: Any, work: RoundWork, device: torch.device | None = None) -> None:
         self._inner = image_processor
         self._work = work
         self._rows: dict[tuple[bytes, Hashable, bool], dict[str, Any]] = {}
         self._memo: dict[int, tuple[Any, bytes]] = {}
         self._off: set[Hashable] = set()  # call options whose outputs cannot be cut per image
         self._plain_tensors: dict[Hashable, bool] = {}  # options -> whether a call without return_tensors gives tensors
+        self._device = device
+        self._on_device: dict[tuple[bytes, Hashable, bool], dict[str, Any]] = {}
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("_inner", "_work", "_rows", "_memo", "_off", "_plain_tensors"):
+        if name in CachedImageProcessor._OWN:
             raise AttributeError(name)
         return getattr(self._inner, name)
 
-    def __call__(self, images: Any = None, *args: Any, **kwargs: Any) -> Any:
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in CachedImageProcessor._OWN:
+            object.__setattr__(self, name, value)
+        else:  # a setting of the image processor's own
+            setattr(self._inner, name, value)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        call = (args, dict(kwargs))  # as given, for calls passed on as they are
+        trls = "images" in kwargs and not args and set(kwargs) == {"images", "return_tensors"}
+        images = kwargs.pop("images") if "images" in kwargs else (args[0] if args else None)
+        args = args[1:] if args and images is args[0] else args
         flat = None if args else _flat_images(images)
         pt = kwargs.get("return_tensors") == "pt"
         try:
@@ -151,7 +169,7 @@ class CachedImageProcessor:
         except TypeError:
             flat = None
         if not flat or options in self._off or kwargs.get("return_tensors") not in (None, "pt"):
-            return self._through(images, *args, **kwargs)
+            return self._through(images, *call[0], **call[1])
         from transformers import BatchFeature
 
         tensors = pt or self._plain_tensors.get(options, False)
@@ -162,7 +180,7 @@ class CachedImageProcessor:
             if key not in self._rows:
                 new.setdefault(key, image)
         if new:
-            out = self._through(list(new.values()), **kwargs)
+            out = self._through(list(new.values()), list(new.values()), **kwargs)
             shares = _per_image(out, len(new))
             if shares is None:
                 self._off.add(options)
@@ -172,20 +190,29 @@ class CachedImageProcessor:
                     "image: every round preprocesses every image of the conversations",
                     logging.INFO,
                 )
-                return self._through(images, *args, **kwargs) if len(new) != len(flat) else out
+                return self._through(images, *call[0], **call[1]) if len(new) != len(flat) else out
             if not pt and options not in self._plain_tensors:
                 self._plain_tensors[options] = all(isinstance(v, torch.Tensor) for v in out.values())
                 if self._plain_tensors[options]:  # the same rows as a call with return_tensors="pt"
                     keys = [(k[0], options, True) for k in keys]
                     new = {(k[0], options, True): image for k, image in new.items()}
             self._rows.update(zip(new, shares, strict=True))
-        first = self._rows[keys[0]]
-        return BatchFeature(data={name: _joined([self._rows[key][name] for key in keys]) for name in first})
+        rows = self._rows
+        if trls and pt and self._device is not None:
+            rows = self._on_device
+            for key in keys:
+                if key not in rows:
+                    rows[key] = {
+                        k: v.to(self._device) if isinstance(v, torch.Tensor) else v for k, v in self._rows[key].items()
+                    }
+        first = rows[keys[0]]
+        return BatchFeature(data={name: _joined([rows[key][name] for key in keys]) for name in first})
 
-    def _through(self, images: Any, *args: Any, **kwargs: Any) -> Any:
+    def _through(self, counted: Any, /, *args: Any, **kwargs: Any) -> Any:
+        """The image processor's own call (``args``, ``kwargs`` as it gets them), counted; ``counted``: its images."""
         self._work.processor_calls += 1
-        self._work.images_processed += len(_flat_images(images) or []) if images is not None else 0
-        return self._inner(images, *args, **kwargs)
+        self._work.images_processed += len(_flat_images(counted) or []) if counted is not None else 0
+        return self._inner(*args, **kwargs)
 
 
 def _reply_key(messages: Sequence[dict[str, Any]]) -> Hashable:
@@ -244,13 +271,13 @@ class RoundCaches:
         self.suffix = SuffixIds(render, self.work)
 
     @contextmanager
-    def images(self, processor: Any) -> Iterator[None]:
+    def images(self, processor: Any, device: torch.device | None = None) -> Iterator[None]:
         """``processor.image_processor`` is a :class:`CachedImageProcessor` inside the block, its own after it."""
         inner = getattr(processor, "image_processor", None)
         if inner is None:
             yield
             return
-        processor.image_processor = CachedImageProcessor(inner, self.work)
+        processor.image_processor = CachedImageProcessor(inner, self.work, device)
         try:
             yield
         finally:

@@ -1,18 +1,19 @@
-"""Per-round host work of TRL's tool loop, done once per generation instead of once per rollout and round.
+"""Per-round host work of TRL's tool loop, done once per step instead of once per rollout and round.
 
 Every round of TRL's tool loop does, on the host, work that grows with the rollouts and their history:
 
 * ``_get_tool_suffix_ids`` renders two chat templates per rollout (the reply tokens after a dummy call), and the
   processor behind them preprocesses the reply's images again;
 * the loop runs the image processor on *every* image of every live rollout (prompt images and all tool images so
-  far), round after round.
+  far), round after round, and copies all their pixels to the device.
 
-:class:`RoundCaches` serves both from what the generation has seen already: a reply's tokens depend only on its
+:class:`RoundCaches` serves both from what the step has seen already: a reply's tokens depend only on its
 messages' text and its images' sizes (the processor expands an image placeholder by the image's grid or tile count,
 read from its size), so they are computed once per reply shape (:class:`SuffixIds`); an image's preprocessed rows
-depend only on its pixels and the call's options, so each image is preprocessed once and its rows are reused
-(:class:`CachedImageProcessor`). Outputs are the ones the uncached calls return (tests compare them). A processor
-whose outputs it cannot cut per image (padded to the batch's largest image, tiles counted per batch) runs as it is.
+depend only on its pixels and the call's options, so each image is preprocessed (and copied to the device) once and
+its rows are reused (:class:`CachedImageProcessor`). Outputs are the ones the uncached calls return (tests compare
+them). A processor whose outputs it cannot cut per image (padded to the batch's largest image, tiles counted per
+batch) runs as it is.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RoundWork:
-    """What one generation's tool loop asked of the host, and what it actually ran: reply suffixes asked for and
+    """What one step's tool generation asked of the host, and what it actually ran: reply suffixes asked for and
     rendered (each render is two chat templates), images asked of the image processor and preprocessed."""
 
     suffix_requests: int = 0
@@ -122,9 +123,9 @@ def _joined(pieces: list) -> Any:
 
 
 class CachedImageProcessor:
-    """The image processor of one generation's tool loop: each image (by its pixels) is preprocessed once per call
-    options, and a call returns the rows of its images from what was preprocessed, in its order. Everything else is
-    the image processor's own.
+    """The image processor of one step (generation, tool loop, log-prob passes): each image (by its pixels) is
+    preprocessed once per call options, and a call returns the rows of its images from what was preprocessed, in its
+    order. Everything else is the image processor's own.
 
     A call without ``return_tensors`` (the processor's own, inside ``apply_chat_template``) shares the rows of calls
     with ``return_tensors="pt"`` (TRL's) once such a call was seen to return tensors too; InternVL's returns lists
@@ -241,7 +242,7 @@ def _reply_key(messages: Sequence[dict[str, Any]]) -> Hashable:
 
 class SuffixIds:
     """The reply tokens of TRL's ``_get_tool_suffix_ids``, rendered once per reply shape (:func:`_reply_key`) in a
-    generation and reused for every rollout and round with the same shape."""
+    step and reused for every rollout and round with the same shape."""
 
     def __init__(self, render: Callable[[list[dict[str, Any]]], list[int]], work: RoundWork) -> None:
         self._render = render
@@ -264,7 +265,7 @@ class SuffixIds:
 
 
 class RoundCaches:
-    """The caches of one generation's tool loop (see the module's docstring) and what they saved (``work``)."""
+    """The caches of one step (see the module's docstring) and what they saved (``work``)."""
 
     def __init__(self, render: Callable[[list[dict[str, Any]]], list[int]]) -> None:
         self.work = RoundWork()

@@ -20,6 +20,8 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -77,16 +79,33 @@ def scripted(base: type, rounds: int, half: bool) -> type:
                 self._round >= rounds or (half and self._round == 1 and i % 2 == 0) for i in range(len(prompt_ids))
             ]
             config = self.generation_config
-            saved = config.max_new_tokens, config.min_new_tokens
+            saved = config.max_new_tokens
             if not any(answering):  # the model decodes as many tokens as the call has
-                config.max_new_tokens = config.min_new_tokens = len(call)
+                # min_new_tokens stays as configured: a run's sampling settings are the same in every turn
+                config.max_new_tokens = len(call)
+            timer = self.timer
+            timer.sync()
+            start = time.perf_counter()
             try:
                 ids, _ = super()._generate_single_turn(
                     prompt_ids, images, multimodal_fields, num_generations, has_tool_images
                 )
             finally:
-                config.max_new_tokens, config.min_new_tokens = saved
+                config.max_new_tokens = saved
+                if self._round:  # a turn of the tool loop: its own time is not the loop's host time
+                    timer.sync()
+                    timer.totals["_loop_turns"] += time.perf_counter() - start
             return [list(row) if answers else list(call) for row, answers in zip(ids, answering, strict=True)], None
+
+        def _tool_call_loop(self, *args, **kwargs):
+            timer = self.timer
+            timer.sync()
+            start = time.perf_counter()
+            try:
+                return super()._tool_call_loop(*args, **kwargs)
+            finally:
+                timer.sync()
+                timer.totals["_tool_loop"] += time.perf_counter() - start
 
     return Scripted
 
@@ -114,6 +133,44 @@ def count_work(model: torch.nn.Module, module: Any, pad_id: int, timer: PhaseTim
         tower.register_forward_pre_hook(encoded, with_kwargs=True)
 
 
+@contextmanager
+def count_setups(timer: PhaseTimer, processor: Any) -> Iterator[None]:
+    """Counts per step the host-side setups of generation: decode workspaces made (``fast_decode``'s static cache
+    and buffers) and decode steps set up (each one's warm-ups and, on a GPU, its CUDA graph capture), chat templates
+    rendered and images the image processor preprocessed (every call, the log-prob passes' included)."""
+    from vlm_grpo.fastpath import decode
+
+    workspace, step = decode._workspace, decode._Step
+    processor_cls, image_cls = type(processor), type(processor.image_processor)
+    render, preprocess = processor_cls.apply_chat_template, image_cls.__call__
+
+    def counted_workspace(*args, **kwargs):
+        timer.totals["_workspaces"] += 1
+        return workspace(*args, **kwargs)
+
+    class CountedStep(step):
+        def __init__(self, *args, **kwargs):
+            timer.totals["_decode_steps"] += 1
+            super().__init__(*args, **kwargs)
+
+    def counted_render(self, *args, **kwargs):
+        timer.totals["_templates"] += 1
+        return render(self, *args, **kwargs)
+
+    def counted_preprocess(self, images=None, *args, **kwargs):
+        flat = images if isinstance(images, list) else [images]
+        timer.totals["_images_preprocessed"] += sum(len(x) if isinstance(x, list) else 1 for x in flat)
+        return preprocess(self, images, *args, **kwargs)
+
+    decode._workspace, decode._Step = counted_workspace, CountedStep
+    processor_cls.apply_chat_template, image_cls.__call__ = counted_render, counted_preprocess
+    try:
+        yield
+    finally:
+        decode._workspace, decode._Step = workspace, step
+        processor_cls.apply_chat_template, image_cls.__call__ = render, preprocess
+
+
 def run_one(
     kind: str, args: Any, scenario: Scenario, tools_scenario: str, workdir: Path, paths: list
 ) -> tuple[Result, dict[str, float]]:
@@ -132,7 +189,7 @@ def run_one(
     config.generation_kwargs["max_new_tokens"] = scenario.completion_length  # each sampled turn: exactly C tokens
     timer = PhaseTimer(device)
     time_vision(model, module, timer)
-    if kind == "vanilla":
+    if kind.partition(":")[0] == "vanilla":
         prepare_for_tools(config, processor)  # TRL's parser for the tiny template; same token rules as ours
         cls = scripted(timed_trainer_class(GRPOTrainer), rounds, half)
         dataset = vanilla_dataset(paths)
@@ -150,7 +207,7 @@ def run_one(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
-    with timed_fast_decode(timer):
+    with timed_fast_decode(timer), count_setups(timer, processor):
         trainer.train()
     wall = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
@@ -173,6 +230,14 @@ def run_one(
         "prefill_tokens_per_step": median("_prefill_tokens"),
         "prefill_padded_per_step": median("_prefill_padded"),
         "vision_images_per_step": median("_vision_images"),
+        # the tool loop's own time outside its turns' generation: tool calls, templates, images, TRL's bookkeeping
+        "loop_host_s_per_step": sorted(s.get("_tool_loop", 0.0) - s.get("_loop_turns", 0.0) for s in measured)[
+            len(measured) // 2
+        ],
+        "chat_templates_per_step": median("_templates"),
+        "images_preprocessed_per_step": median("_images_preprocessed"),
+        "decode_workspaces_per_step": median("_workspaces"),
+        "decode_steps_set_up_per_step": median("_decode_steps"),
     }
     decode_ms = 1e3 * median("decode") / median("_decode_tokens") if median("_decode_tokens") else None
     result = Result(
@@ -198,9 +263,11 @@ def main(argv: list[str] | None = None) -> list[Result]:
         if name.rstrip("h")[:1] != "T" or not name.rstrip("h")[1:].isdigit():
             raise SystemExit(f"error: --tool_scenarios {name}: use T<rounds> or T<rounds>h (e.g. T2 T4 T4h)")
     args = parse(argv, __doc__.split("\n\n")[0])
-    unknown = [k for k in args.trainers if k not in ("vanilla", "ours")]
+    unknown = [k for k in args.trainers if k.partition(":")[0] not in ("vanilla", "ours")]
     if unknown:
-        raise SystemExit(f"error: --trainers {' '.join(unknown)}: bench_tools.py runs vanilla and ours only")
+        raise SystemExit(
+            f"error: --trainers {' '.join(unknown)}: bench_tools.py runs vanilla and ours (variants as ours:key=value)"
+        )
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     results, extras = [], {}
 

@@ -223,16 +223,18 @@ def scale_out_table(data: dict[str, Any]) -> list[str]:
 
 
 def tools_table(data: dict[str, Any]) -> list[str]:
-    """grpo_table's columns plus what generation did per step: tokens prefilled (padding apart) and images the
-    vision tower encoded (runs recorded before these were counted show "-")."""
+    """grpo_table's columns plus what generation did per step: tokens prefilled (padding apart), images the
+    vision tower encoded, and the tool loop's host seconds outside its turns' generation (runs recorded before these
+    were counted show "-")."""
     lines = grpo_table(data)
     extras = data.get("tools") or {}
     rows = _labelled(data)
-    out = [lines[0] + " prefill tokens/step | vision images/step |", lines[1] + "---|---|"]
+    out = [lines[0] + " prefill tokens/step | vision images/step | loop host s/step |", lines[1] + "---|---|---|"]
     for line, r in zip(lines[2:], rows, strict=True):
         tools = extras.get(f"{r['scenario']} {r['trainer']}", {})
         prefill, images = tools.get("prefill_tokens_per_step"), tools.get("vision_images_per_step")
-        out.append(f"{line} {_fmt(prefill, 0)} | {_fmt(images, 0)} |")
+        host = tools.get("loop_host_s_per_step")
+        out.append(f"{line} {_fmt(prefill, 0)} | {_fmt(images, 0)} | {_fmt(host)} |")
     return out
 
 

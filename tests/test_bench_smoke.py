@@ -225,6 +225,11 @@ def test_bench_tools_tiny_cpu_counts_prefill_and_vision_work(tmp_path):
         vanilla, ours = tools[f"56px x1 C8 {name} vanilla"], tools[f"56px x1 C8 {name} ours"]
         assert 0 < ours["prefill_tokens_per_step"] < vanilla["prefill_tokens_per_step"] / 2
         assert vanilla["tool_calls_per_rollout"] == ours["tool_calls_per_rollout"]
+        # The host work of the loop: templates and image preprocessing once per reply shape / image, not per round.
+        assert 0 < ours["chat_templates_per_step"] < vanilla["chat_templates_per_step"] / 2
+        assert 0 < ours["images_preprocessed_per_step"] < vanilla["images_preprocessed_per_step"] / 4
+        assert ours["decode_workspaces_per_step"] >= 1 and vanilla["decode_workspaces_per_step"] == 0
+        assert vanilla["loop_host_s_per_step"] > 0 and ours["loop_host_s_per_step"] > 0
     # 2 prompts x G=4: each prompt image once per group, then one new tool image per rollout and round (T2: 2 rounds;
     # T4h: 8 rollouts in round 1, the 4 that go on in rounds 2-4); TRL's loop encodes every image of every history.
     assert tools["56px x1 C8 T2 ours"]["vision_images_per_step"] == 2 + 8 * 2

@@ -50,6 +50,7 @@ from vlm_grpo.tools.rollouts import (
     tile_fields,
     tool_turns,
 )
+from vlm_grpo.tools.round_cache import RoundCaches
 from vlm_grpo.tools.rounds import RoundSync, round_sync_for
 from vlm_grpo.trainer_common import (
     CheckpointReloadMixin,
@@ -239,11 +240,15 @@ class VLMGRPOTrainer(
 
     # The rollouts' held KV caches while a tool generation runs (None outside one, or without fast_decode).
     _turn_cache: TurnCache | None = None
+    # Reply tokens and preprocessed images of one tool generation, reused across its rollouts and rounds.
+    _round_caches: RoundCaches | None = None
     # Inside TRL's tool loop (the turns after the first), and the ranks' round votes there (ZeRO-3 / FSDP).
     _in_tool_loop = False
     _round_sync: RoundSync | None = None
     #: What the last tool generation's turns after the first did (:class:`~vlm_grpo.fastpath.turn_cache.TurnStats`).
     last_turn_stats = None
+    #: What the last tool generation's loop asked of the host and ran (:class:`~vlm_grpo.tools.round_cache.RoundWork`).
+    last_round_work = None
     #: What the last packed log-prob pass ran (:class:`~vlm_grpo.fastpath.sharing.PackedPass`: tokens, padding).
     last_packed_pass = None
 
@@ -343,17 +348,23 @@ class VLMGRPOTrainer(
         processor = self.processing_class
         if self.args.process_prompts_once:
             self.processing_class = ProcessOnce(processor, self.accelerator.device)
+        caches = None
+        if self.tools and self.args.share_prefill and self.args.fast_decode:  # see vlm_grpo.tools.round_cache
+            caches = self._round_caches = RoundCaches(super()._get_tool_suffix_ids)
         try:
-            output = super()._generate_and_score_completions(inputs)
-            # Before TRL splits and shuffles the batch by its pixels
-            if self.tools:
-                ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
-                output.update(self.vlm_module.tool_pixel_fields(processor, output, ids))
-            else:
-                output.update(self.vlm_module.trl_pixel_fields(output))
+            with caches.images(processor, self.accelerator.device) if caches is not None else contextlib.nullcontext():
+                output = super()._generate_and_score_completions(inputs)
+                # Before TRL splits and shuffles the batch by its pixels
+                if self.tools:
+                    ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+                    output.update(self.vlm_module.tool_pixel_fields(processor, output, ids))
+                else:
+                    output.update(self.vlm_module.trl_pixel_fields(output))
             return output
         finally:
             self.processing_class = processor
+            self.last_round_work = caches.work if caches is not None else None
+            self._round_caches = None
             drop_stacked_input_grad_hooks(self.model)
 
     def _generate_single_turn(
@@ -520,9 +531,12 @@ class VLMGRPOTrainer(
         return (prompt_ids, completion_ids, tool_mask, completions, *rest)
 
     def _get_tool_suffix_ids(self, tool_messages):
-        """A protocol that words its own replies (PyVision, DeepEyes) has them rendered as one user turn."""
+        """A protocol that words its own replies (PyVision, DeepEyes) has them rendered as one user turn; on the speed
+        path, each reply shape is rendered once per generation (:class:`~vlm_grpo.tools.round_cache.SuffixIds`)."""
         if self._tool_turns is not None:
             tool_messages = self._tool_turns.reply_messages(tool_messages)
+        if self._round_caches is not None:
+            return self._round_caches.suffix(tool_messages)
         return super()._get_tool_suffix_ids(tool_messages)
 
     def _order_tools(self, order: Sequence[str]) -> None:

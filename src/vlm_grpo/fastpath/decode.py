@@ -388,17 +388,21 @@ def fast_decode(
             x.size(1) * x.size(-1) * x.element_size() for layer in layers for x in (layer.keys, layer.values)
         )
         fused = fused_nbytes(decoder, cast, head, rows) if fuse else 0
-        keep = decode_keep.keep_by_default(use_graph, device, fused + held * rows * per_slot)
+        need = fused + held * rows * per_slot
+        parked = decode_keep.spare_nbytes(decoder, kept, key) if use_graph else 0
+        if parked and not decode_keep.within_budget(device, need + parked):
+            decode_keep.drop_spares(decoder)  # the spares of other widths go first
+        keep = decode_keep.keep_by_default(use_graph, device, need)
         if not keep:  # over the budget now (a longer decode): what was kept goes
             _KEPT.pop(decoder, None)
+            decode_keep.drop_spares(decoder)
             release_kept(decoder)
     # keep False leaves a kept workspace alone: it is neither used nor freed by this call.
     with fused_projections(decoder, cast, head, keep=keep, rows=rows) if fuse else contextlib.nullcontext():
         head = stand_in(decoder, head)
         pointers = decode_keep.pointers(decoder, head) if keep else ()
-        ws = _KEPT.pop(decoder, None) if keep else None
-        if ws is not None and (ws.key != key or ws.slots < slots or ws.pointers != pointers):
-            ws = None  # its graphs bake in something else, or read tensors that moved: freed before the new one
+        # The last workspace or a spare of this width (decode_keep.take); another is freed before the new one.
+        ws = decode_keep.take(decoder, _KEPT.pop(decoder, None), key, slots, pointers) if keep else None
         if ws is None:
             ws = _workspace(base, layers, rows, slots, attn, next_positions, key, pointers, use_graph, eos_count)
         if keep:

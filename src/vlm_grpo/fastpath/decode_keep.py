@@ -4,6 +4,7 @@ keep one by default: see :func:`vlm_grpo.fastpath.decode.fast_decode`'s ``keep``
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -16,6 +17,11 @@ logger = logging.getLogger(__name__)
 # keep_decode_graphs None: keep the decode workspace and the fused copy between generation calls when together
 # they take at most this fraction of the card's memory (3B on an 80 GB card: ~4.6 GB, kept; 7B: ~10 GB, not).
 KEEP_FRACTION = 0.1
+# Kept workspaces besides the last one, of other batch widths: a tool run's rounds alternate between the first
+# turn's rows and the rows still calling tools, and each width would otherwise capture its graphs again every step.
+# At most this many per decoder (the oldest goes first); with keep None, within KEEP_FRACTION with the rest.
+SPARES = 2
+_SPARE: weakref.WeakKeyDictionary[Any, dict[tuple, Any]] = weakref.WeakKeyDictionary()
 
 
 def pointers(decoder: Any, head: Any) -> tuple:
@@ -53,3 +59,46 @@ def keep_by_default(use_graph: bool, device: torch.device, nbytes: int) -> bool:
         logging.INFO,
     )
     return False
+
+
+def _other_width(ws: Any, key: tuple, pointers: tuple | None = None) -> bool:
+    """``ws`` differs from a call with ``key`` only in its rows (the key's first entry)."""
+    return ws.key != key and ws.key[1:] == key[1:] and (pointers is None or ws.pointers == pointers)
+
+
+def take(decoder: Any, ws: Any, key: tuple, slots: int, pointers: tuple) -> Any:
+    """The kept workspace a call (``key``, ``slots``, the model's ``pointers``) can run in, or None: the last one
+    (``ws``), or a spare of this width. The last one is parked as a spare when only its rows differ, else dropped;
+    spares whose graphs read tensors that moved are dropped."""
+    spares = {k: w for k, w in _SPARE.pop(decoder, {}).items() if k[1:] == key[1:] and w.pointers == pointers}
+    if ws is not None and _other_width(ws, key, pointers):
+        spares.pop(ws.key, None)
+        spares[ws.key] = ws  # the newest spare
+        ws = None
+    elif ws is not None and (ws.key != key or ws.slots < slots or ws.pointers != pointers):
+        ws = None  # its graphs bake in something else, or read tensors that moved
+    if ws is None:
+        spare = spares.pop(key, None)
+        ws = spare if spare is not None and spare.slots >= slots else None
+    while len(spares) > SPARES:
+        spares.pop(next(iter(spares)))
+    if spares:
+        _SPARE[decoder] = spares
+    return ws
+
+
+def drop_spares(decoder: Any) -> None:
+    _SPARE.pop(decoder, None)
+
+
+def spare_nbytes(decoder: Any, kept: Any, key: tuple) -> int:
+    """Bytes of the caches the spares hold after a call with ``key`` (the last workspace ``kept`` included when it
+    would be parked)."""
+    parked = list(_SPARE.get(decoder, {}).values())
+    if kept is not None and _other_width(kept, key):
+        parked.append(kept)
+    return sum(x.nbytes for ws in parked for layer in ws.cache.layers for x in (layer.keys, layer.values))
+
+
+def within_budget(device: torch.device, nbytes: int) -> bool:
+    return nbytes <= KEEP_FRACTION * torch.cuda.get_device_properties(device).total_memory

@@ -20,6 +20,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from vlm_grpo.fastpath import decode
@@ -43,6 +44,10 @@ class Held:
     delta: int  # rotary position minus token index, for the text tokens after the last image
     images: int  # images among ids
     image_keys: tuple = ()  # their contents' keys (TurnCache.image_key), in order
+    array: np.ndarray = field(init=False, repr=False, compare=False)  # ids, for matching rows without Python loops
+
+    def __post_init__(self) -> None:
+        self.array = np.asarray(self.ids, dtype=np.int64)
 
 
 @dataclass
@@ -119,12 +124,12 @@ class TurnCache:
     def forget(self) -> None:
         self.held = []
 
-    def count_images(self, ids: list[int]) -> int:
+    def count_images(self, ids: list[int] | np.ndarray) -> int:
         """Images among ``ids``: runs of the image placeholder token."""
         if self.image_pad_id is None:
             return 0
-        pad = self.image_pad_id
-        return sum(1 for i, t in enumerate(ids) if t == pad and (i == 0 or ids[i - 1] != pad))
+        pads = np.asarray(ids, dtype=np.int64) == self.image_pad_id
+        return int(pads[:1].sum() + (pads[1:] & ~pads[:-1]).sum())
 
     def match(self, ids: list[int], keys: tuple = ()) -> tuple[Held | None, int]:
         """The held rollout sharing the longest prefix with ``ids`` (``keys``: its images' keys) and that prefix's
@@ -132,12 +137,13 @@ class TurnCache:
         every held image lies within the prefix and is the row's own image (same pixels)."""
         best, best_len = None, 0
         limit = len(ids) - 1
+        row = np.asarray(ids, dtype=np.int64)
         for held in self.held:
             n = min(len(held.ids), limit)
             if n <= best_len:
                 continue
-            same = self._cut(held.ids, ids, _common_prefix(held.ids, ids, n))
-            if same <= best_len or self.count_images(held.ids[:same]) != held.images:
+            same = self._cut(held.ids, ids, _common_prefix(held.array, row, n))
+            if same <= best_len or self.count_images(held.array[:same]) != held.images:
                 continue  # an image of the held turn would lie past the cut: its positions would differ
             if held.image_keys != tuple(keys[: held.images]):
                 continue  # the same image tokens, other pixels
@@ -154,12 +160,10 @@ class TurnCache:
         return n
 
 
-def _common_prefix(a: list[int], b: list[int], n: int) -> int:
-    if a[:n] == b[:n]:
-        return n
-    x = torch.tensor(a[:n])
-    y = torch.tensor(b[:n])
-    return int((x != y).int().argmax())
+def _common_prefix(a: np.ndarray, b: np.ndarray, n: int) -> int:
+    """Length of the common prefix of the first ``n`` tokens of ``a`` and ``b``."""
+    differ = a[:n] != b[:n]
+    return int(differ.argmax()) if differ.any() else n
 
 
 def _merge(segments: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -27,6 +27,7 @@ from vlm_grpo.fastpath.block_attention import use_block_attention
 from vlm_grpo.fastpath.compile_cache import use_compile_cache
 from vlm_grpo.fastpath.compiled_layers import resolve_compile_layers
 from vlm_grpo.fastpath.decode import resolve_keep_decode_graphs
+from vlm_grpo.fastpath.fused_update import FusedUpdate
 from vlm_grpo.fastpath.process_once import ProcessOnce
 from vlm_grpo.fastpath.route import trl_generation_reason
 from vlm_grpo.fastpath.sharing import packed_logps, packed_pass_reason, shared_prefill_generate
@@ -225,6 +226,7 @@ class VLMGRPOTrainer(
             # images: with a text-only batch on one rank and images on another the run deadlocks.
             logger.warning("log_multimodal is turned off in multi-process runs (TRL deadlocks on mixed batches)")
             self.log_multimodal = False
+        self.fused_update = FusedUpdate(self)
         self._vision_syncs = []
         if needs_vision_sync(self.accelerator, self.model, vlm_module):
             # Sharded runs: a rank without images must still run the vision tower where the others do.
@@ -240,6 +242,8 @@ class VLMGRPOTrainer(
     _round_sync: RoundSync | None = None
     #: What the last tool generation's turns after the first did (:class:`~vlm_grpo.fastpath.turn_cache.TurnStats`).
     last_turn_stats = None
+    #: The fused update pass (``update_chunk_tokens``); None before ``__init__`` ends.
+    fused_update: FusedUpdate | None = None
     #: What the last packed log-prob pass ran (:class:`~vlm_grpo.fastpath.sharing.PackedPass`: tokens, padding).
     last_packed_pass = None
 
@@ -311,8 +315,23 @@ class VLMGRPOTrainer(
 
     def _prepare_inputs(self, generation_batch: Any) -> dict[str, Any]:
         """TRL's micro-batch, its completions cut to its own longest one (``trim_completion_padding``)."""
-        inputs = super()._prepare_inputs(generation_batch)
+        return self._micro_batch(super()._prepare_inputs(generation_batch))
+
+    def _micro_batch(self, inputs: dict[str, Any]) -> dict[str, Any]:
         return trim_completion_padding(inputs) if self.args.trim_completion_padding else inputs
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """TRL's; with ``update_chunk_tokens``, a window's micro-batches share forwards and backwards
+        (:mod:`vlm_grpo.fastpath.fused_update`), each micro-batch's loss still TRL's."""
+        if not return_outputs and self.fused_update is not None:
+
+            def loss_fn(mb: dict[str, Any]) -> torch.Tensor:
+                return super(VLMGRPOTrainer, self).compute_loss(model, mb, num_items_in_batch=num_items_in_batch)
+
+            loss = self.fused_update.loss(self, model, inputs, self._micro_batch, loss_fn)
+            if loss is not None:
+                return loss
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """TRL's, with the processor run once per distinct prompt (``process_prompts_once``), and without the

@@ -16,6 +16,7 @@ from unittest import mock
 
 import pytest
 import torch
+import torch.nn.functional as F
 from PIL import Image
 from transformers import TrainerCallback
 from trl.trainer.utils import split_pixel_values_by_grid, unsplit_pixel_values_by_grid
@@ -33,10 +34,9 @@ ROWS = 2  # rows per micro-batch (EasyR1's micro-batches are 1-4 rows)
 BIG = 1 << 20  # a budget every window fits in one forward
 
 
-@pytest.fixture(scope="module")
-def rows_file(tmp_path_factory):
-    """Eight prompts (a generation batch of 2 x 8 rows, num_generations=2): one, two and no images."""
-    root = tmp_path_factory.mktemp("fused")
+def write_rows(root, text_only: bool):
+    """Eight prompts (a generation batch of 2 x 8 rows, num_generations=2): one, two and (``text_only``) no
+    images."""
     Image.new("RGB", (64, 48), (200, 30, 30)).save(root / "a.png")
     Image.new("RGB", (56, 90), (30, 30, 200)).save(root / "b.png")
 
@@ -48,15 +48,26 @@ def rows_file(tmp_path_factory):
         row("a.png", "<image>Red?"),
         row(["a.png", "b.png"], "Compare <image> with <image> and tell which one is larger, please."),
         row("b.png", "How many shapes are in <image>?"),
-        row(None, "Count to three."),
+        row(None if text_only else "a.png", "Count to three."),
         row("b.png", "<image>Blue or red, and why do you think so?"),
         row("a.png", "Describe <image>."),
         row(["b.png", "a.png"], "<image><image>Which is wider?"),
-        row(None, "Name a prime number larger than ten."),
+        row(None if text_only else "b.png", "Name a prime number larger than ten."),
     ]
     path = root / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+@pytest.fixture(scope="module")
+def rows_file(tmp_path_factory):
+    return write_rows(tmp_path_factory.mktemp("fused"), text_only=True)
+
+
+@pytest.fixture(scope="module")
+def image_rows_file(tmp_path_factory):
+    """Every prompt with images: TRL's per-row pass cannot run a chunk of text-only rows next to image rows."""
+    return write_rows(tmp_path_factory.mktemp("fused_images"), text_only=False)
 
 
 class Grads(TrainerCallback):
@@ -165,12 +176,13 @@ def test_fused_step_equals_trls_micro_batches(variant, tiny_models, rows_file, t
     "options",
     [
         {"beta": 0.05, "entropy_coef": 0.01},  # the reference model's KL term; the entropy bonus
-        {"top_entropy_quantile": 0.5, "share_prompt": False},  # a mask by the micro-batch's entropies; TRL's pass
+        {"top_entropy_quantile": 0.5, "share_prompt": False},  # a mask by each micro-batch's entropies; TRL's pass
         {"gradient_checkpointing": True},
     ],
     ids=["kl_entropy_bonus", "entropy_mask_per_row_pass", "gradient_checkpointing"],
 )
-def test_fused_step_with_options(options, tiny_models, rows_file, tmp_path):
+def test_fused_step_with_options(options, tiny_models, rows_file, image_rows_file, tmp_path):
+    rows_file = rows_file if options.get("share_prompt", True) else image_rows_file
     plain = run(tiny_models, rows_file, tmp_path / "plain", None, loss_type="bnpo", **options)
     fast = run(tiny_models, rows_file, tmp_path / "fast", BIG, loss_type="bnpo", **options)
     assert_same_step(fast, plain)
@@ -219,11 +231,18 @@ def concat(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
             out[key] = va + vb
         elif not isinstance(va, torch.Tensor) or va.dim() == 0:
             out[key] = va
-        elif key.startswith("prompt"):
-            pads = [torch.nn.functional.pad(v, (p_width - v.size(1), 0)) for v in (va, vb)]
-            out[key] = torch.cat(pads)
-        elif va.dim() == 2 and va.size(1) == a["completion_ids"].size(1):
-            out[key] = torch.cat([torch.nn.functional.pad(v, (0, width - v.size(1))) for v in (va, vb)])
+        elif va.dim() == 2 and (va.size(1), vb.size(1)) == (a["prompt_ids"].size(1), b["prompt_ids"].size(1)):
+            out[key] = torch.cat([F.pad(v, (p_width - v.size(1), 0)) for v in (va, vb)])
+        elif va.dim() == 2 and (va.size(1), vb.size(1)) == (a["completion_ids"].size(1), b["completion_ids"].size(1)):
+            out[key] = torch.cat([F.pad(v, (0, width - v.size(1))) for v in (va, vb)])
+        elif va.dim() == 2 and va.size(1) == a["prompt_ids"].size(1) + a["completion_ids"].size(1):  # per token
+            parts = [(v[:, : m["prompt_ids"].size(1)], v[:, m["prompt_ids"].size(1) :]) for v, m in ((va, a), (vb, b))]
+            out[key] = torch.cat(
+                [
+                    torch.cat([F.pad(head, (p_width - head.size(1), 0)), F.pad(tail, (0, width - tail.size(1)))], 1)
+                    for head, tail in parts
+                ]
+            )
         else:
             out[key] = torch.cat([va, vb])
     return unsplit_pixel_values_by_grid(out)

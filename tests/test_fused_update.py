@@ -289,11 +289,16 @@ def call(rows: int, prompt: int, completion: int) -> ForwardCall:
 
 def test_plan_keeps_chunks_within_the_budget():
     calls = [call(2, 10, 5), call(2, 8, 7), call(4, 3, 2)]
-    merged = 4 * (10 + 7)  # the first two: 4 rows x (longest prompt + longest completion)
-    assert plan_chunks(calls, merged) == [[0, 1], [2]]  # at the budget: one forward
-    assert plan_chunks(calls, merged - 1) == [[0], [1], [2]]  # a token under it: two
-    assert plan_chunks(calls, 8 * 17) == [[0, 1, 2]]
-    assert plan_chunks(calls, 8 * 17 - 1) == [[0, 1], [2]]
+    # The rows' own tokens (the packed pass): 30 + 30 + 20.
+    assert plan_chunks(calls, 60) == [[0, 1], [2]]  # at the budget: one forward
+    assert plan_chunks(calls, 59) == [[0], [1, 2]]  # a token under it: the first alone
+    assert plan_chunks(calls, 80) == [[0, 1, 2]]
+    assert plan_chunks(calls, 79) == [[0, 1], [2]]
+    # TRL's padded pass: rows x (longest prompt + longest completion); the first two: 4 x (10 + 7).
+    assert plan_chunks(calls, 68, padded=True) == [[0, 1], [2]]
+    assert plan_chunks(calls, 67, padded=True) == [[0], [1], [2]]  # then 6 x (8 + 7) = 90: over it too
+    assert plan_chunks(calls, 8 * 17, padded=True) == [[0, 1, 2]]
+    assert plan_chunks(calls, 8 * 17 - 1, padded=True) == [[0, 1], [2]]
     assert plan_chunks([call(4, 100, 100)], 10) == [[0]]  # over the budget alone: a forward of its own
     assert split_to([[0, 1, 2], [3]], 3) == [[0], [1, 2], [3]]
     with pytest.raises(ValueError, match="cannot cut"):

@@ -3,7 +3,7 @@
 TRL runs a window one micro-batch at a time: with EasyR1's micro-batches of 4 rows that is 20 small forwards and
 backwards per optimizer step, and the host (kernel launches, autograd) sets the pace, not the GPU. Here, at the
 window's first micro-step, its micro-batches before the last are laid, in order, into chunks of at most
-``update_chunk_tokens`` padded tokens (rows x longest prompt + completion); each chunk runs one forward of all its
+``update_chunk_tokens`` tokens (:func:`plan_chunks`); each chunk runs one forward of all its
 rows (the trainer's own log-prob pass, packed or TRL's), then each micro-batch's loss is TRL's own ``_compute_loss``
 on its own rows, fed the log-probs and entropies the chunk computed for them, and the chunk's losses go through one
 backward. So every loss type keeps its normaliser (per sequence, per micro-batch tokens, ``num_items_in_batch``,
@@ -75,6 +75,11 @@ class ForwardCall:
     def prompt_width(self) -> int:
         return self.input_ids.size(1) - self.logits_to_keep
 
+    @property
+    def tokens(self) -> int:
+        """Prompt + completion tokens of its rows, padding excluded."""
+        return int(self.attention_mask.sum())
+
 
 class _Recorded(Exception):
     """Ends TRL's ``_compute_loss`` once its log-prob call is known."""
@@ -111,19 +116,23 @@ def record_forward(trainer: Any, model: Any, inputs: dict[str, Any]) -> ForwardC
     return ForwardCall(seen["input_ids"], seen["attention_mask"], seen["logits_to_keep"], mm)
 
 
-def plan_chunks(calls: list[ForwardCall], budget: int) -> list[list[int]]:
-    """Consecutive micro-batches per forward while rows x (longest prompt + longest completion) stays within
-    ``budget``; a micro-batch over the budget gets a forward of its own."""
+def plan_chunks(calls: list[ForwardCall], budget: int, padded: bool = False) -> list[list[int]]:
+    """Consecutive micro-batches per forward while the forward's tokens stay within ``budget``; a micro-batch over
+    the budget gets a forward of its own. Tokens are the rows' own (prompt + completion, padding excluded: the packed
+    pass, as EasyR1's ``dynamic_batching`` counts them), or with ``padded`` (TRL's pass) rows x (longest prompt +
+    longest completion)."""
     chunks: list[list[int]] = []
-    rows = prompt = completion = 0
+    rows = prompt = completion = tokens = 0
     for i, call in enumerate(calls):
         grown = (rows + call.rows, max(prompt, call.prompt_width), max(completion, call.logits_to_keep))
-        if chunks and grown[0] * (grown[1] + grown[2]) <= budget:
+        cost = grown[0] * (grown[1] + grown[2]) if padded else tokens + call.tokens
+        if chunks and cost <= budget:
             chunks[-1].append(i)
             rows, prompt, completion = grown
+            tokens += call.tokens
         else:
             chunks.append([i])
-            rows, prompt, completion = call.rows, call.prompt_width, call.logits_to_keep
+            rows, prompt, completion, tokens = call.rows, call.prompt_width, call.logits_to_keep, call.tokens
     return chunks
 
 
@@ -208,7 +217,7 @@ def run_window(
     calls = [record_forward(trainer, model, mb) for mb in micro_batches]
     problem = merge_problem(calls)
     if problem is None:
-        chunks = plan_chunks(calls, budget)
+        chunks = plan_chunks(calls, budget, padded=not trainer.args.share_prompt)
     else:  # e.g. images padded to different sizes per micro-batch
         warn_once(logger, f"update_chunk_tokens: a window runs one forward per micro-batch: {problem}", logging.INFO)
         chunks = [[i] for i in range(len(calls))]

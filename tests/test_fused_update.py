@@ -319,3 +319,29 @@ def test_config_refuses_a_budget_under_one(tmp_path):
     with pytest.raises(ValueError, match="update_chunk_tokens=0"):
         VLMGRPOConfig(output_dir=str(tmp_path), update_chunk_tokens=0)
     assert VLMGRPOConfig(output_dir=str(tmp_path), update_chunk_tokens=1).update_chunk_tokens == 1
+
+
+def test_train_window_compares_micro_batches_with_the_fused_update(tmp_path, monkeypatch):
+    """benchmarks/micro/train_window.py --micro_batch: both ways timed on the same micro-batches, the fused one with
+    fewer forwards and fewer torch ops per window (what a GPU launches)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    monkeypatch.syspath_prepend(str(bench))
+    spec = importlib.util.spec_from_file_location("_train_window", bench / "micro" / "train_window.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "_train_window", module)
+    spec.loader.exec_module(module)
+    monkeypatch.chdir(tmp_path)
+    result = module.main(
+        ["--preset", "tiny", "--device", "cpu", "--repeats", "1", "--warmup", "0", "--num_generations", "2",
+         "--prompts_per_step", "4", "--micro_batch", "2", "--completion_length", "6", "--trainer",
+         "ours:compile_layers=false", "--update_chunk_tokens", "100000"]
+    )  # fmt: skip
+    assert result["micro_batches"] == 4 and result["rows"] == 8
+    counts = result["per_window"]
+    assert counts["micro"]["forwards"] == 4 and counts["fused"]["forwards"] == 2  # three fused, the last alone
+    assert counts["fused"]["leaf_ops"] < counts["micro"]["leaf_ops"]
+    assert all(len(t) == 1 and t[0] > 0 for t in result["times_s"].values())

@@ -91,8 +91,9 @@ class Forwards:
         self.count += torch.is_grad_enabled()
 
 
-def run(tiny_models, rows_file, tmp_path, budget, **overrides):
-    """Two optimizer steps on one generation (num_iterations=2: the second is off-policy)."""
+def run(tiny_models, rows_file, tmp_path, budget, setup=None, **overrides):
+    """Two optimizer steps on one generation (num_iterations=2: the second is off-policy); ``setup(trainer)`` runs
+    before training."""
     args = {
         "max_steps": 2,
         "learning_rate": 0.02,
@@ -111,6 +112,8 @@ def run(tiny_models, rows_file, tmp_path, budget, **overrides):
     trainer.grads = Grads()
     trainer.add_callback(trainer.grads)
     trainer.forwards = Forwards(trainer.model)
+    if setup is not None:
+        setup(trainer)
     trainer.train()
     return trainer
 
@@ -345,3 +348,43 @@ def test_train_window_compares_micro_batches_with_the_fused_update(tmp_path, mon
     assert counts["micro"]["forwards"] == 4 and counts["fused"]["forwards"] == 2  # three fused, the last alone
     assert counts["fused"]["leaf_ops"] < counts["micro"]["leaf_ops"]
     assert all(len(t) == 1 and t[0] > 0 for t in result["times_s"].values())
+
+
+@pytest.mark.slow
+def test_ddp_fused_step_all_reduces_once_and_equals_trls(tiny_models, tmp_path):
+    """2 ranks (gloo): each rank's plan needs its own number of forwards (its rows differ), the ranks run the same
+    number; DDP all-reduces only in the optimizer step's last micro-step (no_sync before), as with TRL's
+    micro-batches; gradients and logs equal TRL's on every rank."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+        "--master_port", str(port), str(tests / "fused_dist_entry.py"), str(tiny_models["qwen2_5_vl"]),
+        str(tmp_path), "85",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": f"{tests.parent / 'src'}{os.pathsep}{tests}", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tests)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["fused"]["planned"] != ranks[1]["fused"]["planned"], "the ranks' own plans should differ"
+    for rank, info in enumerate(ranks):
+        plain, fast = info["plain"], info["fused"]
+        assert plain["world"] == fast["world"] == 2
+        assert plain["allreduce_steps"] == fast["allreduce_steps"] and set(fast["allreduce_steps"]) == {3, 7}
+        assert fast["last_forwards"] == max(r["fused"]["planned"][-1] for r in ranks)  # the ranks agreed
+        for ours, theirs in zip(fast["logs"], plain["logs"], strict=True):
+            for key in ("loss", "grad_norm", "entropy"):
+                assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), (rank, key)
+        for ours, theirs in zip(
+            *(torch.load(tmp_path / f"{n}_grads{rank}.pt") for n in ("fused", "plain")), strict=True
+        ):
+            for name, g in theirs.items():
+                torch.testing.assert_close(ours[name], g, rtol=1e-4, atol=1e-5, msg=name)

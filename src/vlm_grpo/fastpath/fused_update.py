@@ -203,6 +203,7 @@ class FusedWindow:
     losses: list[torch.Tensor] = field(default_factory=list)
     advantages: list[torch.Tensor] = field(default_factory=list)
     forwards: int = 0
+    planned: int = 0  # forwards this rank's own plan needed (before the ranks agreed on one count)
 
 
 def run_window(
@@ -221,11 +222,11 @@ def run_window(
     else:  # e.g. images padded to different sizes per micro-batch
         warn_once(logger, f"update_chunk_tokens: a window runs one forward per micro-batch: {problem}", logging.INFO)
         chunks = [[i] for i in range(len(calls))]
+    window = FusedWindow(planned=len(chunks))
     if trainer.accelerator.num_processes > 1:  # DDP: every rank runs the same number of forwards
         count = torch.tensor(len(chunks), device=trainer.accelerator.device)
         chunks = split_to(chunks, int(trainer.accelerator.reduce(count, reduction="max").item()))
     pad_id = trainer._tokenizer.pad_token_id or 0  # where the mask is 0: any id
-    window = FusedWindow()
     for chunk in chunks:
         members = [calls[i] for i in chunk]
         merged = merge_calls(members, pad_id) if len(members) > 1 else members[0]
@@ -276,8 +277,9 @@ class FusedUpdate:
         self.reason = fused_update_reason(trainer) if self.budget is not None else None
         if self.reason is not None:
             logger.info("update_chunk_tokens: the update pass runs TRL's micro-batches one by one: %s", self.reason)
-        #: Forwards the last fused window ran (benchmarks and tests read it).
+        #: Forwards the last fused window ran, and per window the forwards this rank's own plan needed.
         self.last_forwards = 0
+        self.planned: list[int] = []
 
     @property
     def enabled(self) -> bool:
@@ -307,6 +309,7 @@ class FusedUpdate:
             slices = [micro_batch(trainer._buffered_inputs[(trainer._step + j) % spg]) for j in range(ga - 1)]
             self.window = run_window(trainer, model, slices, loss_fn, self.budget)
             self.last_forwards = self.window.forwards
+            self.planned.append(self.window.planned)
         window = self.window
         if window is None or not torch.equal(window.advantages[position], inputs["advantages"]):
             raise RuntimeError("update_chunk_tokens: the Trainer handed a micro-batch the fused window did not compute")

@@ -181,8 +181,9 @@ def test_fused_step_equals_trls_micro_batches(variant, tiny_models, rows_file, t
         {"beta": 0.05, "entropy_coef": 0.01},  # the reference model's KL term; the entropy bonus
         {"top_entropy_quantile": 0.5, "share_prompt": False},  # a mask by each micro-batch's entropies; TRL's pass
         {"gradient_checkpointing": True},
+        {"steps_per_generation": 2 * GA, "num_iterations": 1},  # two optimizer steps' windows in one buffer
     ],
-    ids=["kl_entropy_bonus", "entropy_mask_per_row_pass", "gradient_checkpointing"],
+    ids=["kl_entropy_bonus", "entropy_mask_per_row_pass", "gradient_checkpointing", "two_windows_per_generation"],
 )
 def test_fused_step_with_options(options, tiny_models, rows_file, image_rows_file, tmp_path):
     rows_file = rows_file if options.get("share_prompt", True) else image_rows_file
@@ -195,6 +196,26 @@ def test_fused_step_with_lora(tiny_models, rows_file, tmp_path):
     plain = run(tiny_models, rows_file, tmp_path / "plain", None, loss_type="grpo", lora=True)
     fast = run(tiny_models, rows_file, tmp_path / "fast", BIG, loss_type="grpo", lora=True)
     assert any("lora_" in n for n in fast.grads.steps[0])
+    assert_same_step(fast, plain)
+
+
+def test_fused_step_with_tool_rollouts(tiny_models, image_rows_file, tmp_path):
+    """Multi-turn zoom-in rollouts (scripted turns): tool replies and tool images in the completions, masked out of
+    the loss by TRL's ``tool_mask``."""
+    from test_multiturn_sharing import scripted_turns
+
+    from vlm_grpo.trainer import VLMGRPOTrainer
+
+    tools = {
+        "trainer_kwargs": {"tools": ["zoom_in"], "tool_kwargs": {"zoom_in": {"size": 56}}},
+        "max_completion_length": 600,
+        "max_tool_calling_iterations": 3,
+    }
+    with mock.patch.object(VLMGRPOTrainer, "_generate_single_turn", scripted_turns("qwen2_5_vl")):
+        plain = run(tiny_models, image_rows_file, tmp_path / "plain", None, loss_type="bnpo", **tools)
+        fast = run(tiny_models, image_rows_file, tmp_path / "fast", BIG, loss_type="bnpo", **tools)
+    assert step_logs(fast)[0]["tools/call_frequency"] > 0, step_logs(fast)[0]
+    assert fast.fused_update.last_forwards == 1
     assert_same_step(fast, plain)
 
 

@@ -14,12 +14,14 @@ both trainers sample from the same distribution (no logits processor: nothing ei
 realised lengths are recorded with every result.
 
 EasyR1's update pass packs rows by tokens, not by rows: with ``dynamic_batching`` (on in its geo3k config, with
-``padding_free``) its actor cuts each update batch into micro-batches of about ``micro_batch_size_per_device_for_update
-x (max_prompt_length + max_response_length)`` valid tokens (``verl/workers/actor/dp_actor.py``,
-``verl/utils/seqlen_balancing.py``), e.g. 4 x (2,048 + 2,048) = 16,384, and normalises the loss by the update
-batch's tokens. Ours does the equivalent with ``update_chunk_tokens`` at that budget (``dynamic_batching=1``, the
-default; 0 runs one forward per micro-batch): the optimizer step's micro-batches share forwards of up to that many
-tokens, each micro-batch's loss still TRL's. Vanilla TRL has no such option and runs its micro-batches one by one.
+``padding_free``) its actor cuts each update batch into micro-batches of about
+``micro_batch_size_per_device_for_update x (max_prompt_length + max_response_length)`` valid tokens
+(``verl/workers/actor/dp_actor.py``, ``verl/utils/seqlen_balancing.py``), e.g. 4 x (2,048 + 2,048) = 16,384, and
+normalises the loss by the update batch's tokens. (EasyR1's ``examples/config.yaml``, which its geo3k scripts use,
+sets that micro-batch to 1 row, a 4,096-token budget; its actor's default, and this shape's micro-batch, is 4.) Ours
+does the equivalent with ``update_chunk_tokens`` at that budget (``dynamic_batching=1``, the default; 0 runs one
+forward per micro-batch): the optimizer step's micro-batches share forwards of up to that many tokens, each
+micro-batch's loss still TRL's. Vanilla TRL has no such option and runs its micro-batches one by one.
 
 Throughput is counted as EasyR1 counts it (``perf/throughput``): prompt + response tokens of the valid positions
 (image tokens included, padding excluded) per second per GPU, over the whole cycle.

@@ -23,9 +23,11 @@ from trl.trainer.utils import split_pixel_values_by_grid, unsplit_pixel_values_b
 
 import vlm_grpo.fastpath.fused_update as fused
 from test_group_sharing import make_trainer
+from test_multiturn_sharing import scripted_turns
 from test_trl_options import _ragged
 from vlm_grpo.configs import VLMGRPOConfig
 from vlm_grpo.fastpath.fused_update import ForwardCall, merge_calls, plan_chunks, split_to
+from vlm_grpo.trainer import VLMGRPOTrainer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -202,10 +204,6 @@ def test_fused_step_with_lora(tiny_models, rows_file, tmp_path):
 def test_fused_step_with_tool_rollouts(tiny_models, image_rows_file, tmp_path):
     """Multi-turn zoom-in rollouts (scripted turns): tool replies and tool images in the completions, masked out of
     the loss by TRL's ``tool_mask``."""
-    from test_multiturn_sharing import scripted_turns
-
-    from vlm_grpo.trainer import VLMGRPOTrainer
-
     tools = {
         "trainer_kwargs": {"tools": ["zoom_in"], "tool_kwargs": {"zoom_in": {"size": 56}}},
         "max_completion_length": 600,

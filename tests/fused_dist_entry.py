@@ -51,6 +51,6 @@ if __name__ == "__main__":
             "world": trainer.accelerator.num_processes,
             "forwards": trainer.forwards.count,
             "last_forwards": trainer.fused_update.last_forwards,
-            "planned": trainer.fused_update.planned,
+            "planned": trainer.fused_update.last_planned,
         }
     (root / f"rank{rank}.json").write_text(json.dumps(out))

@@ -277,9 +277,8 @@ class FusedUpdate:
         self.reason = fused_update_reason(trainer) if self.budget is not None else None
         if self.reason is not None:
             logger.info("update_chunk_tokens: the update pass runs TRL's micro-batches one by one: %s", self.reason)
-        #: Forwards the last fused window ran, and per window the forwards this rank's own plan needed.
-        self.last_forwards = 0
-        self.planned: list[int] = []
+        #: Forwards the last fused window ran, and those this rank's own plan needed (before the ranks agreed).
+        self.last_forwards = self.last_planned = 0
 
     @property
     def enabled(self) -> bool:
@@ -309,8 +308,10 @@ class FusedUpdate:
             slices = [micro_batch(trainer._buffered_inputs[(trainer._step + j) % spg]) for j in range(ga - 1)]
             self.window = run_window(trainer, model, slices, loss_fn, self.budget)
             self.last_forwards = self.window.forwards
-            self.planned.append(self.window.planned)
+            self.last_planned = self.window.planned
         window = self.window
-        if window is None or not torch.equal(window.advantages[position], inputs["advantages"]):
+        if window is None:  # a window that did not start at its first micro-step: TRL's steps
+            return None
+        if not torch.equal(window.advantages[position], inputs["advantages"]):
             raise RuntimeError("update_chunk_tokens: the Trainer handed a micro-batch the fused window did not compute")
         return window.losses[position].clone().requires_grad_(True)

@@ -407,3 +407,41 @@ def test_ddp_fused_step_all_reduces_once_and_equals_trls(tiny_models, tmp_path):
         ):
             for name, g in theirs.items():
                 torch.testing.assert_close(ours[name], g, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def _stub(**changes):
+    """What fused_update_reason reads of a trainer: a run that can fuse, with ``changes``."""
+    from types import SimpleNamespace
+
+    args = {"gradient_accumulation_steps": 4, "steps_per_generation": 8, "n_gpu": 1, "optim": "adamw_torch"}
+    args.update({k: v for k, v in changes.items() if k in args})
+    own = {"is_deepspeed_enabled": False, "is_fsdp_enabled": False, "aux_loss_enabled": False}
+    own.update({k: v for k, v in changes.items() if k in own})
+    return SimpleNamespace(args=SimpleNamespace(update_chunk_tokens=64, **args), **own)
+
+
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        ({"gradient_accumulation_steps": 1, "steps_per_generation": 1}, "nothing to fuse"),
+        ({"steps_per_generation": 6}, "steps_per_generation=6 is not a multiple of gradient_accumulation_steps=4"),
+        ({"is_deepspeed_enabled": True}, "DeepSpeed"),
+        ({"is_fsdp_enabled": True}, "FSDP"),
+        ({"n_gpu": 2}, "DataParallel"),
+        ({"aux_loss_enabled": True}, "router's auxiliary loss"),
+        ({"optim": "adalomo"}, "LOMO"),
+    ],
+)
+def test_what_cannot_be_fused_runs_trls_steps_with_one_info_line(changes, reason, caplog):
+    with caplog.at_level("INFO", logger="vlm_grpo.fastpath.fused_update"):
+        update = fused.FusedUpdate(_stub(**changes))
+    assert not update.enabled
+    assert [r.getMessage() for r in caplog.records] == [
+        f"update_chunk_tokens: the update pass runs TRL's micro-batches one by one: {update.reason}"
+    ]
+    assert reason in update.reason
+    trainer = _stub(**changes)
+    trainer.model = mock.Mock(training=True)
+    trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
+    assert update.loss(trainer, None, {}, None, None) is None  # TRL's compute_loss runs
+    assert fused.FusedUpdate(_stub()).enabled  # the control: the same run without the change fuses

@@ -318,6 +318,7 @@ class VLMGRPOTrainer(
         return self._micro_batch(super()._prepare_inputs(generation_batch))
 
     def _micro_batch(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """A slice of TRL's buffer as the Trainer gets it (the fused update reads the buffer directly)."""
         return trim_completion_padding(inputs) if self.args.trim_completion_padding else inputs
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

@@ -184,14 +184,24 @@ def test_fused_step_equals_trls_micro_batches(variant, tiny_models, rows_file, t
         {"top_entropy_quantile": 0.5, "share_prompt": False},  # a mask by each micro-batch's entropies; TRL's pass
         {"gradient_checkpointing": True},
         {"steps_per_generation": 2 * GA, "num_iterations": 1},  # two optimizer steps' windows in one buffer
+        # The coefficient TRL updates at the optimizer step (sync_gradients) from the whole window's entropy.
+        {"use_adaptive_entropy": True, "entropy_coef": 0.01, "entropy_target": 10.0},
     ],
-    ids=["kl_entropy_bonus", "entropy_mask_per_row_pass", "gradient_checkpointing", "two_windows_per_generation"],
+    ids=[
+        "kl_entropy_bonus",
+        "entropy_mask_per_row_pass",
+        "gradient_checkpointing",
+        "two_windows_per_generation",
+        "adaptive_entropy",
+    ],
 )
 def test_fused_step_with_options(options, tiny_models, rows_file, image_rows_file, tmp_path):
     rows_file = rows_file if options.get("share_prompt", True) else image_rows_file
     plain = run(tiny_models, rows_file, tmp_path / "plain", None, loss_type="bnpo", **options)
     fast = run(tiny_models, rows_file, tmp_path / "fast", BIG, loss_type="bnpo", **options)
     assert_same_step(fast, plain)
+    if options.get("use_adaptive_entropy"):  # the option acted: the coefficient moved at the first step
+        assert [e["entropy_coef"] for e in step_logs(fast)] == pytest.approx([0.015, 0.02])
 
 
 def test_fused_step_with_lora(tiny_models, rows_file, tmp_path):

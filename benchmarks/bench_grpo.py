@@ -269,7 +269,7 @@ def run_one(
     )  # fmt: skip
     per_cycle = shape.updates if shape else 1
     measured_steps = (args.warmup + args.steps) * per_cycle
-    extra = config_fields(shape) if shape else {}
+    extra = config_fields(shape, vanilla=is_vanilla(kind)) if shape else {}
     config = grpo_config(kind, args, scenario, workdir, measured_steps + bool(args.profile_dir), **extra)
     if shape:
         eos = model.generation_config.eos_token_id

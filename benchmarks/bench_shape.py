@@ -13,6 +13,16 @@ mean (median ~0.69 x mean), cut at ``max_completion``; rows finish at different 
 both trainers sample from the same distribution (no logits processor: nothing either trainer has to honour). The
 realised lengths are recorded with every result.
 
+EasyR1's update pass packs rows by tokens, not by rows: with ``dynamic_batching`` (on in its geo3k config, with
+``padding_free``) its actor cuts each update batch into micro-batches of about
+``micro_batch_size_per_device_for_update x (max_prompt_length + max_response_length)`` valid tokens
+(``verl/workers/actor/dp_actor.py``, ``verl/utils/seqlen_balancing.py``), e.g. 4 x (2,048 + 2,048) = 16,384, and
+normalises the loss by the update batch's tokens. (EasyR1's ``examples/config.yaml``, which its geo3k scripts use,
+sets that micro-batch to 1 row, a 4,096-token budget; its actor's default, and this shape's micro-batch, is 4.) Ours
+does the equivalent with ``update_chunk_tokens`` at that budget (``dynamic_batching=1``, the default; 0 runs one
+forward per micro-batch): the optimizer step's micro-batches share forwards of up to that many tokens, each
+micro-batch's loss still TRL's. Vanilla TRL has no such option and runs its micro-batches one by one.
+
 Throughput is counted as EasyR1 counts it (``perf/throughput``): prompt + response tokens of the valid positions
 (image tokens included, padding excluded) per second per GPU, over the whole cycle.
 """
@@ -66,6 +76,13 @@ class Shape:
     mean_completion: int = 500  # mean of the geometric completion lengths
     micro_batch: int = 4  # micro_batch_size_per_device_for_update (rows)
     updates: int = 4  # optimizer steps per generation (rollout_batch_size / global_batch_size)
+    max_prompt: int = 2048  # max_prompt_length: with max_completion, EasyR1's dynamic_batching token budget
+    dynamic_batching: int = 1  # ours: update_chunk_tokens = micro_batch x (max_prompt + max_completion); 0: off
+
+    @property
+    def update_tokens(self) -> int | None:
+        """EasyR1's update token budget per forward (``dynamic_batching``), None when off."""
+        return self.micro_batch * (self.max_prompt + self.max_completion) if self.dynamic_batching else None
 
     @property
     def rows(self) -> int:
@@ -115,16 +132,19 @@ def apply_shape(args: Any) -> Shape:
     return shape
 
 
-def config_fields(shape: Shape) -> dict[str, Any]:
-    """The GRPOConfig fields of the shape (both trainers): micro-batches, accumulation, one generation per cycle,
-    and no forced length (the EOS bias ends the rows)."""
-    return {
+def config_fields(shape: Shape, vanilla: bool = False) -> dict[str, Any]:
+    """The GRPOConfig fields of the shape: micro-batches, accumulation, one generation per cycle, and no forced
+    length (the EOS bias ends the rows); for ours also EasyR1's token budget of the update pass (see above)."""
+    fields = {
         "per_device_train_batch_size": shape.micro_batch,
         "gradient_accumulation_steps": shape.rows // shape.updates // shape.micro_batch,
         "steps_per_generation": shape.rows // shape.micro_batch,
         "max_completion_length": shape.max_completion,
         "generation_kwargs": {},
     }
+    if not vanilla and shape.update_tokens:
+        fields["update_chunk_tokens"] = shape.update_tokens
+    return fields
 
 
 def geo3k_questions(n: int, seed: int) -> list[str]:

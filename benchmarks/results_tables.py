@@ -248,6 +248,17 @@ EASYR1_PUBLISHED = (
 )
 
 
+def update_note(shape: dict[str, Any]) -> str:
+    """How ours runs the update pass of a shaped run (EasyR1's dynamic_batching budget), empty when unknown."""
+    if not shape.get("dynamic_batching"):
+        return ""
+    tokens = shape["micro_batch"] * (shape["max_prompt"] + shape["max_completion"])
+    return (
+        f"; ours fuses them into forwards of up to {tokens:,} tokens (update_chunk_tokens), the budget of EasyR1's "
+        "dynamic_batching; vanilla TRL runs them one by one"
+    )
+
+
 def shape_table(data: dict[str, Any]) -> list[str]:
     """The EasyR1-shaped cycle (bench_shape.py): per trainer one cycle's throughput, phases and lengths; the warm
     start; EasyR1's published figure beside them."""
@@ -257,7 +268,7 @@ def shape_table(data: dict[str, Any]) -> list[str]:
         f"{shape.get('image_size')}px{' (sizes varied)' if shape.get('vary_images') else ''}, completions ended by "
         f"the model's own EOS (geometric lengths, mean {shape.get('mean_completion')}, at most "
         f"{shape.get('max_completion')}), {shape.get('updates')} optimizer steps per generation in micro-batches of "
-        f"{shape.get('micro_batch')} rows. {shape.get('tokens', '')}.\n",
+        f"{shape.get('micro_batch')} rows{update_note(shape)}. {shape.get('tokens', '')}.\n",
         "| trainer | status | cycle s | tokens/s/GPU | samples/s | training MFU | generation s | log-prob s "
         "| update s | peak GiB | completion mean / p90 / max | x vanilla |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",

@@ -22,12 +22,13 @@ from trl import GRPOTrainer
 
 from vlm_grpo.advantages import AdvantageEstimatorMixin
 from vlm_grpo.configs import VLMGRPOConfig
-from vlm_grpo.data.deferred import decode_pending, deferred_view
+from vlm_grpo.data.deferred import DeferredImagesMixin
 from vlm_grpo.dynamic_sampling import DynamicSamplingMixin
 from vlm_grpo.fastpath.block_attention import use_block_attention
 from vlm_grpo.fastpath.compile_cache import use_compile_cache
 from vlm_grpo.fastpath.compiled_layers import resolve_compile_layers
 from vlm_grpo.fastpath.decode import resolve_keep_decode_graphs
+from vlm_grpo.fastpath.fused_update import FusedUpdate
 from vlm_grpo.fastpath.process_once import ProcessOnce
 from vlm_grpo.fastpath.route import trl_generation_reason
 from vlm_grpo.fastpath.sharing import packed_logps, packed_pass_reason, shared_prefill_generate
@@ -98,6 +99,7 @@ _TRL_LOGP_PARAMS = frozenset(inspect.signature(GRPOTrainer._get_per_token_logps_
 
 class VLMGRPOTrainer(
     CompleteCheckpointMixin,  # first: its marker goes in after every other mixin's checkpoint files
+    DeferredImagesMixin,  # before dynamic sampling: its rounds get decoded rows
     DynamicSamplingMixin,
     RolloutLogMixin,
     AdvantageEstimatorMixin,
@@ -190,7 +192,6 @@ class VLMGRPOTrainer(
         elif args.max_tool_calling_iterations is not None:
             logger.warning("max_tool_calling_iterations has no effect without tools (--tools)")
         self.max_turn_tokens = max_turn_tokens
-        self._pending_transform = None  # what decodes the training loader's PendingImages (get_train_dataloader)
 
         super().__init__(
             model=model,
@@ -230,6 +231,7 @@ class VLMGRPOTrainer(
             # images: with a text-only batch on one rank and images on another the run deadlocks.
             logger.warning("log_multimodal is turned off in multi-process runs (TRL deadlocks on mixed batches)")
             self.log_multimodal = False
+        self.fused_update = FusedUpdate(self)
         self._vision_syncs = []
         if needs_vision_sync(self.accelerator, self.model, vlm_module):
             # Sharded runs: a rank without images must still run the vision tower where the others do.
@@ -249,6 +251,8 @@ class VLMGRPOTrainer(
     last_turn_stats = None
     #: What the last tool generation's loop asked of the host and ran (:class:`~vlm_grpo.tools.round_cache.RoundWork`).
     last_round_work = None
+    #: The fused update pass (``update_chunk_tokens``); None before ``__init__`` ends.
+    fused_update: FusedUpdate | None = None
     #: What the last packed log-prob pass ran (:class:`~vlm_grpo.fastpath.sharing.PackedPass`: tokens, padding).
     last_packed_pass = None
 
@@ -321,21 +325,24 @@ class VLMGRPOTrainer(
 
     def _prepare_inputs(self, generation_batch: Any) -> dict[str, Any]:
         """TRL's micro-batch, its completions cut to its own longest one (``trim_completion_padding``)."""
-        inputs = super()._prepare_inputs(generation_batch)
+        return self._micro_batch(super()._prepare_inputs(generation_batch))
+
+    def _micro_batch(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """A slice of TRL's buffer as the Trainer gets it (the fused update reads the buffer directly)."""
         return trim_completion_padding(inputs) if self.args.trim_completion_padding else inputs
 
-    def get_train_dataloader(self) -> Any:
-        """TRL's loader, over rows whose images are decoded only when a step generates from them
-        (:mod:`vlm_grpo.data.deferred`: TRL fetches a generation batch at every micro-step and drops most)."""
-        view = deferred_view(self.train_dataset)
-        if view is None:
-            return super().get_train_dataloader()
-        dataset, self._pending_transform = self.train_dataset, view[1]
-        self.train_dataset = view[0]
-        try:
-            return super().get_train_dataloader()
-        finally:
-            self.train_dataset = dataset
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """TRL's; with ``update_chunk_tokens``, a window's micro-batches share forwards and backwards
+        (:mod:`vlm_grpo.fastpath.fused_update`), each micro-batch's loss still TRL's."""
+        if not return_outputs and self.fused_update is not None:
+
+            def loss_fn(mb: dict[str, Any]) -> torch.Tensor:
+                return super(VLMGRPOTrainer, self).compute_loss(model, mb, num_items_in_batch=num_items_in_batch)
+
+            loss = self.fused_update.loss(self, model, inputs, self._micro_batch, loss_fn)
+            if loss is not None:
+                return loss
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """TRL's, with the processor run once per distinct prompt (``process_prompts_once``), and without the
@@ -344,7 +351,6 @@ class VLMGRPOTrainer(
         TRL calls ``self.processing_class`` inside this method (for generation, then for the log-prob passes'
         pixels) without a hook around either call: the stand-in takes its place for the method's duration only.
         """
-        inputs = decode_pending(inputs, self._pending_transform)
         processor = self.processing_class
         if self.args.process_prompts_once:
             self.processing_class = ProcessOnce(processor, self.accelerator.device)

@@ -61,3 +61,24 @@ def decode_pending(rows: list[dict], transform: LazyImageTransform | None) -> li
         columns = transform.columns(list(pending.row), [(row, images)])
         out.append({**x, **{name: values[0] for name, values in columns.items()}})
     return out
+
+
+class DeferredImagesMixin:
+    """For a GRPO trainer: the training loader yields :class:`PendingImages`, decoded when a step generates."""
+
+    #: What decodes the training loader's pending images (set by ``get_train_dataloader``).
+    _pending_transform: LazyImageTransform | None = None
+
+    def get_train_dataloader(self) -> Any:
+        view = deferred_view(self.train_dataset)
+        if view is None:
+            return super().get_train_dataloader()
+        dataset, self._pending_transform = self.train_dataset, view[1]
+        self.train_dataset = view[0]
+        try:
+            return super().get_train_dataloader()
+        finally:
+            self.train_dataset = dataset
+
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        return super()._generate_and_score_completions(decode_pending(inputs, self._pending_transform))

@@ -24,14 +24,17 @@ What it does (every piece behind a ``VLMGRPOConfig`` flag, parity-tested against
 * ``compiled_layers``: ``compile_layers``; ``fallback``: compiled-with-eager-fallback;
 * ``vision_attention``: ``batch_vision_attention`` (one varlen flash call per layer on GPUs, per-length sdpa calls
   elsewhere); ``vision_sync``: vision passes kept in step across ranks;
-* ``varlen``: the variable-length attention kernel both packed paths call (flash's on GPUs).
+* ``varlen``: the variable-length attention kernel both packed paths call (flash's on GPUs);
+* ``fused_update``: ``update_chunk_tokens`` (an optimizer step's micro-batches in a few forwards + backwards, each
+  micro-batch's loss TRL's own).
 
 It leans on names that TRL, transformers and torch do not promise to keep. ``contract.PRIVATE_NAMES`` lists
 each one with the signature we rely on, and ``tests/test_fastpath_contract.py`` checks them against the
 installed versions, so an upgrade that drops one fails there, naming it:
 
 * TRL ``GRPOTrainer``: ``_get_per_token_logps_and_entropies``, ``_generate_single_turn``, ``_tokenize_prompts``
-  (overridden by ``VLMGRPOTrainer``), the ``_tokenizer`` attribute; ``trl.models.utils.unwrap_model_for_generation``.
+  (overridden by ``VLMGRPOTrainer``), ``_compute_loss``, the ``_tokenizer``, ``_buffered_inputs`` and ``_step``
+  attributes; ``trl.models.utils.unwrap_model_for_generation``.
 * transformers ``Trainer._load_from_checkpoint``; ``GenerationMixin._prepare_generation_config``,
   ``_prepare_special_tokens`` (which sets ``GenerationConfig._pad_token_tensor`` / ``_eos_token_tensor``),
   ``_get_logits_processor``; Qwen-VL's ``_prepare_position_ids_for_generation``;

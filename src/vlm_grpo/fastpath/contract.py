@@ -89,6 +89,27 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     ),
     PrivateName(
         "trl:GRPOTrainer",
+        "_compute_loss",
+        ("model", "inputs"),
+        why="update_chunk_tokens runs TRL's loss per micro-batch on log-probs a chunk's forward computed",
+    ),
+    *(
+        PrivateName(
+            "trl:GRPOTrainer",
+            name,
+            source=f"trl:GRPOTrainer.{where}",
+            why="update_chunk_tokens reads a window's micro-batches from TRL's buffer, at TRL's micro-step",
+        )
+        for name, where in (("_buffered_inputs", "_prepare_inputs"), ("_step", "training_step"))
+    ),
+    PrivateName(
+        "transformers:Trainer",
+        "current_gradient_accumulation_steps",
+        source="transformers:Trainer._run_epoch",
+        why="update_chunk_tokens fuses only windows of the configured length (not an epoch's shorter tail)",
+    ),
+    PrivateName(
+        "trl:GRPOTrainer",
         "_tokenizer",
         source="trl:GRPOTrainer.__init__",
         why="the pad id of the packed rows and the shared prefill",

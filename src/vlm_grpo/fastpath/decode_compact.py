@@ -63,12 +63,15 @@ ROW_WISE = GRAPH_SAFE | {
 @dataclass
 class DecodeStats:
     """What one decode computed: ``row_steps`` rows summed over its ``steps`` (at full width that is
-    :attr:`full_row_steps`), the widths it ran at, in order."""
+    :attr:`full_row_steps`), the widths it ran at, in order; the (rows, slots) of each storage its cache had, in
+    order, and the most bytes its cache held at once (while moving into new storage: the old and the new)."""
 
     rows: int = 0
     steps: int = 0
     row_steps: int = 0
     widths: list[int] = field(default_factory=list)
+    allocations: list[tuple[int, int]] = field(default_factory=list)
+    peak_cache_bytes: int = 0
 
     @property
     def full_row_steps(self) -> int:

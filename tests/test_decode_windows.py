@@ -242,7 +242,8 @@ def test_warm_ups_that_write_garbage_mid_decode_change_no_token(restore, tiny_mo
 def test_windows_of_a_call_share_one_compilation(mark, tiny_models, monkeypatch):
     """The window length (the mask's last dimension) is marked dynamic: every window of a call, the last one
     (which reaches the cache's end) included, runs the compilation the first one made, and a later call in the
-    same bucket compiles nothing. Unmarked (control), the second window recompiles."""
+    same bucket compiles nothing; the cache, which grows into new storage at each window (``SIZED_CACHE``), has its
+    slots marked dynamic too. Unmarked (control), the second window recompiles."""
     from torch._dynamo.utils import counters
 
     seen = _windows_on(monkeypatch, window=4, bucket=32, spy_scores=False)

@@ -259,6 +259,7 @@ def run_one(
     generation's 4 optimizer steps summed into one entry, and an out-of-memory error reported as the result."""
     from trl import GRPOTrainer
 
+    from vlm_grpo.fastpath import startup
     from vlm_grpo.trainer import VLMGRPOTrainer
 
     device = torch.device(args.device)
@@ -277,7 +278,8 @@ def run_one(
     time_vision(model, module, timer)
     cls = counted_trainer_class(timed_trainer_class(GRPOTrainer if is_vanilla(kind) else VLMGRPOTrainer))
     cls.timer = timer
-    callbacks = [OptimizerTimer(timer)]
+    optimizer_timer = OptimizerTimer(timer)
+    callbacks = [optimizer_timer]
     if shape:
         callbacks.append(CyclePrinter(kind, per_cycle, timer.per_step))
     if args.profile_dir:
@@ -304,6 +306,7 @@ def run_one(
             raise
         what = "out of memory" if isinstance(err, torch.OutOfMemoryError) else "stopped by the time limit"
         status = f"{what} in cycle {len(timer.per_step) // per_cycle + 1}"
+    timer.startup["run"] = startup.since(optimizer_timer.startup_before)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     steps = cycles(timer.per_step, per_cycle) if shape else timer.per_step
     measured = steps[args.warmup : args.warmup + args.steps] or steps or [{}]
@@ -344,6 +347,8 @@ def run_one(
         status=status,
         completion_stats={**length_stats(timer.lengths), **row_steps} if shape else {},
         cycle_times_s=[c["_wall"] for c in steps] if shape else [],
+        startup=timer.startup,
+        decode_cache_gib=timer.decode_cache_gib,
     )
     result.packed_tokens = {f"{p}_{k}": median(f"_{p}_{k}") for p in PASSES for k in ("ran", "layout")}
     print(packed_tokens_line(result.trainer, result.packed_tokens), flush=True)
@@ -355,6 +360,8 @@ def run_one(
 
 
 def main(argv: list[str] | None = None) -> list[Result]:
+    from vlm_grpo.fastpath.startup import line as startup_line
+
     args = parse(argv, __doc__.split("\n\n")[0])
     shape = apply_shape(args) if args.shape else None
     results: list[Result] = []
@@ -386,6 +393,8 @@ def main(argv: list[str] | None = None) -> list[Result]:
         print(f"shape: {shape}; per cycle; {TOKENS_NOTE}")
     print(format_table(results))
     for r in results:
+        if "first_step" in r.startup:
+            print(f"{r.trainer} start-up until the first optimizer step: {startup_line(r.startup['first_step'])}")
         computed, full = r.completion_stats.get("decode_row_steps"), r.completion_stats.get("decode_full_row_steps")
         if full:
             print(

@@ -258,6 +258,9 @@ def test_bench_grpo_easyr1_shape_tiny_cpu_reports_cycles_and_natural_lengths(tmp
         assert 2 <= stats["mean"] <= 14 and stats["p50"] < stats["max"] <= 24, stats  # geometric, mean ~6
         assert r["tokens_per_s"] == pytest.approx((r["prompt_tokens"] + r["completion_tokens"]) / r["step_s"], 0.01)
         assert r["completion_tokens"] == pytest.approx(stats["mean"] * 20, abs=1)
+        for span in ("first_step", "run"):  # start-up counts: nothing compiled on CPU, no graph captured
+            assert r["startup"][span]["fxgraph_cache_miss"] == 0 and r["startup"][span]["decode_captures"] == 0
+    assert payload["results"][0]["decode_cache_gib"] is None and payload["results"][1]["decode_cache_gib"] > 0
     ours, vanilla = payload["results"][1]["packed_tokens"], payload["results"][0]["packed_tokens"]
     assert ours["old_ref_ran"] < ours["old_ref_layout"] == vanilla["old_ref_ran"]  # each rollout at its own length
     assert result.stdout.count(" ours: log-prob passes ran") == 2  # as the run ends, and in the summary

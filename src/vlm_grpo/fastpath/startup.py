@@ -13,9 +13,13 @@ shape first changes).
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections import defaultdict
 from collections.abc import Iterator
+from typing import Any
+
+from transformers import TrainerCallback
 
 # Seconds of each timed event of this process, by name ("decode_warmup", "decode_capture").
 _events: defaultdict[str, list[float]] = defaultdict(list)
@@ -72,3 +76,34 @@ def report() -> dict[str, float | int]:
 def reset() -> None:
     """Forget this module's timings (torch's own counters are torch's: ``torch._dynamo.utils.counters.clear()``)."""
     _events.clear()
+
+
+def since(before: dict[str, float | int], after: dict[str, float | int] | None = None) -> dict[str, float | int]:
+    """What :func:`report` counted between ``before`` and ``after`` (default: now), e.g. over one run."""
+    after = report() if after is None else after
+    return {key: round(value - before.get(key, 0), 3) for key, value in after.items()}
+
+
+def line(counts: dict[str, float | int]) -> str:
+    """One log line of :func:`report`'s counts."""
+    c = counts
+    return (
+        f"dynamo traced {c['dynamo_graphs']} graph(s) in {c['dynamo_seconds']:.1f} s (inductor "
+        f"{c['backend_seconds']:.1f} s; compile cache: {c['fxgraph_cache_hit']} loaded, {c['fxgraph_cache_miss']} "
+        f"compiled); Triton autotuning: {c['autotune_runs']} run(s), {c['autotune_seconds']:.1f} s; decode steps: "
+        f"{c['decode_warmups']} warm-up(s) {c['decode_warmup_seconds']:.1f} s, {c['decode_captures']} CUDA graph "
+        f"capture(s) {c['decode_capture_seconds']:.1f} s"
+    )
+
+
+class StartupLog(TrainerCallback):
+    """Logs once, at the end of the first optimizer step, what the process spent on compilation and graph capture
+    since the callback was made (with the trainer)."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.logger, self.before, self.done = logger, report(), False
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not self.done:
+            self.done = True
+            self.logger.info("start-up until the first optimizer step: %s", line(since(self.before)))

@@ -233,10 +233,14 @@ def packed_tokens_line(trainer: str, tokens: dict[str, float]) -> str:
 def counted_row_steps(timer: PhaseTimer, kind: str) -> Iterator[None]:
     """Counts the rows ``fast_decode`` computes, summed over its steps (``_row_steps``), and what a decode at full
     width to its last step would (``_full_row_steps``): finished rows leave the batch (fastpath.decode_compact). The
-    variant's ``compact_rows=false`` keeps every decode at full width."""
+    variant's ``compact_rows=false`` keeps every decode at full width; ``sized_cache=false`` allocates every decode's
+    cache for the longest possible rows from the start (``decode.SIZED_CACHE``); ``cpu_windows=true`` takes the
+    attention windows (and so the cache that grows by windows) without CUDA graphs, as tests do on CPU."""
     from vlm_grpo.fastpath import decode, decode_compact
 
     real, compact = decode.fast_decode, decode_compact.COMPACT
+    sized, windows = decode.SIZED_CACHE, decode._WINDOWS_WITHOUT_GRAPH
+    switches = parse_variant(kind)[1]
 
     def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
         out = real(*args, **kwargs)
@@ -245,11 +249,14 @@ def counted_row_steps(timer: PhaseTimer, kind: str) -> Iterator[None]:
         return out
 
     decode.fast_decode = counted
-    decode_compact.COMPACT = parse_variant(kind)[1].get("compact_rows", compact) is not False
+    decode_compact.COMPACT = switches.get("compact_rows", compact) is not False
+    decode.SIZED_CACHE = switches.get("sized_cache", sized) is not False
+    decode._WINDOWS_WITHOUT_GRAPH = switches.get("cpu_windows", windows) is True
     try:
         yield
     finally:
         decode.fast_decode, decode_compact.COMPACT = real, compact
+        decode.SIZED_CACHE, decode._WINDOWS_WITHOUT_GRAPH = sized, windows
 
 
 def run_one(
@@ -401,6 +408,8 @@ def main(argv: list[str] | None = None) -> list[Result]:
                 f"{r.trainer}: fast_decode computed {computed:.0f} row-steps a cycle, {computed / full:.0%} of the "
                 f"{full:.0f} a decode at full width to its last step computes"
             )
+        if r.decode_cache_gib is not None:
+            print(f"{r.trainer}: the largest decode cache held {r.decode_cache_gib * 1024:.1f} MiB")
     return results
 
 

@@ -211,9 +211,9 @@ class _Step:
     def __init__(
         self, cache: Any, cache_kw: dict[str, Any], tokens, positions, mask, use_graph: bool, compile: bool = False,
         warmups: int = 2, pool: Any = None, warm_up: bool = False, autocast: AutocastState = None,
-        in_step: InStep | None = None,
+        in_step: InStep | None = None, rows_dynamic: bool = False,
     ) -> None:  # fmt: skip
-        self.cache, self.autocast, self.in_step = cache, autocast, in_step
+        self.cache, self.autocast, self.in_step, self.rows_dynamic = cache, autocast, in_step, rows_dynamic
         self.tokens, self.positions, self.mask = tokens, positions, mask
         self.use_graph, self.warmups, self.pool = use_graph, warmups, pool
         self._cache_kwarg = cache_kw  # how the decoder takes the cache (see cache_kwarg)
@@ -234,6 +234,8 @@ class _Step:
         with decode_attention(decoder.config), _autocast(self.autocast):
             logits = self._fn(decoder, head, self.tokens, self.positions, self.mask, self._cache_kwarg)
         if self.in_step is not None:
+            if self.rows_dynamic:  # the compiled selection's input: its rows dynamic, as the step's (decode_compact)
+                torch._dynamo.maybe_mark_dynamic(logits, 0)
             self.in_step.after(logits)
         return logits
 
@@ -469,7 +471,9 @@ def _workspace(
     else:  # eager adds the mask to the scores
         mask = torch.zeros(rows, 1, 1, slots, dtype=layers[0].keys.dtype, device=device)
     tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
-    positions = next_positions.new_zeros(*next_positions.shape[:-1], rows, 1)  # (rows, 1) or (3, rows, 1)
+    # (rows, 1) or (3, rows, 1), rows outermost in memory: a narrower width's view (decode_compact) has the strides
+    # of the full width's, so a compiled step with the rows dynamic does not tie a stride to the row count.
+    positions = next_positions.new_zeros(rows, *next_positions.shape[:-1], 1).movedim(0, -2)
     pool = torch.cuda.graph_pool_handle() if use_graph else None
     selection = Selection(rows, slots + 1, eos_count, device)  # the prompt and every step fit in slots + 1 columns
     shared = None
@@ -542,11 +546,14 @@ def _decode(
                 per_width[width] = (select, {**cache_kwarg(decoder, v.cache), **shared})
             selector, cache_kw = per_width[width]
             view = _window_mask(v.mask, length, compile) if windowed else v.mask
+            dynamic = compile and compact  # the width changes within the call: one compilation for every width
+            if dynamic:
+                compaction.rows_dynamic(v, view)
             nonlocal made
             warmups, made = 1 if made else 2, True  # later steps: the kernels are compiled and loaded already
             step = ws.steps[width, length] = _Step(
                 v.cache, cache_kw, v.tokens, v.positions, view, use_graph, compile, warmups, ws.pool,
-                warm_up=windowed, autocast=autocast, in_step=selector,
+                warm_up=windowed, autocast=autocast, in_step=selector, rows_dynamic=dynamic,
             )  # fmt: skip
         return step
 

@@ -149,6 +149,23 @@ def view(ws: Any, rows: int) -> View:
     return v
 
 
+def rows_dynamic(v: View, mask: torch.Tensor) -> None:
+    """Mark the row dimension of what a compiled step reads dynamic (``maybe_mark_dynamic``: a hint, never an
+    error): the fed tokens and positions, ``mask`` (the step's window of ``v.mask``), the cache, the prompt map and the
+    selection's rows. Left alone, dynamo compiles the full width static and again with the rows dynamic at the first
+    narrower width: two compilations (in a warm process, two traces and cache loads) instead of one."""
+    mark = torch._dynamo.maybe_mark_dynamic
+    sel = v.selection
+    for x in (v.tokens, mask, sel.out, sel.unfinished, *([] if sel.draw_rows is None else [sel.draw_rows])):
+        mark(x, 0)
+    mark(v.positions, v.positions.dim() - 2)
+    for layer in v.cache.layers:
+        mark(layer.keys, 0)
+        mark(layer.values, 0)
+    if v.shared is not None:
+        mark(v.shared[0], 0)
+
+
 def compact(ws: Any, width: int, new: int, written: int, column: int, index: torch.Tensor) -> None:
     """Reorder the first ``width`` rows of ``ws``: its live rows first (in their order), then the finished ones, so the
     first ``new`` rows hold every live row. ``written``: the cache slots written so far; ``column``: the next column

@@ -9,7 +9,7 @@ handling, so sampling follows the same distribution and greedy tokens equal ``ge
 same loop runs without the graph). Where the processors read only the scores, that selection is part of the captured
 step, so a token is one replay (:mod:`vlm_grpo.fastpath.decode_select`).
 
-Attention windows (sdpa models under the graph): the static cache is sized for the whole completion, but
+Attention windows (sdpa models under the graph): the static cache has room for the whole completion, but
 step t only attends over the prompt and the t tokens written so far. Reading every slot costs ~1.2 ms of a
 ~5 ms token at 1024 completion tokens (H100, 3B). The decode is split into windows of ``ATTENTION_WINDOW``
 slots: each window has its own step and graph, sharing the input buffers, the cache and the mask storage
@@ -23,6 +23,12 @@ Finished rows leave the batch (:mod:`vlm_grpo.fastpath.decode_compact`): at the 
 (every ``_CHECK_EVERY`` tokens), once the live rows fit half the batch or less, they move to the front of the
 workspace and the loop goes on over a narrower width, with steps (graphs) made per width and window. Tokens are
 unchanged; a narrowed selection draws its noise for the whole batch, each row taking its own.
+
+The cache is sized to the rows' real lengths (``SIZED_CACHE``, in calls whose workspace is not kept): windowed, it
+starts with the first window's slots and moves into larger storage when the longest running row reaches the next
+window (a new window's step is made then anyway); after a compaction it moves into storage for the live rows only
+(unless it is exported). Its memory follows the work left, not the longest possible row of every row: at EasyR1's
+shape most rows end long before the cap, and the one that runs to it runs at the narrowest width.
 
 Kept graphs (``keep_decode_graphs``): capturing costs two warm-up passes and the capture, ~0.04-0.08 s per call
 at 3B on an H100. A kept :class:`_Workspace` (cache, buffers, mask, the steps and their graphs) and the kept fused
@@ -160,7 +166,11 @@ def _compiled() -> Any:
     """One compiled step per process: dynamo caches by code object, so later generation calls (new caches)
     reuse it. The first cache length compiles static kernels; the first call in another bucket recompiles
     once with the length dynamic, which then serves every later bucket (measured on an H100, 3B: static
-    kernels were not measurably faster, and a static compilation per bucket costs 13-48 s each).
+    kernels were not measurably faster, and a static compilation per bucket costs 13-48 s each). A sized cache
+    (``SIZED_CACHE``) changes its length within a call: its slot dimension is marked dynamic from the start.
+    A compacting decode changes its row count within a call: every row dimension a step reads is marked dynamic
+    from the full width on (:func:`vlm_grpo.fastpath.decode_compact.rows_dynamic`), so one compilation serves
+    every width (without the marks: one at full width, one at the first narrower width).
 
     Attention windows change the mask's last dimension within a call. Left to dynamo, the first window would
     compile static and the next recompile with that dimension dynamic: two compilations in the first call.

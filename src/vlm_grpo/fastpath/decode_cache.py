@@ -6,6 +6,10 @@ a token in the compiled, captured step (~55 us of ~3.5 ms on an H100, ``decode_l
 of a decode step writes the same slot, so here the layers share one position tensor, and only the last layer
 advances it. During a step every layer reads the position the step started at, and after it the position has moved
 by one, as with the per-layer counters.
+
+A decode whose rows end at different lengths need not hold every row's longest possible cache from the start:
+:func:`resize` moves the cache into new storage with more slots (the next attention window) or fewer rows (after a
+compaction), layer by layer.
 """
 
 from __future__ import annotations

@@ -6,9 +6,10 @@ row-steps (GEMM rows, and attention reads over ever longer caches) on rows that 
 row ended?" checks the decode also counts the live rows; when they fit a width of the halving chain of the batch
 (rows, rows/2, rows/4, ... rounded up, down to :data:`MIN_ROWS`), its rows move: the live ones to the front, in their
 order, the finished ones after them (cache slots, mask, fed tokens and positions, the selection's ids and flags), and
-decoding goes on over the first rows only, through steps made (on a GPU: captured) for that width. Every buffer is a
-view of the workspace's own storage: nothing is allocated per width, and ``order`` says which batch row each
-position holds; the output (and an exported cache) is put back in batch order at the end. A finished row's output
+decoding goes on over the first rows only, through steps made (on a GPU: captured) for that width. Every buffer but
+the cache is a view of the workspace's own storage, and ``order`` says which batch row each position holds; the
+output (and an exported cache) is put back in batch order at the end. The cache moves into storage for the live rows
+only (``decode.SIZED_CACHE``), or, in a kept workspace or when exported, stays as it is. A finished row's output
 is its tokens, then padding, as before.
 
 Sampling stays ``generate``'s draw under the same seed: ``torch.multinomial`` draws the noise of its Gumbel-max draw

@@ -398,17 +398,18 @@ def main(argv: list[str] | None = None) -> list[Result]:
     print(f"device: {device_name}; preset: {args.preset}; G={args.num_generations}; beta={args.beta}")
     if shape:
         print(f"shape: {shape}; per cycle; {TOKENS_NOTE}")
-    print(format_table(results))
     for r in results:
         if "first_step" in r.startup:
             print(f"{r.trainer} start-up until the first optimizer step: {startup_line(r.startup['first_step'])}")
+    print(format_table(results))
+    for r in results:
         computed, full = r.completion_stats.get("decode_row_steps"), r.completion_stats.get("decode_full_row_steps")
         if full:
             print(
                 f"{r.trainer}: fast_decode computed {computed:.0f} row-steps a cycle, {computed / full:.0%} of the "
                 f"{full:.0f} a decode at full width to its last step computes"
             )
-        if r.decode_cache_gib is not None:
+        if shape and r.decode_cache_gib is not None:
             print(f"{r.trainer}: the largest decode cache held {r.decode_cache_gib * 1024:.1f} MiB")
     return results
 

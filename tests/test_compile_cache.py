@@ -133,4 +133,3 @@ def test_the_trainer_points_the_caches_at_compile_cache_dir(tiny_models, tmp_pat
     )
     assert trainer.compile_cache == tmp_path / "cc" / version_key("cpu")
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(trainer.compile_cache)
-

@@ -64,6 +64,10 @@ class Result:
     status: str = "ok"  # or what stopped the run ("out of memory in generation", ...)
     completion_stats: dict[str, float] = field(default_factory=dict)  # realised lengths (--shape)
     cycle_times_s: list[float] = field(default_factory=list)  # every generation cycle (--shape), in order
+    # Compilation, autotuning, decode warm-ups and graph captures (vlm_grpo.fastpath.startup.report): counts and
+    # seconds until the end of the first optimizer step ("first_step") and over the whole run ("run").
+    startup: dict[str, dict[str, float]] = field(default_factory=dict)
+    decode_cache_gib: float | None = None  # the most one fast_decode call's cache held (GiB), over the run
 
 
 # --------------------------------------------------------------------------- timing
@@ -78,6 +82,8 @@ class PhaseTimer:
         self.per_step: list[dict[str, float]] = []
         self.lengths: list[float] = []  # every completion's length, in the order the rows were prepared
         self.in_loss = False
+        self.decode_cache_gib: float | None = None  # see Result
+        self.startup: dict[str, dict[str, float]] = {}
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -173,6 +179,9 @@ class OptimizerTimer(TrainerCallback):
         self.timer = timer
         self.start = 0.0
         self.step_start = 0.0
+        from vlm_grpo.fastpath import startup
+
+        self.startup_before = startup.report()  # made with the trainer: its compilation counts from here
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self.timer.sync()
@@ -194,6 +203,10 @@ class OptimizerTimer(TrainerCallback):
         self.timer.totals["_wall"] += now - self.step_start
         self.step_start = now
         self.timer.close_step()
+        if state.global_step == 1:
+            from vlm_grpo.fastpath import startup
+
+            self.timer.startup["first_step"] = startup.since(self.startup_before)
 
 
 def time_vision(model: torch.nn.Module, module: Any, timer: PhaseTimer) -> None:
@@ -220,6 +233,7 @@ def time_vision(model: torch.nn.Module, module: Any, timer: PhaseTimer) -> None:
 def timed_fast_decode(timer: PhaseTimer):
     """Times ``fast_decode`` (the "decode" phase) and counts the tokens it decodes, for the duration of a run."""
     from vlm_grpo.fastpath import decode
+    from vlm_grpo.fastpath import decode_compact as compaction
 
     real = decode.fast_decode
 
@@ -227,6 +241,8 @@ def timed_fast_decode(timer: PhaseTimer):
         with timer.phase("decode"):
             out = real(*args, **kwargs)
         timer.totals["_decode_tokens"] += out.size(1)
+        cache = compaction.last_stats.peak_cache_bytes / 2**30
+        timer.decode_cache_gib = max(timer.decode_cache_gib or 0.0, cache)
         return out
 
     decode.fast_decode = timed

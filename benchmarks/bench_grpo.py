@@ -233,10 +233,14 @@ def packed_tokens_line(trainer: str, tokens: dict[str, float]) -> str:
 def counted_row_steps(timer: PhaseTimer, kind: str) -> Iterator[None]:
     """Counts the rows ``fast_decode`` computes, summed over its steps (``_row_steps``), and what a decode at full
     width to its last step would (``_full_row_steps``): finished rows leave the batch (fastpath.decode_compact). The
-    variant's ``compact_rows=false`` keeps every decode at full width."""
+    variant's ``compact_rows=false`` keeps every decode at full width; ``sized_cache=false`` allocates every decode's
+    cache for the longest possible rows from the start (``decode.SIZED_CACHE``); ``cpu_windows=true`` takes the
+    attention windows (and so the cache that grows by windows) without CUDA graphs, as tests do on CPU."""
     from vlm_grpo.fastpath import decode, decode_compact
 
     real, compact = decode.fast_decode, decode_compact.COMPACT
+    sized, windows = decode.SIZED_CACHE, decode._WINDOWS_WITHOUT_GRAPH
+    switches = parse_variant(kind)[1]
 
     def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
         out = real(*args, **kwargs)
@@ -245,11 +249,14 @@ def counted_row_steps(timer: PhaseTimer, kind: str) -> Iterator[None]:
         return out
 
     decode.fast_decode = counted
-    decode_compact.COMPACT = parse_variant(kind)[1].get("compact_rows", compact) is not False
+    decode_compact.COMPACT = switches.get("compact_rows", compact) is not False
+    decode.SIZED_CACHE = switches.get("sized_cache", sized) is not False
+    decode._WINDOWS_WITHOUT_GRAPH = switches.get("cpu_windows", windows) is True
     try:
         yield
     finally:
         decode.fast_decode, decode_compact.COMPACT = real, compact
+        decode.SIZED_CACHE, decode._WINDOWS_WITHOUT_GRAPH = sized, windows
 
 
 def run_one(
@@ -259,6 +266,7 @@ def run_one(
     generation's 4 optimizer steps summed into one entry, and an out-of-memory error reported as the result."""
     from trl import GRPOTrainer
 
+    from vlm_grpo.fastpath import startup
     from vlm_grpo.trainer import VLMGRPOTrainer
 
     device = torch.device(args.device)
@@ -278,7 +286,8 @@ def run_one(
     time_vision(model, module, timer)
     cls = counted_trainer_class(timed_trainer_class(GRPOTrainer if is_vanilla(kind) else VLMGRPOTrainer))
     cls.timer = timer
-    callbacks = [OptimizerTimer(timer)]
+    optimizer_timer = OptimizerTimer(timer)
+    callbacks = [optimizer_timer]
     if shape:
         callbacks.append(CyclePrinter(kind, per_cycle, timer.per_step))
     if args.profile_dir:
@@ -305,6 +314,7 @@ def run_one(
             raise
         what = "out of memory" if isinstance(err, torch.OutOfMemoryError) else "stopped by the time limit"
         status = f"{what} in cycle {len(timer.per_step) // per_cycle + 1}"
+    timer.startup["run"] = startup.since(optimizer_timer.startup_before)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     steps = cycles(timer.per_step, per_cycle) if shape else timer.per_step
     measured = steps[args.warmup : args.warmup + args.steps] or steps or [{}]
@@ -345,6 +355,8 @@ def run_one(
         status=status,
         completion_stats={**length_stats(timer.lengths), **row_steps} if shape else {},
         cycle_times_s=[c["_wall"] for c in steps] if shape else [],
+        startup=timer.startup,
+        decode_cache_gib=timer.decode_cache_gib,
     )
     result.packed_tokens = {f"{p}_{k}": median(f"_{p}_{k}") for p in PASSES for k in ("ran", "layout")}
     print(packed_tokens_line(result.trainer, result.packed_tokens), flush=True)
@@ -356,6 +368,8 @@ def run_one(
 
 
 def main(argv: list[str] | None = None) -> list[Result]:
+    from vlm_grpo.fastpath.startup import line as startup_line
+
     args = parse(argv, __doc__.split("\n\n")[0])
     shape = apply_shape(args) if args.shape else None
     results: list[Result] = []
@@ -385,6 +399,9 @@ def main(argv: list[str] | None = None) -> list[Result]:
     print(f"device: {device_name}; preset: {args.preset}; G={args.num_generations}; beta={args.beta}")
     if shape:
         print(f"shape: {shape}; per cycle; {TOKENS_NOTE}")
+    for r in results:
+        if "first_step" in r.startup:
+            print(f"{r.trainer} start-up until the first optimizer step: {startup_line(r.startup['first_step'])}")
     print(format_table(results))
     for r in results:
         computed, full = r.completion_stats.get("decode_row_steps"), r.completion_stats.get("decode_full_row_steps")
@@ -393,6 +410,8 @@ def main(argv: list[str] | None = None) -> list[Result]:
                 f"{r.trainer}: fast_decode computed {computed:.0f} row-steps a cycle, {computed / full:.0%} of the "
                 f"{full:.0f} a decode at full width to its last step computes"
             )
+        if shape and r.decode_cache_gib is not None:
+            print(f"{r.trainer}: the largest decode cache held {r.decode_cache_gib * 1024:.1f} MiB")
     return results
 
 

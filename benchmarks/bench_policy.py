@@ -42,7 +42,7 @@ def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
 
 BENCH_ONLY = {
     "compile_vision", "select_in_graph", "varlen_blocks", "varlen_vision", "decode_kernel", "compile_select",
-    "decode_mlp", "down_slices", "block_multiple", "compact_rows",
+    "decode_mlp", "down_slices", "block_multiple", "compact_rows", "sized_cache", "cpu_windows",
 }  # fmt: skip
 # decode_mlp's (BN2, BK2, DOWN_SLICES) with down over the whole K: 16 columns per program, 512-column blocks
 # (``down_slices=false`` here and in decode_lengths.py).

@@ -111,7 +111,10 @@ def _environment_restored() -> Iterator[None]:
     each test starts from the environment the session started with."""
     import os
 
-    saved = dict(os.environ)
+    import torch.compiler.config
+
+    saved, job = dict(os.environ), torch.compiler.config.job_id  # the compile cache names a job (dynamo's profile)
     yield
     os.environ.clear()
     os.environ.update(saved)
+    torch.compiler.config.job_id = job

@@ -263,6 +263,9 @@ def test_bench_grpo_easyr1_shape_tiny_cpu_reports_cycles_and_natural_lengths(tmp
         assert 2 <= stats["mean"] <= 14 and stats["p50"] < stats["max"] <= 24, stats  # geometric, mean ~6
         assert r["tokens_per_s"] == pytest.approx((r["prompt_tokens"] + r["completion_tokens"]) / r["step_s"], 0.01)
         assert r["completion_tokens"] == pytest.approx(stats["mean"] * 20, abs=1)
+        for span in ("first_step", "run"):  # start-up counts: nothing compiled on CPU, no graph captured
+            assert r["startup"][span]["fxgraph_cache_miss"] == 0 and r["startup"][span]["decode_captures"] == 0
+    assert payload["results"][0]["decode_cache_gib"] is None and payload["results"][1]["decode_cache_gib"] > 0
     ours, vanilla = payload["results"][1]["packed_tokens"], payload["results"][0]["packed_tokens"]
     assert ours["old_ref_ran"] < ours["old_ref_layout"] == vanilla["old_ref_ran"]  # each rollout at its own length
     assert result.stdout.count(" ours: log-prob passes ran") == 2  # as the run ends, and in the summary
@@ -302,3 +305,23 @@ def test_shape_eos_bias_sets_the_stop_probability():
         parse_shape("easyr1_geo3k:prompts=3")
     with pytest.raises(SystemExit, match="'bogus' is not a shape field"):
         parse_shape("easyr1_geo3k:bogus=1")
+
+
+def test_warm_start_micro_runs_a_cold_and_a_warm_process(tmp_path):
+    """The decode warm-start benchmark's plumbing (uncompiled here: CPU compilation takes minutes): two processes on
+    one cache folder, each with both calls and the start-up counts; the windowed cache grows and narrows."""
+    out = tmp_path / "warm.json"
+    cmd = [
+        sys.executable, str(REPO / "benchmarks" / "micro" / "warm_start_micro.py"), "--preset", "tiny",
+        "--device", "cpu", "--unique", "4", "--group", "3", "--prompt_len", "20", "--max_new_tokens", "24",
+        "--mean", "6", "--compile", "false", "--windows_on_cpu", "true", "--out", str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    payload = json.loads(out.read_text())
+    for name in ("cold", "warm"):
+        run = payload[name]
+        assert run["startup"]["dynamo_graphs"] == 0 and run["startup"]["decode_warmups"] >= 1, run["startup"]
+        assert len(run["calls"]) == 2 and all(c["peak_cache_gib"] > 0 for c in run["calls"])
+    assert "warm_start_s" in payload and payload["args"]["compile"] is False

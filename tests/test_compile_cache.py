@@ -11,30 +11,34 @@ from pathlib import Path
 import pytest
 import torch
 
-from vlm_grpo.fastpath.compile_cache import use_compile_cache, version_key
+from vlm_grpo.fastpath.compile_cache import JOB, use_compile_cache, version_key
 
-# A second process: point the caches with use_compile_cache, compile and run a small function, report inductor's
-# and AOTAutograd's cache counters (a miss is a compilation, a hit a load from the folder).
+# A process of its own: point the caches with use_compile_cache, compile and run a small function on three row counts
+# (a cold process traces it static, then again with the row count dynamic), report the start-up counters.
+# argv[2] "no_profile": dynamo's profile of dynamic dimensions is not kept (the control).
 SCRIPT = """
 import json, sys
 import torch
-from torch._dynamo.utils import counters
+import torch.compiler.config
+from vlm_grpo.fastpath import startup
 from vlm_grpo.fastpath.compile_cache import use_compile_cache
 
 folder = use_compile_cache(sys.argv[1])
+if sys.argv[2] == "no_profile":
+    torch.compiler.config.job_id = None
 f = torch.compile(lambda x, w: torch.nn.functional.silu(x @ w).softmax(-1) * 3)
-f(torch.randn(8, 16), torch.randn(16, 16))
-print(json.dumps({"folder": str(folder), **counters["inductor"], **counters["aot_autograd"]}))
+for rows in (8, 9, 10):
+    f(torch.randn(rows, 16), torch.randn(16, 16))
+print(json.dumps({"folder": str(folder), **startup.report()}))
 """
 
 
-def _compile_in_a_new_process(folder: Path, tmp_path: Path) -> dict:
+def _compile_in_a_new_process(folder: Path, tmp_path: Path, profile: bool = True) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "VLM_GRPO_COMPILE_CACHE"):
         env.pop(name, None)
-    result = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(folder)], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env
-    )
+    argv = [sys.executable, "-c", SCRIPT, str(folder), "profile" if profile else "no_profile"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -43,23 +47,37 @@ def _compile_in_a_new_process(folder: Path, tmp_path: Path) -> dict:
 def test_a_second_process_loads_the_compiled_graphs_instead_of_compiling(tmp_path):
     cache = tmp_path / "cache"
     first = _compile_in_a_new_process(cache, tmp_path)
-    # Control: an empty folder compiles (so nothing is found in torch's default folder or in memory).
-    assert first["fxgraph_cache_miss"] >= 1 and first.get("fxgraph_cache_hit", 0) == 0, first
+    # Control: an empty folder compiles (so nothing is found in torch's default folder or in memory), twice: static,
+    # then with the row count dynamic.
+    assert first["fxgraph_cache_miss"] == 2 and first["fxgraph_cache_hit"] == 0 and first["dynamo_graphs"] == 2, first
+    assert first["dynamo_seconds"] > 0 and first["decode_warmups"] == 0
     assert Path(first["folder"]) == cache / version_key("cpu") and any(Path(first["folder"]).iterdir())
+    assert list((Path(first["folder"]) / "dynamo").glob("code_state_*.pkl"))  # dynamo's profile, in the folder
     second = _compile_in_a_new_process(cache, tmp_path)
-    assert second.get("fxgraph_cache_miss", 0) == 0 and second["fxgraph_cache_hit"] == first["fxgraph_cache_miss"]
-    assert second.get("autograd_cache_miss", 0) == 0 and second["autograd_cache_hit"] >= 1, second
+    # Nothing compiled, and one trace: the profile says the row count is dynamic from the first call.
+    assert second["fxgraph_cache_miss"] == 0 and second["fxgraph_cache_hit"] == 1 and second["dynamo_graphs"] == 1
+    assert second["autograd_cache_miss"] == 0 and second["autograd_cache_hit"] == 1, second
+    # Control: without the profile the warm folder still loads every graph, but dynamo traces twice.
+    unprofiled = _compile_in_a_new_process(cache, tmp_path, profile=False)
+    assert unprofiled["fxgraph_cache_miss"] == 0 and unprofiled["dynamo_graphs"] == 2, unprofiled
 
 
 def test_the_folder_follows_the_setting_the_env_and_the_compilers_own_variables(tmp_path, monkeypatch):
+    import torch.compiler.config
+
     for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.compiler.config, "job_id", None)
     monkeypatch.setenv("VLM_GRPO_COMPILE_CACHE", str(tmp_path / "env"))
     folder = use_compile_cache(None, "cpu")  # the default: the env's folder, under the version key
     assert folder == tmp_path / "env" / version_key("cpu") and folder.is_dir()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(folder)
     assert os.environ["TRITON_CACHE_DIR"] == str(folder / "triton")
     assert torch.__version__.replace("+", "") in version_key("cpu").replace("+", "")
+    assert torch.compiler.config.job_id == JOB  # dynamo keeps its profile of dynamic dimensions there too
+    monkeypatch.setattr(torch.compiler.config, "job_id", "theirs")
+    use_compile_cache(None, "cpu")
+    assert torch.compiler.config.job_id == "theirs"  # a job the process named stays
 
     monkeypatch.delenv("VLM_GRPO_COMPILE_CACHE")  # then compile/ in the package's cache folder
     monkeypatch.setenv("VLM_GRPO_CACHE", str(tmp_path / "pkg"))

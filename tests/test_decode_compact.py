@@ -292,24 +292,31 @@ def test_width_chain():
     assert decode_compact.narrower(320, 2, 1) is None  # the narrowest
 
 
-def test_a_compiled_step_recompiles_once_for_every_width(model, compacting, monkeypatch):
-    """Compiled: the first narrower width recompiles the step once (the row count turns dynamic), every later width
-    and a second call reuse it; the tokens stay generate's."""
+@pytest.mark.parametrize("marked", [True, False], ids=["rows_dynamic", "control_unmarked"])
+def test_a_compiled_step_compiles_once_for_every_width(marked, model, compacting, monkeypatch):
+    """Compiled, a step reads its rows marked dynamic from the full width on (``decode_compact.rows_dynamic``): one
+    compilation of the step serves every width, and a second call compiles nothing; its in-step selection compiles
+    twice (at full width the draw is multinomial's own, narrowed each row takes its noise from the batch's draw).
+    The tokens stay generate's. Unmarked (control), the first narrower width recompiles the step and the selection."""
     from torch._dynamo.utils import counters
 
+    monkeypatch.setattr(decode, "_SELECT_IN_STEP_WITHOUT_GRAPH", True)  # the selection a CUDA graph captures
+    if not marked:
+        monkeypatch.setattr(decode_compact, "rows_dynamic", lambda v, mask: None)
     monkeypatch.setattr(decode, "_compiled_forward", None)
     torch._dynamo.reset()
     batch = _batch()
-    eos = _ragged_eos(model, False, batch)
-    config = _config(model, False, eos)
+    eos = _ragged_eos(model, True, batch)
+    config = _config(model, True, eos)
+    config.top_k = 50  # a processor that reads the scores only: the selection runs in the step
     counters.clear()
     graphs = []
-    for _ in range(2):
-        ours, plain, _ = _run(model, config, batch, compile=True)
-        assert ours == plain
+    for _ in range(2 if marked else 1):
+        ours, plain, same_sampler = _run(model, config, batch, compile=True)
+        assert ours == plain and same_sampler
         assert len(decode_compact.last_stats.widths) >= 3
         graphs.append(counters["stats"]["unique_graphs"])
-    assert graphs == [2, 2], graphs
+    assert graphs == [3, 3] if marked else graphs[0] > 3, graphs
 
 
 def test_an_eager_attention_model_narrows_with_its_additive_mask(tiny_models, compacting):

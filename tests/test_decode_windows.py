@@ -29,19 +29,21 @@ STEPS = 14  # completion tokens: with windows of 4 slots, 3 or 4 windows
 
 
 def _windows_on(monkeypatch, window: int = 4, bucket: int = 8, spy_scores: bool = True) -> dict[str, list]:
-    """Small windows on the CPU path; returns what the steps saw: each window's mask length, the cache's slots,
-    the cache length when the window's step was made (prefix + its first step), the warm-up count, and the key
-    lengths the decode step's sdpa read."""
+    """Small windows on the CPU path; returns what the steps saw: each window's mask length, the mask's slots (the
+    whole decode's), the slots the cache had then (it grows by windows: ``SIZED_CACHE``), the cache length when the
+    window's step was made (prefix + its first step), the warm-up count, and the key lengths the decode step's sdpa
+    read."""
     monkeypatch.setattr(decode, "ATTENTION_WINDOW", window)
     monkeypatch.setattr(decode, "CACHE_BUCKET", bucket)
     monkeypatch.setattr(decode, "_WINDOWS_WITHOUT_GRAPH", True)
-    seen: dict[str, list] = {"masks": [], "sizes": [], "starts": [], "warmups": [], "keys": []}
+    seen: dict[str, list] = {"masks": [], "sizes": [], "cache": [], "starts": [], "warmups": [], "keys": []}
     real_init = decode._Step.__init__
 
     def spy_init(self, *args, **kwargs):
         real_init(self, *args, **kwargs)
         seen["masks"].append(self.mask.size(-1))
-        seen["sizes"].append(self.cache.layers[0].keys.size(2))
+        seen["sizes"].append(self.mask.stride(0))  # the mask is (rows, 1, 1, slots): its rows are slots apart
+        seen["cache"].append(self.cache.layers[0].keys.size(2))
         seen["starts"].append(int(self.cache.layers[0].cumulative_length))
         seen["warmups"].append(self.warmups)
 
@@ -63,6 +65,7 @@ def _assert_windows(seen: dict[str, list], window: int = 4, steps: int = STEPS) 
     starts = [start - prefix for start in seen["starts"]]
     assert list(zip(starts, masks, strict=True)) == decode.window_schedule(prefix, steps, window, size)
     assert seen["warmups"] == [2] + [1] * (len(masks) - 1)
+    assert seen["cache"] == [m + 1 for m in masks]  # the cache grew by windows (and the spare slot)
     assert set(seen["keys"]) == set(masks), (set(seen["keys"]), masks)  # sdpa read each window's slots, no more
 
 
@@ -219,6 +222,7 @@ def test_warm_ups_that_write_garbage_mid_decode_change_no_token(restore, tiny_mo
     _windows_on(monkeypatch, window=4, bucket=256)  # room past the last step: unrestored lengths run on
     monkeypatch.setattr(decode._Step, "_warm_up", lambda self, rewind, *model: _garbage_passes(self.cache, rewind))
     if not restore:
+        monkeypatch.setattr(decode, "SIZED_CACHE", False)  # unrestored lengths would run past a sized cache's end
 
         @contextlib.contextmanager
         def not_restored(cache):
@@ -238,7 +242,8 @@ def test_warm_ups_that_write_garbage_mid_decode_change_no_token(restore, tiny_mo
 def test_windows_of_a_call_share_one_compilation(mark, tiny_models, monkeypatch):
     """The window length (the mask's last dimension) is marked dynamic: every window of a call, the last one
     (which reaches the cache's end) included, runs the compilation the first one made, and a later call in the
-    same bucket compiles nothing. Unmarked (control), the second window recompiles."""
+    same bucket compiles nothing; the cache, which grows into new storage at each window (``SIZED_CACHE``), has its
+    slots marked dynamic too. Unmarked (control), the second window recompiles."""
     from torch._dynamo.utils import counters
 
     seen = _windows_on(monkeypatch, window=4, bucket=32, spy_scores=False)

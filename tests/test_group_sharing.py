@@ -398,6 +398,9 @@ def test_compiled_layers_match_trl_under_gradient_checkpointing(family, lora, ba
     monkeypatch.setattr(compiled_layers, "_compiled", {})
     monkeypatch.setattr(compiled_layers, "_BACKEND", backend)
     trainer = make_trainer(tiny_models[family], rows_file, tmp_path, lora=lora, compile_layers=True)
+    # The trainer names a compile job, whose profile of dynamic dimensions (kept in the compile cache by earlier
+    # runs) would make the widths dynamic from the first call: the counts below are a cold process's.
+    monkeypatch.setattr(torch.compiler.config, "job_id", None)
     inputs = real_batch(trainer)
     trainer.model.gradient_checkpointing_enable({"use_reentrant": False})
     trainer.model.train()

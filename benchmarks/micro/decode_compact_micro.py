@@ -11,7 +11,10 @@ that lengths are geometric with mean ``--mean`` (500). Each call decodes the bat
 computed summed over the steps against a decode at full width, the widths the decode ran at, and how many rows
 got the same tokens both ways (under the seed every row should; on a GPU a GEMM over fewer rows may round a logit
 differently, and a sampled row then goes its own way). The first call of each variant pays compilation and graph
-captures and is left out of the medians.
+captures and is left out of the medians. Each record also has the most bytes the decode cache held
+(``peak_cache_gib``: with ``--sized_cache true``, the default, it grows by windows and drops the rows a compaction
+leaves; ``false``: every row's longest possible cache from the start) and, on a GPU, the call's peak memory.
+``--windows_on_cpu true`` takes the attention windows (and the growing cache) on CPU too, as tests do.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from decode_lengths import prefilled
 
 
 def decode_once(model, config, ids: torch.Tensor, group: int, compile: bool, compact: bool, seed: int) -> dict:
-    """Prefill ``ids`` (unique prompts), decode ``group`` rows each; the call's record and its tokens."""
+    """Prefill ``ids`` (unique prompts), decode ``group`` rows each; the call's record and its tokens.
+    (``decode.SIZED_CACHE`` and ``decode._WINDOWS_WITHOUT_GRAPH`` as the caller set them.)"""
     from vlm_grpo.fastpath import decode, decode_compact
 
     device = ids.device
@@ -45,6 +49,7 @@ def decode_once(model, config, ids: torch.Tensor, group: int, compile: bool, com
         torch.manual_seed(seed)
         if device.type == "cuda":
             torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
         try:
             out = decode.fast_decode(
@@ -65,6 +70,9 @@ def decode_once(model, config, ids: torch.Tensor, group: int, compile: bool, com
         "row_steps": stats.row_steps,
         "full_row_steps": stats.full_row_steps,
         "widths": stats.widths,
+        "peak_cache_gib": stats.peak_cache_bytes / 2**30,
+        "cache_storages": len(stats.allocations),
+        "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         "tokens": out.cpu(),
     }
 
@@ -80,8 +88,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--mean", type=int, default=500, help="mean completion length (geometric, cut at the maximum)")
     p.add_argument("--calls", type=int, default=3, help="calls per variant (the first is left out of the medians)")
     p.add_argument("--compile", type=flag_bool, default=None, help="compile the decode step (default: on a GPU)")
+    p.add_argument("--sized_cache", type=flag_bool, default=True, help="decode.SIZED_CACHE (false: the longest cache)")
+    p.add_argument("--windows_on_cpu", type=flag_bool, default=False, help="attention windows without CUDA graphs")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    from vlm_grpo.fastpath import decode
+
+    decode.SIZED_CACHE, decode._WINDOWS_WITHOUT_GRAPH = args.sized_cache, args.windows_on_cpu
     on_gpu = device_defaults(args)
     device = torch.device(args.device)
     compile = on_gpu if args.compile is None else args.compile
@@ -121,6 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
         "full_width_s": median(False, "seconds"),
         "compact_row_steps": median(True, "row_steps"),
         "full_width_row_steps": median(False, "row_steps"),
+        "compact_peak_cache_gib": max((c["peak_cache_gib"] for c in calls if c["compact"]), default=None),
     }
     if summary["compact_s"] and summary["full_width_s"]:
         summary["speedup"] = summary["full_width_s"] / summary["compact_s"]

@@ -32,6 +32,7 @@ from vlm_grpo.fastpath.fused_update import FusedUpdate
 from vlm_grpo.fastpath.process_once import ProcessOnce
 from vlm_grpo.fastpath.route import trl_generation_reason
 from vlm_grpo.fastpath.sharing import packed_logps, packed_pass_reason, shared_prefill_generate
+from vlm_grpo.fastpath.startup import StartupLog
 from vlm_grpo.fastpath.trim import trim_completion_padding
 from vlm_grpo.fastpath.turn_cache import TurnCache, continue_turns, image_pad_id
 from vlm_grpo.fastpath.vision_attention import use_batched_vision_attention
@@ -215,6 +216,8 @@ class VLMGRPOTrainer(
         self.compile_layers = resolve_compile_layers(self.args.compile_layers, self.accelerator.device.type, sharded)
         self.keep_decode_graphs = resolve_keep_decode_graphs(self.args.keep_decode_graphs, sharded)
         self.compile_cache = use_compile_cache(self.args.compile_cache_dir, self.accelerator.device)
+        if self.accelerator.is_main_process:  # where the first step's compilation and graph captures went
+            self.add_callback(StartupLog(logger))
         if not self.args.cudnn_attention and torch.backends.cuda.cudnn_sdp_enabled():
             logger.info("cudnn_attention=False: sdpa's cuDNN backend is off for this process (see its help)")
             torch.backends.cuda.enable_cudnn_sdp(False)

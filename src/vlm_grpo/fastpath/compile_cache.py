@@ -7,6 +7,14 @@ each keyed on the graph, the shapes, the settings and the compiler's own source.
 system's temporary folder, which a reboot or a fresh container empties. :func:`use_compile_cache` points both at a
 sub-folder of one documented cache folder instead, named after the torch and Triton versions and the device, so a
 new torch never reads an older one's entries and one folder is easy to move, share or delete.
+
+What those caches skip is inductor's work (code generation, the C++ / Triton compilers, autotuning); dynamo still
+traces each compiled function once per process. Left alone it traces a function again each time a dimension it
+compiled static first changes (the decode step's row count when finished rows leave the batch, the packed passes'
+lengths): a trace and a cache load each. Dynamo can keep a profile of the dimensions it saw change (its
+"automatic dynamic" profile, ``dynamo/code_state_<job>.pkl`` in the same folder), read by a later process, which
+then traces those dimensions dynamic at once: one trace per function. torch keeps that profile only for a named job
+(``torch.compiler.config.job_id``); :func:`use_compile_cache` names it :data:`JOB` unless the process already has one.
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ ENV = "VLM_GRPO_COMPILE_CACHE"
 OFF = ("off", "none", "false", "0")
 # The compilers' own variables: set by a user, they win over the default folder.
 COMPILER_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+# The job name dynamo's profile of dynamic dimensions is kept under (see the module's docstring).
+JOB = "vlm_grpo"
 
 
 def default_dir() -> Path:
@@ -76,7 +86,9 @@ def use_compile_cache(setting: str | None, device: torch.device | str | None = N
     ``setting`` None: the default folder (:func:`default_dir`), unless ``TORCHINDUCTOR_CACHE_DIR`` or
     ``TRITON_CACHE_DIR`` is set, which then stays in charge (returns None). ``off``: nothing persists: both caches
     go to a temporary folder removed when the process ends. A path: that folder (over any compiler variable set).
+    In every case dynamo keeps its profile of dynamic dimensions with inductor's cache (see the module's docstring).
     """
+    keep_dynamic_profile()
     if setting is not None and setting.lower() in OFF:
         folder = Path(tempfile.mkdtemp(prefix="vlm_grpo_compile_"))
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
@@ -99,6 +111,15 @@ def use_compile_cache(setting: str | None, device: torch.device | str | None = N
         logger.info("compile_cache_dir=%s replaces %s for this process", setting, " and ".join(given))
     _point_at(folder)
     return folder
+
+
+def keep_dynamic_profile() -> None:
+    """Name the job (:data:`JOB`) so that dynamo reads and writes its profile of dynamic dimensions in inductor's
+    cache folder; a job name the process set already stays."""
+    import torch.compiler.config
+
+    if torch.compiler.config.job_id is None:
+        torch.compiler.config.job_id = JOB
 
 
 # What this module last set the compilers' variables to (a later trainer in the process may point them elsewhere).

@@ -9,7 +9,7 @@ handling, so sampling follows the same distribution and greedy tokens equal ``ge
 same loop runs without the graph). Where the processors read only the scores, that selection is part of the captured
 step, so a token is one replay (:mod:`vlm_grpo.fastpath.decode_select`).
 
-Attention windows (sdpa models under the graph): the static cache is sized for the whole completion, but
+Attention windows (sdpa models under the graph): the static cache has room for the whole completion, but
 step t only attends over the prompt and the t tokens written so far. Reading every slot costs ~1.2 ms of a
 ~5 ms token at 1024 completion tokens (H100, 3B). The decode is split into windows of ``ATTENTION_WINDOW``
 slots: each window has its own step and graph, sharing the input buffers, the cache and the mask storage
@@ -23,6 +23,12 @@ Finished rows leave the batch (:mod:`vlm_grpo.fastpath.decode_compact`): at the 
 (every ``_CHECK_EVERY`` tokens), once the live rows fit half the batch or less, they move to the front of the
 workspace and the loop goes on over a narrower width, with steps (graphs) made per width and window. Tokens are
 unchanged; a narrowed selection draws its noise for the whole batch, each row taking its own.
+
+The cache is sized to the rows' real lengths (``SIZED_CACHE``, in calls whose workspace is not kept): windowed, it
+starts with the first window's slots and moves into larger storage when the longest running row reaches the next
+window (a new window's step is made then anyway); after a compaction it moves into storage for the live rows only
+(unless it is exported). Its memory follows the work left, not the longest possible row of every row: at EasyR1's
+shape most rows end long before the cap, and the one that runs to it runs at the narrowest width.
 
 Kept graphs (``keep_decode_graphs``): capturing costs two warm-up passes and the capture, ~0.04-0.08 s per call
 at 3B on an H100. A kept :class:`_Workspace` (cache, buffers, mask, the steps and their graphs) and the kept fused
@@ -46,12 +52,12 @@ import torch
 
 from vlm_grpo.fastpath import decode_attention as attention_module
 from vlm_grpo.fastpath import decode_compact as compaction
-from vlm_grpo.fastpath import decode_keep, decode_mlp
+from vlm_grpo.fastpath import decode_keep, decode_mlp, startup
 from vlm_grpo.fastpath.block_attention import as_sdpa
 from vlm_grpo.fastpath.decode_attention import SHARED_KWARG, decode_attention
 from vlm_grpo.fastpath.decode_autocast import AutocastState
 from vlm_grpo.fastpath.decode_autocast import without_cast_cache as _autocast
-from vlm_grpo.fastpath.decode_cache import cache_restored, decode_cache
+from vlm_grpo.fastpath.decode_cache import cache_restored, decode_cache, nbytes, resize
 from vlm_grpo.fastpath.decode_fusion import fused_nbytes, fused_projections, release_kept, stand_in
 from vlm_grpo.fastpath.decode_select import InStep, Selection, in_graph_blocker, signature
 from vlm_grpo.fastpath.fallback import EagerOnFailure
@@ -77,6 +83,12 @@ _WINDOWS_WITHOUT_GRAPH = False
 SELECT_IN_GRAPH = True
 # Tests: run the selection inside the step without a CUDA graph too (the code a graph captures), on CPU.
 _SELECT_IN_STEP_WITHOUT_GRAPH = False
+# The decode cache sized to the rows' lengths, in calls whose workspace is not kept (a kept one's graphs replay on
+# its cache's addresses): windowed, it holds the current attention window's slots (and the spare one) and grows into
+# new storage when the longest running row reaches the next window; after a compaction it holds the live rows only
+# (unless the cache is exported: every row's K/V is handed on). False: every row's prompt + max_completion slots from
+# the start (benchmarks compare the two).
+SIZED_CACHE = True
 
 
 def has_local_layers(model: Any) -> bool:
@@ -154,7 +166,11 @@ def _compiled() -> Any:
     """One compiled step per process: dynamo caches by code object, so later generation calls (new caches)
     reuse it. The first cache length compiles static kernels; the first call in another bucket recompiles
     once with the length dynamic, which then serves every later bucket (measured on an H100, 3B: static
-    kernels were not measurably faster, and a static compilation per bucket costs 13-48 s each).
+    kernels were not measurably faster, and a static compilation per bucket costs 13-48 s each). A sized cache
+    (``SIZED_CACHE``) changes its length within a call: its slot dimension is marked dynamic from the start.
+    A compacting decode changes its row count within a call: every row dimension a step reads is marked dynamic
+    from the full width on (:func:`vlm_grpo.fastpath.decode_compact.rows_dynamic`), so one compilation serves
+    every width (without the marks: one at full width, one at the first narrower width).
 
     Attention windows change the mask's last dimension within a call. Left to dynamo, the first window would
     compile static and the next recompile with that dimension dynamic: two compilations in the first call.
@@ -205,9 +221,9 @@ class _Step:
     def __init__(
         self, cache: Any, cache_kw: dict[str, Any], tokens, positions, mask, use_graph: bool, compile: bool = False,
         warmups: int = 2, pool: Any = None, warm_up: bool = False, autocast: AutocastState = None,
-        in_step: InStep | None = None,
+        in_step: InStep | None = None, rows_dynamic: bool = False,
     ) -> None:  # fmt: skip
-        self.cache, self.autocast, self.in_step = cache, autocast, in_step
+        self.cache, self.autocast, self.in_step, self.rows_dynamic = cache, autocast, in_step, rows_dynamic
         self.tokens, self.positions, self.mask = tokens, positions, mask
         self.use_graph, self.warmups, self.pool = use_graph, warmups, pool
         self._cache_kwarg = cache_kw  # how the decoder takes the cache (see cache_kwarg)
@@ -228,6 +244,8 @@ class _Step:
         with decode_attention(decoder.config), _autocast(self.autocast):
             logits = self._fn(decoder, head, self.tokens, self.positions, self.mask, self._cache_kwarg)
         if self.in_step is not None:
+            if self.rows_dynamic:  # the compiled selection's input: its rows dynamic, as the step's (decode_compact)
+                torch._dynamo.maybe_mark_dynamic(logits, 0)
             self.in_step.after(logits)
         return logits
 
@@ -254,10 +272,11 @@ class _Step:
                     rewind()
                     reset()
 
-                self._warm_up(again, decoder, head)
+                with startup.timed("decode_warmup"):
+                    self._warm_up(again, decoder, head)
             if self.use_graph:
                 self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph, pool=self.pool):
+                with startup.timed("decode_capture"), torch.cuda.graph(self.graph, pool=self.pool):
                     self.logits = self._forward(decoder, head)
 
     def __call__(self, decoder: Any, head: Any) -> torch.Tensor:
@@ -403,14 +422,20 @@ def fast_decode(
         pointers = decode_keep.pointers(decoder, head) if keep else ()
         # The last workspace or a spare of this width (decode_keep.take); another is freed before the new one.
         ws = decode_keep.take(decoder, _KEPT.pop(decoder, None), key, slots, pointers) if keep else None
+        # Sized (see SIZED_CACHE): a windowed cache starts with the first window's slots and the spare one.
+        sized = SIZED_CACHE and not keep
+        first = window_schedule(prefix, steps, ATTENTION_WINDOW, size)[:1] if sized and windowed else []
         if ws is None:
-            ws = _workspace(base, layers, rows, slots, attn, next_positions, key, pointers, use_graph, eos_count)
+            ws = _workspace(
+                base, layers, rows, slots, attn, next_positions, key, pointers, use_graph, eos_count,
+                cache_slots=first[0][1] + 1 if first else None,
+            )  # fmt: skip
         if keep:
             _KEPT[decoder] = ws
         try:
             out = _decode(
                 decoder, head, ws, layers, index, input_ids, attention_mask, next_positions, gc, processors,
-                prefix, steps, windowed, use_graph, compile, autocast, in_step, export is not None,
+                prefix, steps, windowed, use_graph, compile, autocast, in_step, export is not None, sized,
             )  # fmt: skip
             if export is not None:
                 export.append(ws.cache)
@@ -449,16 +474,20 @@ def resolve_keep_decode_graphs(setting: bool | None, sharded: bool) -> bool | No
 
 def _workspace(
     base: Any, layers: Any, rows: int, slots: int, attn: str, next_positions: torch.Tensor, key: tuple,
-    pointers: tuple, use_graph: bool, eos_count: int | None,
+    pointers: tuple, use_graph: bool, eos_count: int | None, cache_slots: int | None = None,
 ) -> _Workspace:  # fmt: skip
-    cache = decode_cache(base.config, slots, layers, rows)
+    """A new workspace of ``rows`` rows whose mask and selection span ``slots`` slots; its cache holds ``cache_slots``
+    (default: ``slots``; fewer when it grows as the decode goes, see ``SIZED_CACHE``)."""
+    cache = decode_cache(base.config, cache_slots or slots, layers, rows)
     device = next_positions.device
     if attn == "sdpa":
         mask = torch.ones(rows, 1, 1, slots, dtype=torch.bool, device=device)
     else:  # eager adds the mask to the scores
         mask = torch.zeros(rows, 1, 1, slots, dtype=layers[0].keys.dtype, device=device)
     tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
-    positions = next_positions.new_zeros(*next_positions.shape[:-1], rows, 1)  # (rows, 1) or (3, rows, 1)
+    # (rows, 1) or (3, rows, 1), rows outermost in memory: a narrower width's view (decode_compact) has the strides
+    # of the full width's, so a compiled step with the rows dynamic does not tie a stride to the row count.
+    positions = next_positions.new_zeros(rows, *next_positions.shape[:-1], 1).movedim(0, -2)
     pool = torch.cuda.graph_pool_handle() if use_graph else None
     selection = Selection(rows, slots + 1, eos_count, device)  # the prompt and every step fit in slots + 1 columns
     shared = None
@@ -472,11 +501,12 @@ def _workspace(
 def _decode(
     decoder: Any, head: Any, ws: _Workspace, layers: Any, index, input_ids, attention_mask, next_positions,
     gc: Any, processors: Any, prefix: int, steps: int, windowed: bool, use_graph: bool, compile: bool,
-    autocast: AutocastState, in_step: bool, exported: bool,
+    autocast: AutocastState, in_step: bool, exported: bool, sized: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """The decode loop of :func:`fast_decode` over the workspace ``ws``; ``head``: the LM head or its stand-in.
     ``in_step``: each step (its graph) selects the next token itself; else the loop does, after each replay.
-    ``exported``: the cache is handed on, so its rows are put back in batch order after a compaction."""
+    ``exported``: the cache is handed on, so its rows are put back in batch order after a compaction.
+    ``sized``: the cache grows by windows and drops the rows a compaction leaves behind (see ``SIZED_CACHE``)."""
     prompt_len = input_ids.size(1)
     rows = input_ids.size(0)
     cache, mask, tokens, positions, sel = ws.cache, ws.mask, ws.tokens, ws.positions, ws.selection
@@ -507,6 +537,17 @@ def _decode(
 
     # Per width (rows leave the batch: decode_compact), the selection in the step and how the decoder takes the cache.
     per_width: dict[int, tuple[InStep | None, dict[str, Any]]] = {}
+    made = bool(ws.steps)  # a step was made on this workspace: the kernels are compiled and loaded
+
+    def moved(cache_rows: int, cache_slots: int, written: int) -> None:
+        """The cache into new storage (sized): the views and steps made on the old one go first, so that it is freed
+        layer by layer (none of them is used again: windows only grow, widths only narrow, within a call)."""
+        ws.views.clear()
+        per_width.clear()
+        ws.steps.clear()
+        peak = resize(ws.cache, cache_rows, cache_slots, written, dynamic=windowed)
+        stats.allocations.append((cache_rows, cache_slots))
+        stats.peak_cache_bytes = max(stats.peak_cache_bytes, peak)
 
     def step_for(width: int, length: int) -> _Step:
         step = ws.steps.get((width, length))
@@ -519,10 +560,14 @@ def _decode(
                 per_width[width] = (select, {**cache_kwarg(decoder, v.cache), **shared})
             selector, cache_kw = per_width[width]
             view = _window_mask(v.mask, length, compile) if windowed else v.mask
-            warmups = 1 if ws.steps else 2  # later steps: the kernels are compiled and loaded already
+            dynamic = compile and compact  # the width changes within the call: one compilation for every width
+            if dynamic:
+                compaction.rows_dynamic(v, view)
+            nonlocal made
+            warmups, made = 1 if made else 2, True  # later steps: the kernels are compiled and loaded already
             step = ws.steps[width, length] = _Step(
                 v.cache, cache_kw, v.tokens, v.positions, view, use_graph, compile, warmups, ws.pool,
-                warm_up=windowed, autocast=autocast, in_step=selector,
+                warm_up=windowed, autocast=autocast, in_step=selector, rows_dynamic=dynamic,
             )  # fmt: skip
         return step
 
@@ -533,12 +578,18 @@ def _decode(
     rng = _default_generator(input_ids.device) if gc.do_sample else None
     states: dict[int, torch.Tensor] = {}
     stats = compaction.last_stats = compaction.DecodeStats(rows=rows, widths=[rows])
+    stats.allocations, stats.peak_cache_bytes = [tuple(ws.cache.layers[0].keys.shape[::2])], nbytes(ws.cache)
+    if sized and windowed:  # the cache's slots change within the call: one compilation for all (see _compiled)
+        for x in (x for layer in ws.cache.layers for x in (layer.keys, layer.values)):
+            torch._dynamo.maybe_mark_dynamic(x, 2)
     width, length = rows, 0
     step: _Step | None = None
     t = -1
     for t in range(steps):
         if t in windows:
             length, step = windows[t], None
+            if sized and windowed and length + 1 > ws.cache.layers[0].keys.size(2):  # a window past its slots
+                moved(ws.cache.layers[0].keys.size(0), length + 1, prefix + t)
         if step is None:
             step = step_for(width, length)
         if rng is not None:
@@ -551,6 +602,7 @@ def _decode(
             logits = step(decoder, head)  # consumed (copied) by the selection before the next replay
             ids = v.selection.out[:, : prompt_len + t]
             v.selection.select(logits, processors, ids, gc.do_sample, v.tokens, v.positions)
+            del v  # a view of the cache, which a sized decode may move
         stats.steps, stats.row_steps = t + 1, stats.row_steps + width
         if sel.eos is not None and (t + 1) % _CHECK_EVERY == 0:
             live = int(sel.unfinished[:width].sum())
@@ -562,6 +614,8 @@ def _decode(
                 compaction.compact(ws, width, new, prefix + t + 1, prompt_len + t + 1, index)
                 width, step = new, None
                 stats.widths.append(width)
+                if sized and not exported:  # the finished rows' K/V is read no more
+                    moved(new, ws.cache.layers[0].keys.size(2), prefix + t + 1)
     length = int(sel.produced) if sel.eos is not None else steps
     if rng is not None and length < t + 1:
         rng.set_state(states[length])  # the sampler as generate leaves it: later draws (next step, next batch) agree

@@ -6,6 +6,10 @@ a token in the compiled, captured step (~55 us of ~3.5 ms on an H100, ``decode_l
 of a decode step writes the same slot, so here the layers share one position tensor, and only the last layer
 advances it. During a step every layer reads the position the step started at, and after it the position has moved
 by one, as with the per-layer counters.
+
+A decode whose rows end at different lengths need not hold every row's longest possible cache from the start:
+:func:`resize` moves the cache into new storage with more slots (the next attention window) or fewer rows (after a
+compaction), layer by layer.
 """
 
 from __future__ import annotations
@@ -74,6 +78,36 @@ def narrowed(cache: StaticCache, rows: int) -> StaticCache:
         torch._dynamo.mark_static_address(narrow.values)
         view.layers.append(narrow)
     return view
+
+
+def nbytes(cache: StaticCache) -> int:
+    """The bytes of every layer's keys and values (their whole storage, not a view's part)."""
+    return sum(x.untyped_storage().nbytes() for layer in cache.layers for x in (layer.keys, layer.values))
+
+
+def resize(cache: StaticCache, rows: int, slots: int, written: int, dynamic: bool = False) -> int:
+    """Move ``cache`` (from :func:`decode_cache`) into new storage of ``rows`` rows and ``slots`` slots per layer:
+    its first ``rows`` rows' first ``written`` slots are copied, the other slots are zeros (a masked slot must not
+    hold NaN: attention weights of 0 times NaN are NaN). Layer by layer, so that besides the new storage at most one
+    tensor of the old is held (once nothing else, a view or a captured step, holds it). ``dynamic``: the slot
+    dimension is marked dynamic for ``torch.compile`` (a cache that grows within a call compiles once).
+    Returns the most bytes held at once while moving (the old storage, then the new, in between)."""
+    held = peak = nbytes(cache)
+    for layer in cache.layers:
+        for name in ("keys", "values"):
+            old = getattr(layer, name)
+            new = old.new_empty(rows, old.size(1), slots, old.size(-1))
+            new[:, :, :written].copy_(old[:rows, :, :written])
+            new[:, :, written:].zero_()
+            peak = max(peak, held + new.untyped_storage().nbytes())
+            held += new.untyped_storage().nbytes() - old.untyped_storage().nbytes()
+            torch._dynamo.mark_static_address(new)
+            if dynamic:
+                torch._dynamo.maybe_mark_dynamic(new, 2)
+            setattr(layer, name, new)
+            del old
+        layer.max_cache_len, layer.batch_size = slots, rows
+    return peak
 
 
 @contextlib.contextmanager

@@ -6,9 +6,10 @@ row-steps (GEMM rows, and attention reads over ever longer caches) on rows that 
 row ended?" checks the decode also counts the live rows; when they fit a width of the halving chain of the batch
 (rows, rows/2, rows/4, ... rounded up, down to :data:`MIN_ROWS`), its rows move: the live ones to the front, in their
 order, the finished ones after them (cache slots, mask, fed tokens and positions, the selection's ids and flags), and
-decoding goes on over the first rows only, through steps made (on a GPU: captured) for that width. Every buffer is a
-view of the workspace's own storage: nothing is allocated per width, and ``order`` says which batch row each
-position holds; the output (and an exported cache) is put back in batch order at the end. A finished row's output
+decoding goes on over the first rows only, through steps made (on a GPU: captured) for that width. Every buffer but
+the cache is a view of the workspace's own storage, and ``order`` says which batch row each position holds; the
+output (and an exported cache) is put back in batch order at the end. The cache moves into storage for the live rows
+only (``decode.SIZED_CACHE``), or, in a kept workspace or when exported, stays as it is. A finished row's output
 is its tokens, then padding, as before.
 
 Sampling stays ``generate``'s draw under the same seed: ``torch.multinomial`` draws the noise of its Gumbel-max draw
@@ -63,12 +64,15 @@ ROW_WISE = GRAPH_SAFE | {
 @dataclass
 class DecodeStats:
     """What one decode computed: ``row_steps`` rows summed over its ``steps`` (at full width that is
-    :attr:`full_row_steps`), the widths it ran at, in order."""
+    :attr:`full_row_steps`), the widths it ran at, in order; the (rows, slots) of each storage its cache had, in
+    order, and the most bytes its cache held at once (while moving into new storage: the old and the new)."""
 
     rows: int = 0
     steps: int = 0
     row_steps: int = 0
     widths: list[int] = field(default_factory=list)
+    allocations: list[tuple[int, int]] = field(default_factory=list)
+    peak_cache_bytes: int = 0
 
     @property
     def full_row_steps(self) -> int:
@@ -144,6 +148,23 @@ def view(ws: Any, rows: int) -> View:
             )  # fmt: skip
         ws.views[rows] = v
     return v
+
+
+def rows_dynamic(v: View, mask: torch.Tensor) -> None:
+    """Mark the row dimension of what a compiled step reads dynamic (``maybe_mark_dynamic``: a hint, never an
+    error): the fed tokens and positions, ``mask`` (the step's window of ``v.mask``), the cache, the prompt map and the
+    selection's rows. Left alone, dynamo compiles the full width static and again with the rows dynamic at the first
+    narrower width: two compilations (in a warm process, two traces and cache loads) instead of one."""
+    mark = torch._dynamo.maybe_mark_dynamic
+    sel = v.selection
+    for x in (v.tokens, mask, sel.out, sel.unfinished, *([] if sel.draw_rows is None else [sel.draw_rows])):
+        mark(x, 0)
+    mark(v.positions, v.positions.dim() - 2)
+    for layer in v.cache.layers:
+        mark(layer.keys, 0)
+        mark(layer.values, 0)
+    if v.shared is not None:
+        mark(v.shared[0], 0)
 
 
 def compact(ws: Any, width: int, new: int, written: int, column: int, index: torch.Tensor) -> None:

@@ -209,8 +209,8 @@ def test_keep_by_default_takes_at_most_a_tenth_of_the_card(monkeypatch, caplog):
 
 
 def test_keep_is_refused_under_zero3_and_off_there_by_default():
-    assert decode.resolve_keep_decode_graphs(None, sharded=True) is False
-    assert decode.resolve_keep_decode_graphs(None, sharded=False) is None
-    assert decode.resolve_keep_decode_graphs(False, sharded=False) is False
+    assert decode_keep.resolve_keep_decode_graphs(None, sharded=True) is False
+    assert decode_keep.resolve_keep_decode_graphs(None, sharded=False) is None
+    assert decode_keep.resolve_keep_decode_graphs(False, sharded=False) is False
     with pytest.raises(ValueError, match="keep_decode_graphs=True does not work with DeepSpeed ZeRO-3"):
-        decode.resolve_keep_decode_graphs(True, sharded=True)
+        decode_keep.resolve_keep_decode_graphs(True, sharded=True)

@@ -96,7 +96,7 @@ def check_sharded_settings(training_args: VLMGRPOConfig) -> None:
     from transformers.integrations import is_deepspeed_zero3_enabled
 
     from vlm_grpo.fastpath.compiled_layers import resolve_compile_layers
-    from vlm_grpo.fastpath.decode import resolve_keep_decode_graphs
+    from vlm_grpo.fastpath.decode_keep import resolve_keep_decode_graphs
 
     sharded = is_deepspeed_zero3_enabled() or bool(training_args.fsdp)
     try:

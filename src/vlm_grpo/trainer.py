@@ -27,7 +27,7 @@ from vlm_grpo.dynamic_sampling import DynamicSamplingMixin
 from vlm_grpo.fastpath.block_attention import use_block_attention
 from vlm_grpo.fastpath.compile_cache import use_compile_cache
 from vlm_grpo.fastpath.compiled_layers import resolve_compile_layers
-from vlm_grpo.fastpath.decode import resolve_keep_decode_graphs
+from vlm_grpo.fastpath.decode_keep import resolve_keep_decode_graphs
 from vlm_grpo.fastpath.fused_update import FusedUpdate
 from vlm_grpo.fastpath.process_once import ProcessOnce
 from vlm_grpo.fastpath.route import trl_generation_reason

@@ -40,7 +40,6 @@ model it reads) and its cache is long enough; otherwise the call makes a new one
 from __future__ import annotations
 
 import contextlib
-import copy
 import inspect
 import logging
 import weakref
@@ -59,7 +58,14 @@ from vlm_grpo.fastpath.decode_autocast import AutocastState
 from vlm_grpo.fastpath.decode_autocast import without_cast_cache as _autocast
 from vlm_grpo.fastpath.decode_cache import cache_restored, decode_cache, nbytes, resize
 from vlm_grpo.fastpath.decode_fusion import fused_nbytes, fused_projections, release_kept, stand_in
-from vlm_grpo.fastpath.decode_select import InStep, Selection, in_graph_blocker, signature
+from vlm_grpo.fastpath.decode_select import (
+    InStep,
+    Selection,
+    default_generator,
+    in_graph_blocker,
+    prepared_generation_config,
+    signature,
+)
 from vlm_grpo.fastpath.fallback import EagerOnFailure
 from vlm_grpo.utils import peft_base, warn_once
 
@@ -317,22 +323,6 @@ class _Workspace:
 _KEPT: weakref.WeakKeyDictionary[torch.nn.Module, _Workspace] = weakref.WeakKeyDictionary()
 
 
-def _prepared_generation_config(base: Any, generation_config: Any, prompt_len: int, device) -> Any:
-    """The generation config ``generate`` would use: model defaults merged, special tokens as tensors."""
-    gc, _ = base._prepare_generation_config(copy.deepcopy(generation_config))
-    if gc.max_new_tokens is not None:
-        gc.max_length = prompt_len + gc.max_new_tokens
-    base._prepare_special_tokens(gc, True, device=device)
-    return gc
-
-
-def _default_generator(device: torch.device) -> torch.Generator | None:
-    """The generator ``torch.multinomial`` draws from on ``device`` (the one generate samples with)."""
-    if device.type == "cuda":
-        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
-    return torch.default_generator if device.type == "cpu" else None
-
-
 def fast_decode(
     model: Any,
     prefill_cache: Any,
@@ -372,7 +362,7 @@ def fast_decode(
     cast = autocast[1] if autocast is not None and autocast[1] != weights else None  # fp32 weights under autocast
     head = base.get_output_embeddings()
     rows, prompt_len = input_ids.shape
-    gc = _prepared_generation_config(base, generation_config, prompt_len, device)
+    gc = prepared_generation_config(base, generation_config, prompt_len, device)
     steps = gc.max_length - prompt_len
     processors = base._get_logits_processor(
         generation_config=gc, input_ids_seq_length=prompt_len, encoder_input_ids=input_ids,
@@ -458,18 +448,6 @@ def _select_in_step(processors: Any, use_graph: bool) -> bool:
             logging.INFO,
         )
     return reason is None
-
-
-def resolve_keep_decode_graphs(setting: bool | None, sharded: bool) -> bool | None:
-    """``keep_decode_graphs`` for this run: off where parameters are gathered into new memory at every generation
-    call (DeepSpeed ZeRO-3, FSDP), where ``True`` is refused; otherwise as given (None: see :func:`fast_decode`)."""
-    if setting and sharded:
-        raise ValueError(
-            "keep_decode_graphs=True does not work with DeepSpeed ZeRO-3 or FSDP: parameters are gathered into new "
-            "memory at every generation call, so a kept decode graph could never be replayed. Set "
-            "keep_decode_graphs=False (or leave it unset)."
-        )
-    return False if sharded else setting
 
 
 def _workspace(
@@ -575,7 +553,7 @@ def _decode(
     # generate would return); the host checks for "all finished" only every _CHECK_EVERY tokens, not every token.
     # generate draws once per token it returns; this loop may run up to _CHECK_EVERY - 1 steps past the end.
     # The sampler's state before each draw since the last check is kept, to hand back what generate leaves.
-    rng = _default_generator(input_ids.device) if gc.do_sample else None
+    rng = default_generator(input_ids.device) if gc.do_sample else None
     states: dict[int, torch.Tensor] = {}
     stats = compaction.last_stats = compaction.DecodeStats(rows=rows, widths=[rows])
     stats.allocations, stats.peak_cache_bytes = [tuple(ws.cache.layers[0].keys.shape[::2])], nbytes(ws.cache)

@@ -102,3 +102,15 @@ def spare_nbytes(decoder: Any, kept: Any, key: tuple) -> int:
 
 def within_budget(device: torch.device, nbytes: int) -> bool:
     return nbytes <= KEEP_FRACTION * torch.cuda.get_device_properties(device).total_memory
+
+
+def resolve_keep_decode_graphs(setting: bool | None, sharded: bool) -> bool | None:
+    """``keep_decode_graphs`` for this run: off where parameters are gathered into new memory at every generation
+    call (DeepSpeed ZeRO-3, FSDP), where ``True`` is refused; otherwise as given (None: see :func:`fast_decode`)."""
+    if setting and sharded:
+        raise ValueError(
+            "keep_decode_graphs=True does not work with DeepSpeed ZeRO-3 or FSDP: parameters are gathered into new "
+            "memory at every generation call, so a kept decode graph could never be replayed. Set "
+            "keep_decode_graphs=False (or leave it unset)."
+        )
+    return False if sharded else setting

@@ -294,3 +294,19 @@ class InStep:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             yield reset
             reset()
+
+
+def prepared_generation_config(base: Any, generation_config: Any, prompt_len: int, device) -> Any:
+    """The generation config ``generate`` would use: model defaults merged, special tokens as tensors."""
+    gc, _ = base._prepare_generation_config(copy.deepcopy(generation_config))
+    if gc.max_new_tokens is not None:
+        gc.max_length = prompt_len + gc.max_new_tokens
+    base._prepare_special_tokens(gc, True, device=device)
+    return gc
+
+
+def default_generator(device: torch.device) -> torch.Generator | None:
+    """The generator ``torch.multinomial`` draws from on ``device`` (the one generate samples with)."""
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return torch.default_generator if device.type == "cpu" else None

@@ -141,6 +141,20 @@ def test_sdpa_shapes_cpu_times_both_backend_settings(tmp_path):
     assert all(r["first_call_ms"] > 0 and r["repeat_ms"] > 0 for r in rows.values())
 
 
+def test_loader_micro_decodes_only_the_generating_fetch(tmp_path):
+    out = tmp_path / "loader.json"
+    cmd = [
+        sys.executable, str(REPO / "benchmarks" / "micro" / "loader_micro.py"), "--prompts", "4", "--image_size", "56",
+        "--cycles", "1", "--out", str(out),
+    ]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(out.read_text())
+    rows, fetches = data["rows_per_fetch"], data["fetches_per_cycle"]
+    assert data["results"]["deferred"]["images_decoded"] == rows  # the generating fetch only
+    assert data["results"]["decoded_at_fetch"]["images_decoded"] == rows * fetches  # the control: every fetch
+
+
 def test_decode_lengths_tiny_cpu_times_each_call_and_profiles_the_last(tmp_path):
     out, profile, trace = tmp_path / "lengths.json", tmp_path / "profile.txt", tmp_path / "trace.json"
     cmd = [

@@ -34,6 +34,17 @@ from bench_shape import install_eos_bias
 from decode_lengths import prefilled
 
 
+def shaped_decode_args(p: argparse.ArgumentParser) -> None:
+    """The decode's shape at EasyR1's recipe (64 prompts x 5 rows, lengths of mean 500 up to 2,048), the model."""
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--unique", type=int, default=64, help="unique prompts per call")
+    p.add_argument("--group", type=int, default=5, help="rows per unique prompt (G)")
+    p.add_argument("--prompt_len", type=int, default=400)
+    p.add_argument("--max_new_tokens", type=int, default=2048)
+    p.add_argument("--mean", type=int, default=500, help="mean completion length (geometric, cut at the maximum)")
+
+
 def decode_once(model, config, ids: torch.Tensor, group: int, compile: bool, compact: bool, seed: int) -> dict:
     """Prefill ``ids`` (unique prompts), decode ``group`` rows each; the call's record and its tokens.
     (``decode.SIZED_CACHE`` and ``decode._WINDOWS_WITHOUT_GRAPH`` as the caller set them.)"""
@@ -79,13 +90,7 @@ def decode_once(model, config, ids: torch.Tensor, group: int, compile: bool, com
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="tiny")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--unique", type=int, default=64, help="unique prompts per call")
-    p.add_argument("--group", type=int, default=5, help="rows per unique prompt (G)")
-    p.add_argument("--prompt_len", type=int, default=400)
-    p.add_argument("--max_new_tokens", type=int, default=2048)
-    p.add_argument("--mean", type=int, default=500, help="mean completion length (geometric, cut at the maximum)")
+    shaped_decode_args(p)
     p.add_argument("--calls", type=int, default=3, help="calls per variant (the first is left out of the medians)")
     p.add_argument("--compile", type=flag_bool, default=None, help="compile the decode step (default: on a GPU)")
     p.add_argument("--sized_cache", type=flag_bool, default=True, help="decode.SIZED_CACHE (false: the longest cache)")

@@ -227,6 +227,11 @@ def main(argv: list[str] | None = None) -> dict:
         for variant in args.variants:
             with bench_switches(variant):
                 result["profiled"][parse_variant(variant)[0]] = profiled(trainer, batches[-1], sync)
+    return finish(result, args, on_gpu, device)
+
+
+def finish(result: dict, args, on_gpu: bool, device) -> dict:
+    """Peak memory on a GPU; the result printed (without every time) and written to ``--out``."""
     if on_gpu:
         result["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     print(json.dumps({k: v for k, v in result.items() if k != "times_s"}, indent=1))
@@ -274,12 +279,7 @@ def update_main(args, trainer, batches, sync, on_gpu, device) -> dict:
             name: profiled(trainer, None, sync, functools.partial(update_window, trainer, windows[-1], fused, sync))
             for name, fused in modes.items()
         }
-    if on_gpu:
-        result["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-    print(json.dumps({k: v for k, v in result.items() if k != "times_s"}, indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
-    return result
+    return finish(result, args, on_gpu, device)
 
 
 if __name__ == "__main__":

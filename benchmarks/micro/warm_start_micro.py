@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 from bench_common import device_defaults, flag_bool, run_stamp
+from decode_compact_micro import shaped_decode_args
 
 
 def child(args: argparse.Namespace) -> dict:
@@ -64,13 +65,7 @@ def child(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="tiny")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--unique", type=int, default=64, help="unique prompts per call")
-    p.add_argument("--group", type=int, default=5, help="rows per unique prompt (G)")
-    p.add_argument("--prompt_len", type=int, default=400)
-    p.add_argument("--max_new_tokens", type=int, default=2048)
-    p.add_argument("--mean", type=int, default=500, help="mean completion length (geometric, cut at the maximum)")
+    shaped_decode_args(p)
     p.add_argument("--compile", type=flag_bool, default=True, help="compile the decode step")
     p.add_argument("--windows_on_cpu", type=flag_bool, default=False, help="attention windows without CUDA graphs")
     p.add_argument("--cache", default=None, help="the compile cache folder (default: a new temporary one)")

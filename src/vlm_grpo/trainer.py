@@ -61,7 +61,7 @@ from vlm_grpo.trainer_common import (
     drop_stacked_input_grad_hooks,
     prepare_vlm,
 )
-from vlm_grpo.utils import is_zero3, peft_base
+from vlm_grpo.utils import is_zero3, peft_base, per_chunk_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -79,20 +79,12 @@ def rows_forward_kwargs(
     if not module.rows_forward_kwargs(mm, 0, 0, tool_images):
         yield
         return
-    start = 0
 
-    def hook(_: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
-        nonlocal start
-        end = start + kwargs["input_ids"].size(0)
-        extra = module.rows_forward_kwargs(mm, start, end, tool_images)
-        start = end
-        return args, {**kwargs, **extra}
+    def update(start: int, end: int, kwargs: dict[str, Any]) -> dict[str, Any]:
+        return {**kwargs, **module.rows_forward_kwargs(mm, start, end, tool_images)}
 
-    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
-    try:
+    with per_chunk_kwargs(model, update):
         yield
-    finally:
-        handle.remove()
 
 
 _TRL_LOGP_PARAMS = frozenset(inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters)

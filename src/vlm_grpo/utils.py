@@ -5,11 +5,13 @@ Cheap to import (torch and transformers load on first use), so the CLIs' ``--hel
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
 import sys
 import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -49,6 +51,26 @@ def generation_model(trainer: Any) -> Any:
         generation_kwargs=trainer.generation_kwargs,
         gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
     )
+
+
+@contextlib.contextmanager
+def per_chunk_kwargs(model: Any, update: Callable[[int, int, dict[str, Any]], dict[str, Any]]) -> Iterator[None]:
+    """TRL's per-row log-prob pass calls ``model`` on consecutive chunks of rows, in order: a pre-forward hook counts
+    the rows and calls ``update(start, end, kwargs)`` for each chunk, whose result the forward then takes."""
+    start = 0
+
+    def hook(_: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        nonlocal start
+        end = start + kwargs["input_ids"].size(0)
+        out = update(start, end, kwargs)
+        start = end
+        return args, out
+
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def warn_once(log: logging.Logger, message: str, level: int = logging.WARNING) -> None:

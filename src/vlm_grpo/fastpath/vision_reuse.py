@@ -41,7 +41,7 @@ import torch
 
 from vlm_grpo.fastpath.sharing import all_ranks_agree
 from vlm_grpo.fastpath.vision_sync import vision_backbone
-from vlm_grpo.utils import is_zero3, peft_base, warn_once
+from vlm_grpo.utils import is_zero3, peft_base, per_chunk_kwargs, warn_once
 
 logger = logging.getLogger(__name__)
 
@@ -136,20 +136,8 @@ def replay_rows(model: torch.nn.Module, replay: FeatureReplay | None) -> Iterato
     if replay is None:
         yield
         return
-    start = 0
-
-    def hook(_: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
-        nonlocal start
-        end = start + kwargs["input_ids"].size(0)
-        chunks = replay.for_rows(start, end)
-        start = end
-        return args, with_features(kwargs, chunks)
-
-    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
-    try:
+    with per_chunk_kwargs(model, lambda start, end, kw: with_features(kw, replay.for_rows(start, end))):
         yield
-    finally:
-        handle.remove()
 
 
 def row_features(chunks: Sequence[FeatureChunk], groups: Sequence[Any], rows: int) -> list[RowFeatures]:

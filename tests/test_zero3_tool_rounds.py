@@ -13,7 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
+import torch
 
 from e2e_utils import base_args, make_dataset
 from test_distributed import _free_port
@@ -21,70 +23,112 @@ from test_distributed import _free_port
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow  # torchrun, two ranks under DeepSpeed
-def test_zero3_ranks_with_different_tool_rounds_finish(tiny_models, tmp_path):
+def _launch_rounds(tmp_path: Path, tiny_models, env: dict[str, str], timeout: int):
+    """One 2-rank ZeRO-3 launch of ``zero3_rounds_entry.py`` (greedy, so that paths can be compared): its return code
+    (None: it ran past ``timeout`` and was ended, with its children) and its output."""
     data, plugin = make_dataset(tmp_path / "data", kinds=("single",))
     out = tmp_path / "out"
     argv = [
         *base_args(tiny_models["qwen2_5_vl"], data, plugin, out, steps=1),
         "--deepspeed", str(REPO / "local_scripts" / "zero3.json"),
         "--tools", "zoom_in", "--max_tool_calling_iterations", "1", "--max_completion_length", "200",
-        "--generation_kwargs", '{"max_new_tokens": 8}',
+        "--generation_kwargs", '{"max_new_tokens": 8, "do_sample": false}',
     ]  # fmt: skip
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
         "--master_port", str(_free_port()), str(REPO / "tests" / "zero3_rounds_entry.py"), *argv,
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1", **env}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"the ranks hung: {(exc.stderr or b'')[-3000:]!r}")
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+        log, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, log, out
+    except subprocess.TimeoutExpired:
+        for child in [*psutil.Process(proc.pid).children(recursive=True), proc]:  # the ranks have their own sessions
+            child.kill()
+        log, _ = proc.communicate()
+        return None, log, out
+
+
+@pytest.mark.slow  # torchrun, two ranks under DeepSpeed
+def test_zero3_tool_rounds_take_the_held_path_paired(tiny_models, tmp_path):
+    """Rank 0's rollouts call a tool (one round), rank 1's answer at once: the round continues rank 0's held caches
+    (only the tokens new to each rollout prefilled), rank 1 joins it with the same collectives, nobody hangs, and
+    the round's tokens equal TRL's path's for the same model (greedy; rank 0 runs both in the same step)."""
+    returncode, log, out = _launch_rounds(tmp_path, tiny_models, {"Z3_COMPARE": "1"}, timeout=300)
+    assert returncode == 0, log[-6000:]
     ranks = [json.loads((out / f"rounds{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["rounds"] == [4] and ranks[1]["rounds"] == []  # rank 0 ran one round for its 4 rollouts
-    assert ranks[0]["joined"] == 0 and ranks[1]["joined"] == 1  # ... and rank 1 took part in it
+    # ... rank 1 took part in it and in the comparison's TRL round; only the first was held, on both ranks
+    assert ranks[0]["joined"] == 0 and ranks[1]["joined"] == 2
+    assert ranks[0]["held_rounds"] == ranks[1]["held_rounds"] == 1
     assert ranks[0]["logs"][0]["tools/calls_per_rollout"] == 0.5  # metrics gathered over both ranks' rollouts
     assert ranks[0]["steps"] == ranks[1]["steps"] == 1
+    # Later turns prefill only what is new: each rollout's prompt comes from the held cache (first turn's decode).
+    stats, prompts, histories = ranks[0]["turn_stats"], ranks[0]["first_prompt_lengths"], ranks[0]["histories"][0]
+    assert stats["calls"] == 1
+    assert stats["reused_tokens"] >= sum(prompts)
+    assert stats["prefill_tokens"] + stats["reused_tokens"] == sum(n - 1 for n in histories)  # the last: decode's
+    assert stats["prefill_tokens"] <= sum(n - 1 - p for n, p in zip(histories, prompts, strict=True))
+    assert ranks[0]["held"] == ranks[0]["trl"] and all(ranks[0]["held"][0])  # the held path = TRL's tokens
 
 
-def _simulated_ranks(rounds: list[int], drain: bool) -> list[list[str]]:
-    """Each rank's sequence of collectives in one tool loop, with threads for ranks and a barrier for the
-    all-reduce: a rank with ``rounds[r]`` rounds votes and generates (``gen``) per round, then drains."""
+@pytest.mark.slow  # torchrun, two ranks under DeepSpeed
+def test_zero3_old_joiner_does_not_pair_with_the_held_path(tiny_models, tmp_path):
+    """Control: a joiner that makes TRL's one-token generation (``synced_gpus`` steps) while rank 0 takes the held
+    path (one gather, one forward, a local decode) leaves the ranks' collectives apart: the launch fails or hangs."""
+    env = {"Z3_OLD_JOIN": "1"}
+    returncode, log, _ = _launch_rounds(tmp_path, tiny_models, env, timeout=45)
+    assert "rank 1: joining with TRL's one-token generation" in log, log[-6000:]  # it reached the round
+    assert returncode != 0, log[-3000:]  # (None: hung, ended at the timeout)
+
+
+def _simulated_ranks(can_hold: list[list[bool]], drain: bool = True, control: str | None = None) -> list[list[str]]:
+    """Each rank's sequence of collectives in one tool loop, with threads for ranks and barriers for the all-reduce.
+
+    Rank ``r`` runs ``len(can_hold[r])`` rounds; in its round ``k`` it can take the held path when ``can_hold[r][k]``.
+    A round on the held path is ``gather`` + ``forward`` (the prefill; the decode is local), on TRL's path ``gather``
+    + ``generate`` (``synced_gpus`` steps); a joiner makes what :meth:`VLMGRPOTrainer._join_round` makes. Controls:
+    ``old_join``: the joiner always generates (TRL's one-token generation); ``local``: a rank picks its path from
+    its own ``can_hold`` rather than the vote."""
     import threading
 
     from vlm_grpo.tools.rounds import RoundSync
 
-    barrier, lock = threading.Barrier(len(rounds), timeout=2), threading.Lock()
-    total = {"sum": 0}
-    logs: list[list[str]] = [[] for _ in rounds]
+    ranks = len(can_hold)
+    barrier, lock = threading.Barrier(ranks, timeout=2), threading.Lock()
+    total: dict[str, torch.Tensor | None] = {"sum": None}
+    logs: list[list[str]] = [[] for _ in can_hold]
 
     def make_reduce(rank: int):
         def reduce(flag):
             logs[rank].append("vote")
             with lock:
-                total["sum"] += int(flag.item())
+                total["sum"] = flag.clone() if total["sum"] is None else total["sum"] + flag
             barrier.wait()
-            result = total["sum"]
+            result = total["sum"].clone()
             if barrier.wait() == 0:
-                total["sum"] = 0
+                total["sum"] = None
             barrier.wait()
-            return flag.new_tensor([result])
+            return result
 
         return reduce
+
+    def make_round(rank: int, held: bool) -> None:
+        logs[rank] += ["gather", "forward" if held else "generate"]
 
     def run(rank: int) -> None:
         sync = RoundSync(make_reduce(rank))
         try:
-            for _ in range(rounds[rank]):
-                sync.vote(True)
-                logs[rank].append("gen")
+            for ok in can_hold[rank]:
+                _, held = sync.vote(True, ok)
+                make_round(rank, ok if control == "local" else held)
             if drain:
-                sync.drain(lambda: logs[rank].append("gen"))
+                sync.drain(lambda held: make_round(rank, False if control == "old_join" else held))
         except threading.BrokenBarrierError:
             logs[rank].append("broken")
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(rounds))]
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(ranks)]
     for t in threads:
         t.start()
     for t in threads:
@@ -93,9 +137,17 @@ def _simulated_ranks(rounds: list[int], drain: bool) -> list[list[str]]:
 
 
 def test_round_votes_pair_every_ranks_collectives():
-    """Ranks with 3, 0 and 1 rounds issue the same collectives in the same order; without the drain (control) the
-    rank without rounds leaves while the others still vote and generate."""
-    logs = _simulated_ranks([3, 0, 1], drain=True)
-    assert logs[0] == logs[1] == logs[2] == ["vote", "gen"] * 3 + ["vote"]
-    control = _simulated_ranks([3, 0, 1], drain=False)
-    assert control[1] == [] and "broken" in control[0]
+    """Ranks with 2, 0 and 2 rounds issue the same collectives in the same order: round 1 on the held path (every
+    rank can), round 2 on TRL's (rank 2 cannot), then all leave. Controls: without the drain the rank without rounds
+    leaves while the others still vote; a joiner that always generates, or a rank that picks its path alone (not by
+    the vote), makes other collectives than the ranks it should pair with."""
+    can_hold = [[True, True], [], [True, False]]
+    logs = _simulated_ranks(can_hold)
+    expected = ["vote", "gather", "forward", "vote", "gather", "generate", "vote"]
+    assert logs[0] == logs[1] == logs[2] == expected
+    no_drain = _simulated_ranks(can_hold, drain=False)
+    assert no_drain[1] == [] and "broken" in no_drain[0]
+    old_join = _simulated_ranks(can_hold, control="old_join")
+    assert old_join[0] == expected and old_join[1] != old_join[0]  # round 1: generate against forward
+    local = _simulated_ranks(can_hold, control="local")
+    assert local[2] == expected and local[0] != local[2]  # round 2: rank 0 forwards, rank 2 generates

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -23,9 +24,13 @@ from test_distributed import _free_port
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _launch_rounds(tmp_path: Path, tiny_models, env: dict[str, str], timeout: int):
+JOINING = "rank 1: joining with TRL's one-token generation"
+
+
+def _launch_rounds(tmp_path: Path, tiny_models, env: dict[str, str], hang_after: str | None = None):
     """One 2-rank ZeRO-3 launch of ``zero3_rounds_entry.py`` (greedy, so that paths can be compared): its return code
-    (None: it ran past ``timeout`` and was ended, with its children) and its output."""
+    and its output. ``hang_after``: a line of the output after which the launch counts as hung (return code None,
+    launcher and ranks ended) when it has not finished within 20 s (a healthy run ends in a few)."""
     data, plugin = make_dataset(tmp_path / "data", kinds=("single",))
     out = tmp_path / "out"
     argv = [
@@ -39,15 +44,20 @@ def _launch_rounds(tmp_path: Path, tiny_models, env: dict[str, str], timeout: in
         "--master_port", str(_free_port()), str(REPO / "tests" / "zero3_rounds_entry.py"), *argv,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1", **env}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        log, _ = proc.communicate(timeout=timeout)
-        return proc.returncode, log, out
-    except subprocess.TimeoutExpired:
-        for child in [*psutil.Process(proc.pid).children(recursive=True), proc]:  # the ranks have their own sessions
-            child.kill()
-        log, _ = proc.communicate()
-        return None, log, out
+    log_path = tmp_path / "launch.log"
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, text=True)
+    start, seen = time.monotonic(), None
+    while proc.poll() is None:
+        time.sleep(0.5)
+        if seen is None and hang_after is not None and hang_after in log_path.read_text():
+            seen = time.monotonic()
+        if time.monotonic() - start > 300 or (seen is not None and time.monotonic() - seen > 20):
+            for child in [*psutil.Process(proc.pid).children(recursive=True), proc]:  # ranks: their own sessions
+                child.kill()
+            proc.wait()
+            return None, log_path.read_text(), out
+    return proc.returncode, log_path.read_text(), out
 
 
 @pytest.mark.slow  # torchrun, two ranks under DeepSpeed
@@ -55,8 +65,8 @@ def test_zero3_tool_rounds_take_the_held_path_paired(tiny_models, tmp_path):
     """Rank 0's rollouts call a tool (one round), rank 1's answer at once: the round continues rank 0's held caches
     (only the tokens new to each rollout prefilled), rank 1 joins it with the same collectives, nobody hangs, and
     the round's tokens equal TRL's path's for the same model (greedy; rank 0 runs both in the same step)."""
-    returncode, log, out = _launch_rounds(tmp_path, tiny_models, {"Z3_COMPARE": "1"}, timeout=300)
-    assert returncode == 0, log[-6000:]
+    returncode, log, out = _launch_rounds(tmp_path, tiny_models, {"Z3_COMPARE": "1"}, "rank 0: round starts")
+    assert returncode == 0, log[-6000:]  # (None: hung in the round)
     ranks = [json.loads((out / f"rounds{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["rounds"] == [4] and ranks[1]["rounds"] == []  # rank 0 ran one round for its 4 rollouts
     # ... rank 1 took part in it and in the comparison's TRL round; only the first was held, on both ranks
@@ -77,9 +87,8 @@ def test_zero3_tool_rounds_take_the_held_path_paired(tiny_models, tmp_path):
 def test_zero3_old_joiner_does_not_pair_with_the_held_path(tiny_models, tmp_path):
     """Control: a joiner that makes TRL's one-token generation (``synced_gpus`` steps) while rank 0 takes the held
     path (one gather, one forward, a local decode) leaves the ranks' collectives apart: the launch fails or hangs."""
-    env = {"Z3_OLD_JOIN": "1"}
-    returncode, log, _ = _launch_rounds(tmp_path, tiny_models, env, timeout=45)
-    assert "rank 1: joining with TRL's one-token generation" in log, log[-6000:]  # it reached the round
+    returncode, log, _ = _launch_rounds(tmp_path, tiny_models, {"Z3_OLD_JOIN": "1"}, hang_after=JOINING)
+    assert JOINING in log, log[-6000:]  # it reached the round
     assert returncode != 0, log[-3000:]  # (None: hung, ended at the timeout)
 
 

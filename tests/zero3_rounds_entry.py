@@ -30,11 +30,11 @@ def scripted(self, prompt_ids, images, multimodal_fields, num_generations, has_t
         record["first_prompt_lengths"] = [len(ids) for ids in prompt_ids]
         ids = self._tokenizer.encode((CALL if RANK == 0 else ANSWER) + "<|im_end|>", add_special_tokens=False)
         return [list(ids) for _ in prompt_ids], None
+    print(f"rank {RANK}: round starts", flush=True)
     record["rounds"].append(len(prompt_ids))
     record["histories"].append([len(ids) for ids in prompt_ids])
     out = original(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
     record["held"].append(out[0])
-    print(f"rank {RANK}: round generated", flush=True)
     if os.environ.get("Z3_COMPARE"):
         held, self._turn_cache = self._turn_cache, None  # nothing held: this rank votes for TRL's path
         try:

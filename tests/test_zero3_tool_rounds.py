@@ -160,3 +160,32 @@ def test_round_votes_pair_every_ranks_collectives():
     assert old_join[0] == expected and old_join[1] != old_join[0]  # round 1: generate against forward
     local = _simulated_ranks(can_hold, control="local")
     assert local[2] == expected and local[0] != local[2]  # round 2: rank 0 forwards, rank 2 generates
+
+
+def _zero3_trainer(processes: int, gather: bool, model):
+    """What ``trl_generation_reason`` reads of a trainer under ZeRO-3 (``processes`` ranks)."""
+    from types import SimpleNamespace
+
+    state = SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3))
+    accelerator = SimpleNamespace(state=state, num_processes=processes, unwrap_model=lambda m: m)
+    args = SimpleNamespace(share_prefill=True, ds3_gather_for_generation=gather)
+    return SimpleNamespace(
+        args=args, accelerator=accelerator, use_vllm=False, use_transformers_continuous_batching=False,
+        is_fsdp_enabled=False, model_wrapped=model, generation_config=model.generation_config,
+    )  # fmt: skip
+
+
+def test_zero3_tool_turns_take_the_held_path_only_in_a_paired_round_with_gathered_parameters(tiny_models):
+    """Tool turns under ZeRO-3 take the held path in a round the ranks vote on, with the parameters gathered once;
+    outside such a round (several ranks) or with partitioned parameters they go through TRL's generate."""
+    from transformers import AutoModelForImageTextToText
+
+    from vlm_grpo.fastpath.route import trl_generation_reason
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_models["qwen2_5_vl"])
+    assert trl_generation_reason(_zero3_trainer(2, True, model), own_history=True, paired=True) is None
+    assert trl_generation_reason(_zero3_trainer(1, True, model), own_history=True) is None  # one process: no peers
+    assert "outside a tool round" in trl_generation_reason(_zero3_trainer(2, True, model), own_history=True)
+    partitioned = trl_generation_reason(_zero3_trainer(2, False, model), own_history=True, paired=True)
+    assert "without ds3_gather_for_generation" in partitioned
+    assert trl_generation_reason(_zero3_trainer(2, False, model)) is None  # the first turn: decided elsewhere

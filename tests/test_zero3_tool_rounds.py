@@ -36,7 +36,7 @@ def _launch_rounds(tmp_path: Path, tiny_models, env: dict[str, str], hang_after:
     argv = [
         *base_args(tiny_models["qwen2_5_vl"], data, plugin, out, steps=1),
         "--deepspeed", str(REPO / "local_scripts" / "zero3.json"),
-        "--tools", "zoom_in", "--max_tool_calling_iterations", "1", "--max_completion_length", "200",
+        "--tools", "zoom_in", "--max_tool_calling_iterations", "2", "--max_completion_length", "600",
         "--generation_kwargs", '{"max_new_tokens": 8, "do_sample": false}',
     ]  # fmt: skip
     cmd = [
@@ -62,31 +62,35 @@ def _launch_rounds(tmp_path: Path, tiny_models, env: dict[str, str], hang_after:
 
 @pytest.mark.slow  # torchrun, two ranks under DeepSpeed
 def test_zero3_tool_rounds_take_the_held_path_paired(tiny_models, tmp_path):
-    """Rank 0's rollouts call a tool (one round), rank 1's answer at once: the round continues rank 0's held caches
-    (only the tokens new to each rollout prefilled), rank 1 joins it with the same collectives, nobody hangs, and
-    the round's tokens equal TRL's path's for the same model (greedy; rank 0 runs both in the same step)."""
+    """Rank 0's rollouts call a tool twice (two rounds), rank 1's once (they answer after round 1): both rounds continue
+    the rollouts' held caches (only the tokens new to each rollout prefilled), rank 1 joins round 2 with the same
+    collectives, nobody hangs, and every round's tokens equal TRL's path's for the same model (greedy; each rank runs
+    both paths in the same round)."""
     returncode, log, out = _launch_rounds(tmp_path, tiny_models, {"Z3_COMPARE": "1"}, "rank 0: round starts")
-    assert returncode == 0, log[-6000:]  # (None: hung in the round)
+    assert returncode == 0, log[-6000:]  # (None: hung in a round)
     ranks = [json.loads((out / f"rounds{r}.json").read_text()) for r in (0, 1)]
-    assert ranks[0]["rounds"] == [4] and ranks[1]["rounds"] == []  # rank 0 ran one round for its 4 rollouts
-    # ... rank 1 took part in it and in the comparison's TRL round; only the first was held, on both ranks
+    assert ranks[0]["rounds"] == [4, 4] and ranks[1]["rounds"] == [4]  # each rank's 4 rollouts
+    # rank 1 joined rank 0's round 2 and its comparison through TRL's path; rounds 1 and 2 were held on both ranks
     assert ranks[0]["joined"] == 0 and ranks[1]["joined"] == 2
-    assert ranks[0]["held_rounds"] == ranks[1]["held_rounds"] == 1
-    assert ranks[0]["logs"][0]["tools/calls_per_rollout"] == 0.5  # metrics gathered over both ranks' rollouts
+    assert ranks[0]["held_rounds"] == ranks[1]["held_rounds"] == 2
+    assert ranks[0]["logs"][0]["tools/calls_per_rollout"] == 1.5  # metrics gathered over both ranks' rollouts
     assert ranks[0]["steps"] == ranks[1]["steps"] == 1
-    # Later turns prefill only what is new: each rollout's prompt comes from the held cache (first turn's decode).
-    stats, prompts, histories = ranks[0]["turn_stats"], ranks[0]["first_prompt_lengths"], ranks[0]["histories"][0]
-    assert stats["calls"] == 1
-    assert stats["reused_tokens"] >= sum(prompts)
-    assert stats["prefill_tokens"] + stats["reused_tokens"] == sum(n - 1 for n in histories)  # the last: decode's
-    assert stats["prefill_tokens"] <= sum(n - 1 - p for n, p in zip(histories, prompts, strict=True))
-    assert ranks[0]["held"] == ranks[0]["trl"] and all(ranks[0]["held"][0])  # the held path = TRL's tokens
+    for rank in ranks:  # later turns prefill only what is new to each rollout
+        held_before = [rank["first_prompt_lengths"], *rank["histories"][:-1]]  # what the previous decode held
+        before = [0, 0]
+        for histories, held, after in zip(rank["histories"], held_before, rank["stats_after"], strict=True):
+            prefilled, reused = after[0] - before[0], after[1] - before[1]
+            before = after
+            assert prefilled + reused == sum(n - 1 for n in histories)  # the last token: the decode's first input
+            assert reused >= sum(held) > 0
+        assert rank["held"] == rank["trl"] and all(all(row) for row in rank["held"])  # the held path = TRL's tokens
 
 
 @pytest.mark.slow  # torchrun, two ranks under DeepSpeed
 def test_zero3_old_joiner_does_not_pair_with_the_held_path(tiny_models, tmp_path):
     """Control: a joiner that makes TRL's one-token generation (``synced_gpus`` steps) while rank 0 takes the held
-    path (one gather, one forward, a local decode) leaves the ranks' collectives apart: the launch fails or hangs."""
+    path in its round 2 (one gather, one forward, a local decode) leaves the ranks' collectives apart: the launch
+    fails or hangs."""
     returncode, log, _ = _launch_rounds(tmp_path, tiny_models, {"Z3_OLD_JOIN": "1"}, hang_after=JOINING)
     assert JOINING in log, log[-6000:]  # it reached the round
     assert returncode != 0, log[-3000:]  # (None: hung, ended at the timeout)

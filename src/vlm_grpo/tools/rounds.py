@@ -13,8 +13,10 @@ can take the held path. A rank whose loop has ended keeps voting "not generating
 joins that round with exactly the collectives the generating ranks make:
 
 - held path (every rank can take it): the parameters are gathered once (``ds3_gather_for_generation``, as TRL's
-  ``unwrap_model_for_generation``), the new tokens are prefilled into the held caches and decoding runs locally, with
-  no collective inside; the joiner enters the same gather and runs nothing;
+  ``unwrap_model_for_generation``), the new tokens are prefilled into the held caches (one forward of the whole
+  model) and decoding runs locally; the joiner enters the same gather and runs one forward of a single pad token
+  (DeepSpeed's start-of-forward hook, which the gather leaves in place, broadcasts at each forward of the whole
+  model; without the joiner's forward the ranks hang, ``tests/test_zero3_tool_rounds.py``);
 - TRL's path (some rank cannot): ``generate`` with its ``synced_gpus`` steps; the joiner generates one token for a
   one-token prompt (the same gather, the same steps until the others are done).
 

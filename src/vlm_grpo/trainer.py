@@ -34,7 +34,7 @@ from vlm_grpo.fastpath.route import trl_generation_reason
 from vlm_grpo.fastpath.sharing import packed_logps, packed_pass_reason, shared_prefill_generate
 from vlm_grpo.fastpath.startup import StartupLog
 from vlm_grpo.fastpath.trim import trim_completion_padding
-from vlm_grpo.fastpath.turn_cache import TurnCache, continue_turns, image_pad_id
+from vlm_grpo.fastpath.turn_cache import TurnCache, continue_turns, image_pad_id, join_held_round, paired_turn
 from vlm_grpo.fastpath.vision_attention import use_batched_vision_attention
 from vlm_grpo.fastpath.vision_reuse import VisionReuseMixin, replay_rows
 from vlm_grpo.fastpath.vision_sync import install_vision_sync, needs_vision_sync
@@ -374,8 +374,6 @@ class VLMGRPOTrainer(
         """One turn of every row (:meth:`_generate_turn`) within the tool budgets: ``max_turn_tokens`` new tokens
         a turn, and a row's whole context (prompt, turns, tool replies) within ``max_context_tokens``; each turn
         ends at the tool protocol's stop string (:meth:`~vlm_grpo.tools.rollouts.ToolTurns.cut`)."""
-        if self._in_tool_loop and self._round_sync is not None:
-            self._round_sync.vote(True)  # a tool round: the ranks whose loops ended join it (tools.rounds)
         ids, logprobs = self._generate_within_budgets(
             prompt_ids, images, multimodal_fields, num_generations, has_tool_images
         )
@@ -418,9 +416,8 @@ class VLMGRPOTrainer(
 
         The turns of TRL's tool loop after a tool result (``num_generations == 1``: each row its own history)
         continue each rollout's held KV cache, prefilling only the tokens new to it, and decode with ``fast_decode``
-        (:mod:`vlm_grpo.fastpath.turn_cache`). Generations the shared path cannot honour (beam
-        search, stop strings, a wrapped ``generate``, ...) go through TRL's path whole; see
-        :mod:`vlm_grpo.fastpath.route`.
+        (:mod:`vlm_grpo.fastpath.turn_cache`). Generations the shared path cannot honour (beam search, stop strings,
+        a wrapped ``generate``, ...) go through TRL's path whole; see :mod:`vlm_grpo.fastpath.route`.
         """
         multimodal_fields = {k: v for k, v in multimodal_fields.items() if k != "num_tiles"}  # see tile_fields
         if has_tool_images:
@@ -434,7 +431,13 @@ class VLMGRPOTrainer(
         if has_tool_images and "mm_token_type_ids" in self._forward_parameters():
             shared_fields = {**multimodal_fields, "mm_token_type_ids": self._mm_token_types(prompt_ids)}
         token_type_ids = has_tool_images and "mm_token_type_ids" not in shared_fields
-        if trl_generation_reason(self, own_history, token_type_ids) is None:
+        sync = self._round_sync if self._in_tool_loop else None  # a tool round the ranks vote on (tools.rounds)
+        share = trl_generation_reason(self, own_history, token_type_ids, paired=sync is not None) is None
+        if sync is not None:  # the held path on every rank, or TRL's on every rank
+            turn = paired_turn(self, self._turn_cache, sync.vote, share, prompt_ids, images, multimodal_fields)
+            if turn is not None:
+                return turn, None
+        elif share:
             if own_history and self._turn_cache is not None:
                 completion_ids = continue_turns(self, self._turn_cache, prompt_ids, images, multimodal_fields)
                 if completion_ids is not None:
@@ -491,9 +494,12 @@ class VLMGRPOTrainer(
         self._log_tool_stats(stats)
         return result
 
-    def _join_round(self) -> None:
-        """This rank's part in another rank's tool round: TRL's generation of one token for a one-token prompt
-        (the parameters gathered, ``synced_gpus`` steps until the other ranks are done); the output is dropped."""
+    def _join_round(self, held: bool) -> None:
+        """This rank's part in another rank's tool round (:mod:`vlm_grpo.tools.rounds`): the held path's collectives
+        (:func:`~vlm_grpo.fastpath.turn_cache.join_held_round`), or TRL's generation of one token for a one-token
+        prompt (the parameters gathered, ``synced_gpus`` steps until the other ranks are done), its output dropped."""
+        if held:
+            return join_held_round(self)
         config = self.generation_config
         saved = config.max_new_tokens, config.min_new_tokens
         config.max_new_tokens, config.min_new_tokens = 1, None

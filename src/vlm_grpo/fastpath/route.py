@@ -82,14 +82,17 @@ def unhonoured_generation_option(model: Any, generation_config: Any) -> str | No
     return None
 
 
-def trl_generation_reason(trainer: Any, own_history: bool = False, token_type_ids: bool = False) -> str | None:
+def trl_generation_reason(
+    trainer: Any, own_history: bool = False, token_type_ids: bool = False, paired: bool = False
+) -> str | None:
     """Why this generation goes through TRL's ``_generate_single_turn`` rather than the shared prefill; None: share.
 
     ``own_history``: every row continues its own conversation (the turns of TRL's tool loop after a tool
-    result). Ranks may then be in different turns, so these generations run only where generating is
-    local to the rank: not under ZeRO-3, whose forward passes are collectives. ``token_type_ids``: the
-    model marks images with ``token_type_ids`` (not Qwen's ``mm_token_type_ids``), which the prefill does
-    not build. Logs the reason once per process (at info) unless the user turned ``share_prefill`` off.
+    result). Ranks may then be in different turns: under ZeRO-3 with several processes these generations take the
+    held-cache path only in a ``paired`` round (the ranks vote on its path, :mod:`vlm_grpo.tools.rounds`), and only
+    with ``ds3_gather_for_generation`` (the parameters gathered once, the forward passes then local to the rank).
+    ``token_type_ids``: the model marks images with ``token_type_ids`` (not Qwen's ``mm_token_type_ids``), which the
+    prefill does not build. Logs the reason once per process (at info) unless the user turned ``share_prefill`` off.
     """
     if not trainer.args.share_prefill:
         return "share_prefill is off"
@@ -100,8 +103,10 @@ def trl_generation_reason(trainer: Any, own_history: bool = False, token_type_id
         reason = "transformers continuous batching generates"
     elif token_type_ids:
         reason = "tool images for a model that takes token_type_ids"
-    elif own_history and is_zero3(trainer.accelerator):
-        reason = "tool-loop turns after a tool result under ZeRO-3 (ranks may be in different turns)"
+    elif own_history and is_zero3(trainer.accelerator) and not trainer.args.ds3_gather_for_generation:
+        reason = "tool-loop turns under ZeRO-3 without ds3_gather_for_generation (every forward gathers per module)"
+    elif own_history and is_zero3(trainer.accelerator) and trainer.accelerator.num_processes > 1 and not paired:
+        reason = "tool-loop turns under ZeRO-3 outside a tool round the ranks vote on (ranks may be in other turns)"
     elif trainer.is_fsdp_enabled:
         reason = "FSDP"
     else:

@@ -226,6 +226,20 @@ def _step_aside(turns: TurnCache, reason: str) -> None:
     return None
 
 
+@dataclass
+class TurnPlan:
+    """What :func:`run_turns` prefills for each row (held rollout, tokens reused, new chunk, first new image) and
+    the pixel rows and grid rows of the new images, in the order their tokens come."""
+
+    prompt_ids: list[list[int]]
+    images: list | None
+    fields: dict[str, Any]
+    rows: list[tuple[Held | None, int, list[int], int]]
+    pixel_rows: list[tuple[int, int]]
+    grid_rows: list[int]
+    row_keys: list[tuple]
+
+
 def continue_turns(
     trainer: Any, turns: TurnCache, prompt_ids: list[list[int]], images: list | None, fields: dict[str, Any]
 ) -> list[list[int]] | None:
@@ -233,7 +247,16 @@ def continue_turns(
 
     Returns the completions (cut after the first EOS) in the rows' order, or None for inputs this path does not
     know (the caller then prefills the whole history)."""
+    plan = plan_turns(trainer, turns, prompt_ids, images, fields)
+    return run_turns(trainer, turns, plan) if plan is not None else None
 
+
+def plan_turns(
+    trainer: Any, turns: TurnCache, prompt_ids: list[list[int]], images: list | None, fields: dict[str, Any]
+) -> TurnPlan | None:
+    """Match every row to what is held and decide what it prefills, without touching the model's parameters (no
+    collective: ranks under ZeRO-3 decide, then vote, see :mod:`vlm_grpo.tools.rounds`). None: this path does not
+    know these inputs (the reason is logged once and what was held is dropped)."""
     reason = _unhonoured(trainer.generation_config)
     if fields.get("pixel_values_videos") is not None:
         reason = "videos in the conversation"
@@ -241,11 +264,14 @@ def continue_turns(
     units = _image_units(fields, sum(row_images))
     if reason is None and units is None:
         reason = "image pixels that cannot be cut per image"
+    if reason is None:  # the model as configured (ZeRO-3's partitioned parameters leave its config whole)
+        model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+        reason = None if trainer.args.fast_decode else "fast_decode is off"
+        reason = reason or decode.unsupported_reason(model)
     if reason is not None:
         return _step_aside(turns, reason)
 
-    device = trainer.accelerator.device
-    plans = []
+    rows = []
     row_keys = [turns.row_keys(x) for x in images] if images is not None else [()] * len(prompt_ids)
     for ids, n_images, keys in zip(prompt_ids, row_images, row_keys, strict=True):
         held, reused = turns.match(ids, keys)
@@ -256,8 +282,8 @@ def continue_turns(
         first_image = n_images - new_images
         if first_image < 0 or (held.images if held is not None else 0) != first_image:
             return _step_aside(turns, "the rollout's image tokens do not match its images")
-        plans.append((held, reused, chunk, first_image))
-    if not any(chunk for _, _, chunk, _ in plans):  # the decode would not know the prefill's autocast
+        rows.append((held, reused, chunk, first_image))
+    if not any(chunk for _, _, chunk, _ in rows):  # the decode would not know the prefill's autocast
         return _step_aside(turns, "no rollout has a new token to prefill")
     # Pixel rows of each row's new images, in the order their tokens come in the chunk batch.
     starts = [0]
@@ -265,37 +291,40 @@ def continue_turns(
         starts.append(starts[-1] + u)
     image_start = 0
     pixel_rows, grid_rows = [], []
-    for (_, _, _, first_image), n_images in zip(plans, row_images, strict=True):
+    for (_, _, _, first_image), n_images in zip(rows, row_images, strict=True):
         for k in range(image_start + first_image, image_start + n_images):
             pixel_rows.append((starts[k], starts[k + 1]))
             grid_rows.append(k)
         image_start += n_images
+    return TurnPlan(prompt_ids, images, fields, rows, pixel_rows, grid_rows, row_keys)
 
+
+def run_turns(trainer: Any, turns: TurnCache, plan: TurnPlan) -> list[list[int]]:
+    """Prefill ``plan``'s new tokens into the held caches and decode, inside one gather of the parameters (TRL's
+    ``unwrap_model_for_generation``; under ZeRO-3 the forward passes then run locally)."""
+    device = trainer.accelerator.device
     with (
         generation_model(trainer) as unwrapped,
         torch.no_grad(),
     ):
         base = peft_base(unwrapped)
         mrope = hasattr(getattr(base, "model", None), "get_rope_index")
-        blocker = None if trainer.args.fast_decode else "fast_decode is off"
-        blocker = blocker or decode.unsupported_reason(unwrapped)
-        if blocker is not None:
-            return _step_aside(turns, blocker)
         generated, layouts, deltas, next_slot, cache = _prefill_and_decode(
-            trainer, turns, unwrapped, base, mrope, plans, prompt_ids, fields, pixel_rows, grid_rows, device
-        )
+            trainer, turns, unwrapped, base, mrope, plan.rows, plan.prompt_ids, plan.fields, plan.pixel_rows,
+            plan.grid_rows, device,
+        )  # fmt: skip
     completions = generated.tolist()
     eos = set(trainer.eos_token_ids)
     result = []
     for tokens in completions:
         cut = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
         result.append(tokens[:cut])
-    turns.remember(cache, list(range(len(result))), layouts, result, next_slot, deltas, row_keys)
+    turns.remember(cache, list(range(len(result))), layouts, result, next_slot, deltas, plan.row_keys)
     turns.stats.calls += 1
     keep = getattr(trainer, "keep_turn_features", None)
-    if keep is not None and grid_rows and turns.encoded is not None:  # for the log-prob passes (vision_reuse)
-        flat = [image for row in images or [] for image in row or []]
-        keep(turns.encoded, [flat[k] for k in grid_rows], [b - a for a, b in pixel_rows])
+    if keep is not None and plan.grid_rows and turns.encoded is not None:  # for the log-prob passes (vision_reuse)
+        flat = [image for row in plan.images or [] for image in row or []]
+        keep(turns.encoded, [flat[k] for k in plan.grid_rows], [b - a for a, b in plan.pixel_rows])
     turns.encoded = None
     return result
 
@@ -451,3 +480,31 @@ def image_pad_id(tokenizer: Any) -> int | None:
     ``<IMG_CONTEXT>``), or None."""
     vocab = tokenizer.get_vocab()
     return next((vocab[t] for t in _IMAGE_PADS if t in vocab), None)
+
+
+def paired_turn(
+    trainer: Any,
+    turns: TurnCache | None,
+    vote: Any,
+    share: bool,
+    prompt_ids: list[list[int]],
+    images: list | None,
+    fields: dict[str, Any],
+) -> list[list[int]] | None:
+    """A tool round whose generation the ranks make together (ZeRO-3; see :mod:`vlm_grpo.tools.rounds`): this rank
+    plans the held path (``share``: the route allows it), votes (``vote(generating, held)``, an all-reduce) and
+    runs it where every rank can. None: some rank cannot, so every rank generates through TRL's path."""
+    plan = plan_turns(trainer, turns, prompt_ids, images, fields) if share and turns is not None else None
+    _, held = vote(True, plan is not None)
+    return run_turns(trainer, turns, plan) if held else None
+
+
+def join_held_round(trainer: Any) -> None:
+    """A rank's part in another rank's held-path round: the same gather of the parameters and, inside it, one forward
+    of the whole model (one pad token, output dropped). The held path's prefill is the round's only forward of the
+    whole model (its decode steps call the decoder and head), and DeepSpeed's start-of-forward hook, which TRL's
+    gather leaves in place, checks the ranks' module traces with broadcasts there: both sides must make it."""
+    device = trainer.accelerator.device
+    ids = torch.full((1, 1), trainer._tokenizer.pad_token_id, dtype=torch.long, device=device)
+    with generation_model(trainer) as unwrapped, torch.no_grad():
+        unwrapped(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)

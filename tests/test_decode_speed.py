@@ -62,6 +62,8 @@ def test_a_new_prompt_length_in_a_seen_bucket_compiles_nothing(bucket, tiny_mode
 
     if bucket is not None:
         monkeypatch.setattr(decode, "CACHE_BUCKET", bucket)
+    # A full-size cache, as a kept workspace has (a sized one marks its length dynamic from the first call).
+    monkeypatch.setattr(decode, "SIZED_CACHE", False)
     monkeypatch.setattr(decode, "_compiled_forward", None)  # a fresh compiled step, no shapes seen
     torch._dynamo.reset()
     module = get_vlm_module(str(tiny_models["qwen2_5_vl"]))

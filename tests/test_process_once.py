@@ -7,6 +7,7 @@ in their palette kept apart, and a batch the stand-in cannot lay out processed r
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -55,6 +56,9 @@ def _equal(actual, expected) -> bool:
         return same_kind and torch.equal(actual.cpu(), expected)
     if isinstance(expected, (list, tuple)):
         return type(actual) is type(expected) and len(actual) == len(expected) and all(map(_equal, actual, expected))
+    if dataclasses.is_dataclass(expected):  # e.g. the image features kept from generation (vision_reuse)
+        fields = [f.name for f in dataclasses.fields(expected)]
+        return type(actual) is type(expected) and all(_equal(getattr(actual, f), getattr(expected, f)) for f in fields)
     return actual == expected
 
 

@@ -295,8 +295,9 @@ class FusedUpdate:
         """This micro-step's loss, or None where TRL's own step runs (evaluation, the window's last micro-batch,
         a window shortened at an epoch's end). ``micro_batch`` makes a buffered slice what ``_prepare_inputs``
         hands the Trainer."""
-        ga = trainer.current_gradient_accumulation_steps
-        if not (self.enabled and trainer.model.training and ga == trainer.args.gradient_accumulation_steps):
+        # Set by the Trainer's loop for each optimizer step (absent where compute_loss is called outside it).
+        ga = getattr(trainer, "current_gradient_accumulation_steps", None) if self.enabled else None
+        if not (trainer.model.training and ga == trainer.args.gradient_accumulation_steps):
             self.window = None
             return None
         position = trainer._step % ga

@@ -105,6 +105,15 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
     _fail_skip_in_ci(outcome.get_result())
 
 
+def _session_job() -> str | None:
+    import torch.compiler.config
+
+    return torch.compiler.config.job_id
+
+
+_SESSION_JOB = _session_job()
+
+
 @pytest.fixture(autouse=True)
 def _environment_restored() -> Iterator[None]:
     """Code under test may set process-wide switches (``WANDB_MODE=offline`` for a wandb run without a key):
@@ -113,8 +122,11 @@ def _environment_restored() -> Iterator[None]:
 
     import torch.compiler.config
 
-    saved, job = dict(os.environ), torch.compiler.config.job_id  # the compile cache names a job (dynamo's profile)
+    # The compile cache names a compile job (dynamo then reads and writes its profile of dynamic dimensions): every
+    # test starts without one, as the session did, even after a module-scoped fixture built a trainer.
+    saved = dict(os.environ)
+    torch.compiler.config.job_id = _SESSION_JOB
     yield
     os.environ.clear()
     os.environ.update(saved)
-    torch.compiler.config.job_id = job
+    torch.compiler.config.job_id = _SESSION_JOB

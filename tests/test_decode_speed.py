@@ -65,6 +65,7 @@ def test_a_new_prompt_length_in_a_seen_bucket_compiles_nothing(bucket, tiny_mode
     # A full-size cache, as a kept workspace has (a sized one marks its length dynamic from the first call).
     monkeypatch.setattr(decode, "SIZED_CACHE", False)
     monkeypatch.setattr(decode, "_compiled_forward", None)  # a fresh compiled step, no shapes seen
+    monkeypatch.setattr(torch.compiler.config, "job_id", None)  # a cold process's counts (no saved dynamic profile)
     torch._dynamo.reset()
     module = get_vlm_module(str(tiny_models["qwen2_5_vl"]))
     model = module.load_model(str(tiny_models["qwen2_5_vl"]), dtype=torch.float32, attn_implementation="sdpa")

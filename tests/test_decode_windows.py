@@ -251,6 +251,7 @@ def test_windows_of_a_call_share_one_compilation(mark, tiny_models, monkeypatch)
     if not mark:
         monkeypatch.setattr(decode, "_window_mask", lambda mask, length, compile: mask[..., :length])
     monkeypatch.setattr(decode, "_compiled_forward", None)
+    monkeypatch.setattr(torch.compiler.config, "job_id", None)  # a cold process's counts (no saved dynamic profile)
     torch._dynamo.reset()
     model = _tiny_qwen(tiny_models)
     counters.clear()

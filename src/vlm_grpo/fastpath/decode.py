@@ -73,27 +73,22 @@ logger = logging.getLogger(__name__)
 
 _ATTENTION = ("sdpa", "eager")
 _CHECK_EVERY = 8  # decode steps between host checks for "every row has ended"
-# Static cache lengths are rounded up to a multiple of this. Prompt lengths change every step; an unseen
-# cache length would otherwise cost a new compilation of the decode step (tens of seconds at 3B on an
-# H100), and a repeated length costs nothing. The extra slots are masked out: tokens are unchanged.
+# Static cache lengths are rounded up to a multiple of this: an unseen full-size cache length would cost a new
+# compilation of the decode step (tens of seconds at 3B on an H100). The extra slots are masked out.
 CACHE_BUCKET = 256
 # Attention windows (sdpa under a CUDA graph): step t reads the smallest multiple of this many cache slots that
-# holds its prompt + t + 1 tokens (capped at the cache length). One graph per window; 0: one window, the whole
-# cache (the behaviour before windows). Smaller windows read fewer unwritten slots but capture more graphs.
+# holds its prompt + t + 1 tokens (capped at the cache length). One graph per window; 0: the whole cache.
 ATTENTION_WINDOW = 256
-# Tests: take the windowed path (a step per window, its warm-ups under cache_restored, sliced attention)
-# without CUDA graphs too, so that CPU runs cover it.
+# Tests: the windowed path (a step per window, warm-ups under cache_restored) without CUDA graphs too, on CPU.
 _WINDOWS_WITHOUT_GRAPH = False
 # Token selection (processors, sampling, EOS bookkeeping) inside the step's graph where its processors allow it
 # (vlm_grpo.fastpath.decode_select); False: after each replay, eagerly (benchmarks compare the two).
 SELECT_IN_GRAPH = True
-# Tests: run the selection inside the step without a CUDA graph too (the code a graph captures), on CPU.
-_SELECT_IN_STEP_WITHOUT_GRAPH = False
-# The decode cache sized to the rows' lengths, in calls whose workspace is not kept (a kept one's graphs replay on
-# its cache's addresses): windowed, it holds the current attention window's slots (and the spare one) and grows into
-# new storage when the longest running row reaches the next window; after a compaction it holds the live rows only
-# (unless the cache is exported: every row's K/V is handed on). False: every row's prompt + max_completion slots from
-# the start (benchmarks compare the two).
+_SELECT_IN_STEP_WITHOUT_GRAPH = False  # tests: the selection inside the step without a CUDA graph too, on CPU
+# The decode cache sized to the rows' lengths where the workspace is not kept (a kept one's graphs replay on its
+# addresses): it holds the current window's slots (and the spare one), grows into new storage as the longest row
+# reaches the next window, and after a compaction keeps the live rows only (unless exported). False: prompt +
+# max_completion slots per row from the start (benchmarks compare the two).
 SIZED_CACHE = True
 
 

@@ -45,6 +45,21 @@ def shaped_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mean", type=int, default=500, help="mean completion length (geometric, cut at the maximum)")
 
 
+def shaped_model(args: argparse.Namespace, on_gpu: bool, device: torch.device) -> tuple:
+    """(model, its generation config): ``args.preset`` with random weights, EOS-biased to completions of mean
+    ``args.mean``, sampled at temperature 1 up to ``args.max_new_tokens``."""
+    from vlm_grpo.testing.tiny import build_model
+
+    model, _ = build_model(args.preset, dtype=torch.bfloat16 if on_gpu else torch.float32, device=device)
+    model.eval()
+    config = model.generation_config
+    eos = config.eos_token_id
+    install_eos_bias(model, eos[0] if isinstance(eos, list) else eos, args.mean)
+    config.max_new_tokens, config.min_new_tokens = args.max_new_tokens, None
+    config.do_sample, config.temperature, config.top_p, config.top_k = True, 1.0, 1.0, 0
+    return model, config
+
+
 def decode_once(model, config, ids: torch.Tensor, group: int, compile: bool, compact: bool, seed: int) -> dict:
     """Prefill ``ids`` (unique prompts), decode ``group`` rows each; the call's record and its tokens.
     (``decode.SIZED_CACHE`` and ``decode._WINDOWS_WITHOUT_GRAPH`` as the caller set them.)"""
@@ -104,15 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device(args.device)
     compile = on_gpu if args.compile is None else args.compile
 
-    from vlm_grpo.testing.tiny import build_model
-
-    model, _ = build_model(args.preset, dtype=torch.bfloat16 if on_gpu else torch.float32, device=device)
-    model.eval()
-    config = model.generation_config
-    eos = config.eos_token_id
-    install_eos_bias(model, eos[0] if isinstance(eos, list) else eos, args.mean)
-    config.max_new_tokens, config.min_new_tokens = args.max_new_tokens, None
-    config.do_sample, config.temperature, config.top_p, config.top_k = True, 1.0, 1.0, 0
+    model, config = shaped_model(args, on_gpu, device)
 
     calls = []
     for n in range(args.calls):

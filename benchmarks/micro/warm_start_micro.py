@@ -27,29 +27,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 from bench_common import device_defaults, flag_bool, run_stamp
-from decode_compact_micro import shaped_decode_args
+from decode_compact_micro import shaped_decode_args, shaped_model
 
 
 def child(args: argparse.Namespace) -> dict:
     """One process: the compile cache pointed at ``args.cache``, two decode calls, the start-up counts."""
-    from bench_shape import install_eos_bias
     from decode_compact_micro import decode_once
 
     from vlm_grpo.fastpath import decode, startup
     from vlm_grpo.fastpath.compile_cache import use_compile_cache
-    from vlm_grpo.testing.tiny import build_model
 
     on_gpu = device_defaults(args)
     device = torch.device(args.device)
     use_compile_cache(args.cache, device)
     decode._WINDOWS_WITHOUT_GRAPH = args.windows_on_cpu
-    model, _ = build_model(args.preset, dtype=torch.bfloat16 if on_gpu else torch.float32, device=device)
-    model.eval()
-    config = model.generation_config
-    eos = config.eos_token_id
-    install_eos_bias(model, eos[0] if isinstance(eos, list) else eos, args.mean)
-    config.max_new_tokens, config.min_new_tokens = args.max_new_tokens, None
-    config.do_sample, config.temperature, config.top_p, config.top_k = True, 1.0, 1.0, 0
+    model, config = shaped_model(args, on_gpu, device)
     ids = torch.randint(100, 1000, (args.unique, args.prompt_len), generator=torch.Generator().manual_seed(0))
     ids = ids.to(device)
     calls = []

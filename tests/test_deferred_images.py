@@ -1,7 +1,7 @@
 """The GRPO training loader decodes a row's images only when a step generates from the row.
 
 TRL's loader fetches a whole generation batch at every micro-step and drops all but the one it generates from, so
-decoding at fetch time decoded each image ``steps_per_generation`` times (44-52 s per optimizer step at EasyR1's
+decoding at fetch time decoded each image ``steps_per_generation`` times (about 45 s per optimizer step at EasyR1's
 shape). What a user would notice if this broke: a step much slower than its GPU work (counted here as image
 decodes per generated batch), or different prompts / images / rows reaching the generation (compared here with
 the immediate transform, a damaged image's replacement row included).

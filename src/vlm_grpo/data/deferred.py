@@ -3,7 +3,7 @@
 TRL's GRPO loader hands every micro-step a whole generation batch (``per_device_train_batch_size x
 steps_per_generation`` rows) and generates from it only every ``steps_per_generation x num_iterations`` micro-steps;
 the other fetches are dropped unread. With EasyR1's recipe (80 micro-steps per generation, 320 rows each) decoding
-at fetch time decodes every image 80 times (44-52 s per optimizer step for 512² PNGs on an H200 machine). The
+at fetch time decodes every image 80 times (about 45 s per optimizer step for 512² PNGs on an H200 machine). The
 training loader (:func:`deferred_view`) therefore yields rows whose ``images`` are a :class:`PendingImages`, and
 :func:`decode_pending` decodes them, with the same skip-and-replace rule for images that no longer decode, when the
 trainer generates from the batch.

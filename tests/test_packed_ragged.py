@@ -81,15 +81,19 @@ def per_token(trainer, inputs, trl: bool, batch_size=None):
     return logps, entropies
 
 
-def loss_and_grads(trainer, inputs, share_prompt: bool):
-    """A training step's loss and gradients, through the packed pass or (share_prompt off) TRL's per-row pass."""
-    trainer.args.share_prompt = share_prompt
+def loss_and_grads(trainer, inputs, **switches):
+    """A training step's loss and gradients with config ``switches`` set for it (e.g. ``share_prompt=False``: TRL's
+    per-row pass instead of the packed one); the config is restored after."""
+    before = {name: getattr(trainer.args, name) for name in switches}
+    for name, value in switches.items():
+        setattr(trainer.args, name, value)
     try:
         trainer.model.zero_grad(set_to_none=True)
         loss = trainer.compute_loss(trainer.model, inputs)
         loss.backward()
     finally:
-        trainer.args.share_prompt = True
+        for name, value in before.items():
+            setattr(trainer.args, name, value)
     grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     return loss.detach(), grads
 

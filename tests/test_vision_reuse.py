@@ -20,6 +20,7 @@ from trl.trainer.utils import (
 )
 
 from test_group_sharing import MM_KEYS, G, make_trainer
+from test_packed_ragged import loss_and_grads
 from vlm_grpo.fastpath.vision_reuse import FEATURES_KEY
 from vlm_grpo.fastpath.vision_sync import vision_backbone
 from vlm_grpo.testing.tiny import FAMILIES
@@ -121,18 +122,6 @@ def pass_logps(trainer, inputs, features=None):
     return logps * inputs["completion_mask"]
 
 
-def loss_and_grads(trainer, inputs, reuse):
-    trainer.args.reuse_vision_features = reuse
-    try:
-        trainer.model.zero_grad(set_to_none=True)
-        loss = trainer.compute_loss(trainer.model, inputs)
-        loss.backward()
-    finally:
-        trainer.args.reuse_vision_features = True
-    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
-    return loss.detach(), grads
-
-
 def assert_grads_close(ours, ref, tol=1e-5):
     assert ours.keys() == ref.keys() and ref
     for name, g in ref.items():
@@ -163,9 +152,9 @@ def test_passes_reuse_generation_features_at_parity(family, variant, tiny_models
     torch.testing.assert_close(out["old_per_token_logps"] * out["completion_mask"], ref, rtol=0, atol=1e-5)
     for micro in micro_batches(trainer, out):
         assert len({f[0] for f in micro[FEATURES_KEY]}) == 2  # a shuffled cut holds rows of both groups
-        loss, grads = loss_and_grads(trainer, micro, reuse=True)
+        loss, grads = loss_and_grads(trainer, micro, reuse_vision_features=True)
         assert counter.take() == (0, 0) and trainer.last_vision_reuse == "reused"
-        ref_loss, ref_grads = loss_and_grads(trainer, micro, reuse=False)
+        ref_loss, ref_grads = loss_and_grads(trainer, micro, reuse_vision_features=False)
         assert counter.take()[0] > 0
         torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-5)
         assert_grads_close(grads, ref_grads)
@@ -196,7 +185,7 @@ def test_trained_tower_encodes_in_the_loss_pass(family, tiny_models, two_images,
     out, _ = generation_batch(trainer, counter)
     assert counter.take() is not None  # counted above: generation, old pass (reused), reference pass (encodes)
     for micro in micro_batches(trainer, out):
-        _, grads = loss_and_grads(trainer, micro, reuse=True)
+        _, grads = loss_and_grads(trainer, micro, reuse_vision_features=True)
         calls, units = counter.take()
         assert trainer.last_vision_reuse == "the vision tower (or its projector) is trained"
         assert calls > 0 and units == len({id(f[0]) for f in micro[FEATURES_KEY]})  # each distinct image once
@@ -241,7 +230,7 @@ def test_lora_in_the_tower_reuses_only_in_the_old_pass(tiny_models, two_images, 
     out, _ = generation_batch(trainer, counter)
     assert seen == [("reused", 0), ("the tower's LoRA adapter is switched for the reference pass", 2)]
     seen.clear()
-    loss_and_grads(trainer, micro_batches(trainer, out)[0], reuse=True)
+    loss_and_grads(trainer, micro_batches(trainer, out)[0], reuse_vision_features=True)
     assert seen == [("the vision tower (or its projector) is trained", 2)]
 
 
@@ -329,9 +318,9 @@ def test_tool_images_are_encoded_once_and_reused(family, held, tiny_models, two_
     assert counter.take()[0] > 0
     torch.testing.assert_close(out["old_per_token_logps"] * out["completion_mask"], ref, rtol=0, atol=1e-5)
     for micro in micro_batches(trainer, out):
-        loss, grads = loss_and_grads(trainer, micro, reuse=True)
+        loss, grads = loss_and_grads(trainer, micro, reuse_vision_features=True)
         assert (trainer.last_vision_reuse, counter.take()) == ("reused", (0, 0))
-        ref_loss, ref_grads = loss_and_grads(trainer, micro, reuse=False)
+        ref_loss, ref_grads = loss_and_grads(trainer, micro, reuse_vision_features=False)
         assert counter.take()[0] > 0
         torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-5)
         assert_grads_close(grads, ref_grads)

@@ -135,7 +135,10 @@ def _labelled(data: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _vanilla(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return {r["scenario"]: r for r in rows if str(r.get("trainer", "")).startswith("vanilla")}
+    """Vanilla TRL's finished row per scenario (a row stopped by the time limit has no times to compare with)."""
+    return {
+        r["scenario"]: r for r in rows if str(r.get("trainer", "")).startswith("vanilla") and r.get("status", "ok") == "ok"
+    }
 
 
 def grpo_table(data: dict[str, Any]) -> list[str]:

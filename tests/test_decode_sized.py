@@ -27,6 +27,7 @@ def windows(monkeypatch):
     monkeypatch.setattr(decode_compact, "COMPACT", True)
     monkeypatch.setattr(decode, "ATTENTION_WINDOW", WINDOW)
     monkeypatch.setattr(decode, "_WINDOWS_WITHOUT_GRAPH", True)
+    monkeypatch.setattr(decode, "SIZED_CACHE", True)  # opt-in (off by default)
 
 
 @pytest.fixture(scope="module")

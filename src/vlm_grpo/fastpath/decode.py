@@ -24,11 +24,9 @@ Finished rows leave the batch (:mod:`vlm_grpo.fastpath.decode_compact`): at the 
 workspace and the loop goes on over a narrower width, with steps (graphs) made per width and window. Tokens are
 unchanged; a narrowed selection draws its noise for the whole batch, each row taking its own.
 
-The cache is sized to the rows' real lengths (``SIZED_CACHE``, in calls whose workspace is not kept): windowed, it
-starts with the first window's slots and moves into larger storage when the longest running row reaches the next
-window (a new window's step is made then anyway); after a compaction it moves into storage for the live rows only
-(unless it is exported). Its memory follows the work left, not the longest possible row of every row: at EasyR1's
-shape most rows end long before the cap, and the one that runs to it runs at the narrowest width.
+With ``SIZED_CACHE`` (off by default) the cache is sized to the rows' real lengths where the workspace is not kept:
+windowed, it starts with the first window's slots and moves into larger storage when the longest running row reaches
+the next window; after a compaction it moves into storage for the live rows only (unless it is exported).
 
 Kept graphs (``keep_decode_graphs``): capturing costs two warm-up passes and the capture, ~0.04-0.08 s per call
 at 3B on an H100. A kept :class:`_Workspace` (cache, buffers, mask, the steps and their graphs) and the kept fused
@@ -87,9 +85,10 @@ SELECT_IN_GRAPH = True
 _SELECT_IN_STEP_WITHOUT_GRAPH = False  # tests: the selection inside the step without a CUDA graph too, on CPU
 # The decode cache sized to the rows' lengths where the workspace is not kept (a kept one's graphs replay on its
 # addresses): it holds the current window's slots (and the spare one), grows into new storage as the longest row
-# reaches the next window, and after a compaction keeps the live rows only (unless exported). False: prompt +
-# max_completion slots per row from the start (benchmarks compare the two).
-SIZED_CACHE = True
+# reaches the next window, and after a compaction keeps the live rows only (unless exported). Off: prompt +
+# max_completion slots per row from the start, the layout measured on GPUs (benchmarks compare the two with the
+# variant ``ours:sized_cache=true``).
+SIZED_CACHE = False
 
 
 def has_local_layers(model: Any) -> bool:
@@ -518,6 +517,8 @@ def _decode(
         ws.views.clear()
         per_width.clear()
         ws.steps.clear()
+        if ws.pool is not None:  # a pool whose graphs are all gone cannot take another capture (the allocator asserts)
+            ws.pool = torch.cuda.graph_pool_handle()
         peak = resize(ws.cache, cache_rows, cache_slots, written, dynamic=windowed)
         stats.allocations.append((cache_rows, cache_slots))
         stats.peak_cache_bytes = max(stats.peak_cache_bytes, peak)

@@ -8,8 +8,8 @@ row ended?" checks the decode also counts the live rows; when they fit a width o
 order, the finished ones after them (cache slots, mask, fed tokens and positions, the selection's ids and flags), and
 decoding goes on over the first rows only, through steps made (on a GPU: captured) for that width. Every buffer but
 the cache is a view of the workspace's own storage, and ``order`` says which batch row each position holds; the
-output (and an exported cache) is put back in batch order at the end. The cache moves into storage for the live rows
-only (``decode.SIZED_CACHE``), or, in a kept workspace or when exported, stays as it is. A finished row's output
+output (and an exported cache) is put back in batch order at the end. The cache stays as it is, or, with
+``decode.SIZED_CACHE`` (off by default) and neither kept nor exported, moves into storage for the live rows only. A finished row's output
 is its tokens, then padding, as before.
 
 Sampling stays ``generate``'s draw under the same seed: ``torch.multinomial`` draws the noise of its Gumbel-max draw

@@ -136,9 +136,8 @@ def _labelled(data: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _vanilla(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Vanilla TRL's finished row per scenario (a row stopped by the time limit has no times to compare with)."""
-    return {
-        r["scenario"]: r for r in rows if str(r.get("trainer", "")).startswith("vanilla") and r.get("status", "ok") == "ok"
-    }
+    vanilla = [r for r in rows if str(r.get("trainer", "")).startswith("vanilla") and r.get("status", "ok") == "ok"]
+    return {r["scenario"]: r for r in vanilla}
 
 
 def grpo_table(data: dict[str, Any]) -> list[str]:
@@ -153,11 +152,12 @@ def grpo_table(data: dict[str, Any]) -> list[str]:
         base = vanilla.get(r["scenario"])
         ratio = base["step_s"] / r["step_s"] if base and r.get("step_s") else None
         phases = r.get("phases_s", {})
-        train = (phases.get("loss_forward") or 0) + (phases.get("backward") or 0)
+        train = (phases.get("loss_forward") or 0) + (phases.get("backward") or 0) if phases else None
         decode = r.get("decode_ms_per_token") or r.get("gen_ms_per_token") or None
         ratio_text = f"**{ratio:.1f}x**" if ratio and r is not base else ("1.0x" if r is base else "-")
+        trainer = r["trainer"] if r.get("status", "ok") == "ok" else f"{r['trainer']} ({r['status']})"
         out.append(
-            f"| {r['scenario']} | {r['trainer']} | {_fmt(r.get('step_s'))} | {_fmt(r.get('samples_per_s'))} "
+            f"| {r['scenario']} | {trainer} | {_fmt(r.get('step_s'))} | {_fmt(r.get('samples_per_s'))} "
             f"| {_fmt(r.get('peak_mem_gib'), 1)} | {_fmt(phases.get('generation'))} | {_fmt(decode)} "
             f"| {_fmt(train)} | {ratio_text} |"
         )

@@ -9,8 +9,8 @@ order, the finished ones after them (cache slots, mask, fed tokens and positions
 decoding goes on over the first rows only, through steps made (on a GPU: captured) for that width. Every buffer but
 the cache is a view of the workspace's own storage, and ``order`` says which batch row each position holds; the
 output (and an exported cache) is put back in batch order at the end. The cache stays as it is, or, with
-``decode.SIZED_CACHE`` (off by default) and neither kept nor exported, moves into storage for the live rows only. A finished row's output
-is its tokens, then padding, as before.
+``decode.SIZED_CACHE`` (off by default) and neither kept nor exported, moves into storage for the live rows
+only. A finished row's output is its tokens, then padding, as before.
 
 Sampling stays ``generate``'s draw under the same seed: ``torch.multinomial`` draws the noise of its Gumbel-max draw
 (``Exp(1)``, one per row and vocabulary entry) for every row of the batch at once, so a narrower draw would move the

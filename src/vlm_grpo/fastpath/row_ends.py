@@ -1,0 +1,65 @@
+"""Rows of a :func:`~vlm_grpo.fastpath.decode.fast_decode` call that have ended, told to a listener while the other
+rows still decode.
+
+The decode checks on the host every few tokens whether every row has ended (``decode._CHECK_EVERY``). Where a
+listener is set (:func:`listening`, for the calls made inside the block), each check also hands it the rows that have
+ended since the last one: their batch row and their tokens up to and including the first EOS. The tool loop uses it
+to start a rollout's tool calls as soon as its turn has ended (:mod:`vlm_grpo.tools.early_calls`). The decode's
+tokens are unchanged; without a listener nothing is read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+#: What a listener gets: batch row -> its tokens (cut after the first EOS).
+Listener = Callable[[dict[int, list[int]]], None]
+
+_LISTENER: ContextVar[Listener | None] = ContextVar("vlm_grpo_row_ends", default=None)
+
+
+@contextmanager
+def listening(listener: Listener | None) -> Iterator[None]:
+    """Decodes inside the block tell ``listener`` (None: nobody) which rows have ended."""
+    token = _LISTENER.set(listener)
+    try:
+        yield
+    finally:
+        _LISTENER.reset(token)
+
+
+class Watch:
+    """The rows of one decode already told to the listener."""
+
+    def __init__(self, listener: Listener, rows: int, prompt_len: int) -> None:
+        self.listener = listener
+        self.rows = rows
+        self.prompt_len = prompt_len
+        self.told: set[int] = set()
+
+    def __call__(self, ws: Any, produced: int) -> None:
+        """At a host check: ``ws``, the decode's workspace (``order``: the batch row at each position, finished rows
+        included); ``produced``: the decode steps run so far."""
+        sel = ws.selection
+        ended = (sel.unfinished[: self.rows] == 0).nonzero().flatten().tolist()
+        order = ws.order[: self.rows].tolist()
+        new = [p for p in ended if order[p] not in self.told]
+        if not new:
+            return
+        tokens = sel.out[new, self.prompt_len : self.prompt_len + produced].tolist()
+        eos = set(sel.eos.tolist())
+        out = {}
+        for position, row in zip(new, tokens, strict=True):
+            cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+            out[order[position]] = row[:cut]
+            self.told.add(order[position])
+        self.listener(out)
+
+
+def watch(rows: int, prompt_len: int) -> Watch | None:
+    """The watch of a decode of ``rows`` rows after ``prompt_len`` prompt columns, or None without a listener."""
+    listener = _LISTENER.get()
+    return Watch(listener, rows, prompt_len) if listener is not None else None

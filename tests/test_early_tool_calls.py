@@ -202,7 +202,7 @@ def test_early_calls_give_trls_rollouts_each_call_once(family, sharp_models, dat
         lock = run(family, model, dataset, tmp_path / "lock", share=True, early=False)
         runs.append(lock)
     # The scripted rollouts happened: rollout 3 was cut at the completion budget, rollout 1 by the iterations.
-    ids, masks = trl["rollouts"]
+    ids = trl["rollouts"][0]
     assert len(ids[3]) == MAX_COMPLETION and ids[3][-1] != ids[0][-1]
     assert sum(1 for c in trl["calls"] if c[0] == 1) == ITERATIONS
     assert trl["calls"] == expected_calls()
@@ -233,7 +233,7 @@ def test_rows_in_doubt_start_nothing():
     class Trainer:
         _tool_turns = None
         _tokenizer = None
-        environments = []
+        environments = ()
 
     stats = type("Stats", (), {"early_unmatched": 0})()
     early = EarlyCalls(Trainer(), stats)

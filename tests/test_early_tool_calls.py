@@ -227,8 +227,9 @@ def test_early_calls_give_trls_rollouts_each_call_once(family, sharp_models, dat
 
 
 def test_rows_in_doubt_start_nothing():
-    """A loop round's row is matched to the one rollout waiting on tool replies whose history it extends; rows
-    whose history two rollouts share (the same prompt, the same turns) are left alone."""
+    """A loop round's rows are TRL's rollouts waiting on tool replies, in order (less those cut at the completion
+    budget); each row's history starts with its rollout's. A row gets the rollout every such assignment gives it;
+    rows whose history several rollouts share, one of which is not in the round, start nothing."""
 
     class Trainer:
         _tool_turns = None
@@ -243,10 +244,12 @@ def test_rows_in_doubt_start_nothing():
     completion_ids = [[5], [5], [6], [7]]
     completions = [[{}, tool], [{}, tool], [{}, tool], [answered]]
     early.enter_loop(prompt_ids, completion_ids, completions)
-    rows = [[1, 2, 5, 9, 9], [1, 2, 5, 9, 8], [1, 3, 6, 9]]
-    assert early._match(rows) == [None, None, 2]
-    assert stats.early_unmatched == 2
-    completion_ids[1] = [8]  # rollout 1 went another way: every row is its own rollout's
-    rows = [[1, 2, 5, 9], [1, 2, 8, 9], [1, 3, 6, 9]]
-    assert early._match(rows) == [0, 1, 2]
+    # Rollouts 0 and 1 share their history and are both in the round: in order, row 0 is 0's and row 1 is 1's.
+    assert early._match([[1, 2, 5, 9, 9], [1, 2, 5, 9, 8], [1, 3, 6, 9]]) == [0, 1, 2]
+    # Only one of them is in the round: which one is in doubt.
+    assert early._match([[1, 2, 5, 9], [1, 3, 6, 9]]) == [None, 2]
+    assert stats.early_unmatched == 1
+    completion_ids[1] = [8]  # rollout 1 went another way: no doubt left
+    assert early._match([[1, 2, 5, 9], [1, 3, 6, 9]]) == [0, 2]
+    assert early._match([[1, 2, 8, 9]]) == [1]
     assert early._match([[1, 4, 7, 9]]) == [None]  # rollout 3 answered: it waits on no tool

@@ -12,7 +12,7 @@ collects the result, exactly once (the environment hands each started call to on
 are not started again after the round. A round then costs about the longest of each rollout's turn plus its calls.
 
 Only calls TRL's loop will make start early: the turn's round is below ``max_tool_calling_iterations``; the row is
-matched to its rollout without doubt (a row whose history equals another rollout's is left alone); the tool is
+matched to its rollout without doubt (see :meth:`EarlyCalls._match`); the tool is
 marked parallel (its rollouts run at the same time anyway; other tools run in TRL's order, when TRL calls them);
 the rollout has not reached ``--max_tool_images`` (a call the budget refuses never runs). Everything else runs when
 TRL's loop calls it, as before. Turns decoded by ``generate`` (TRL's path) start nothing early.
@@ -25,11 +25,26 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
+
 from vlm_grpo.fastpath import row_ends
 from vlm_grpo.tools.base import ToolEnvironment
 from vlm_grpo.tools.rollouts import ToolTurns, parallel_calls, tool_executor
 
 logger = logging.getLogger(__name__)
+
+
+def _ordered(fits: list[list[int]]) -> list[int | None]:
+    """The first increasing pick, one of ``fits[k]`` (ascending) for each ``k``; all None where there is none."""
+    picks: list[int | None] = []
+    previous = None
+    for options in fits:
+        pick = next((i for i in options if previous is None or i > previous), None)
+        if pick is None:
+            return [None] * len(fits)
+        picks.append(pick)
+        previous = pick
+    return picks
 
 
 def turn_rooms(trainer: Any, prompt_ids: Sequence[Sequence[int]]) -> list[int] | None:
@@ -96,17 +111,24 @@ class EarlyCalls:
         return listener
 
     def _match(self, rows: Sequence[Sequence[int]]) -> list[int | None]:
-        """The rollout of each row of a loop round: the one rollout waiting on tool replies whose history (prompt and
-        completion so far) the row starts with; None where there is not exactly one, or two rows share it."""
+        """The rollout of each row of a loop round. TRL's rows are its rollouts waiting on tool replies (the last
+        message a tool's), in order, less those it dropped at the completion budget; a row's history starts with its
+        rollout's prompt and completion so far. Among the assignments that keep that order and those prefixes, a
+        row whose rollout is the same in the first and the last one has it in all of them; the others (histories
+        that several rollouts share, with one of them not in the round) get None."""
         prompt_ids, completion_ids, completions = self.loop
         waiting = [i for i, turns in enumerate(completions) if turns and turns[-1].get("role") == "tool"]
-        heads = {i: list(prompt_ids[i]) + list(completion_ids[i]) for i in waiting}
-        out: list[int | None] = []
+        heads = {i: np.asarray([*prompt_ids[i], *completion_ids[i]], dtype=np.int64) for i in waiting}
+        fits = []
         for row in rows:
-            found = [i for i in waiting if len(heads[i]) <= len(row) and list(row[: len(heads[i])]) == heads[i]]
-            out.append(found[0] if len(found) == 1 else None)
-        for i in {i for i in out if i is not None and out.count(i) > 1}:
-            out = [None if j == i else j for j in out]
+            ids = np.asarray(row, dtype=np.int64)
+            fits.append(
+                [i for i in waiting if heads[i].size <= ids.size and np.array_equal(ids[: heads[i].size], heads[i])]
+            )
+        first = _ordered(fits)
+        mirrored = _ordered([[-i for i in reversed(options)] for options in reversed(fits)])  # the last, mirrored
+        last = [None if i is None else -i for i in reversed(mirrored)]
+        out = [a if a is not None and a == b else None for a, b in zip(first, last, strict=True)]
         self.stats.early_unmatched += out.count(None)
         return out
 

@@ -33,6 +33,7 @@ from vlm_grpo.testing.tiny import build_tiny_model
 from vlm_grpo.tools import TOOLS
 from vlm_grpo.tools.base import ToolEnvironment
 from vlm_grpo.tools.early_calls import EarlyCalls
+from vlm_grpo.tools.protocols import PROTOCOLS, HermesProtocol
 from vlm_grpo.trainer import VLMGRPOTrainer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -88,20 +89,31 @@ def sharp_models(tmp_path_factory):
     return get
 
 
-def turn_text(rollout: int, turn: int) -> str:
+class StopProtocol(HermesProtocol):
+    """Hermes calls, the turn cut after ``</tool_call>`` (as PyVision's after ``</code>``): what the model writes
+    after it is dropped."""
+
+    name = "hermes_stop"
+    stop = ("</tool_call>",)
+
+
+def turn_text(rollout: int, turn: int, stop: bool = False) -> str:
+    """The scripted turn; with ``stop``, a call turn goes on writing after the call, to about a long turn's length
+    (every row then ends its decode at about the same step: only the stop string tells the short calls apart)."""
     words, kind = SCRIPT[rollout][min(turn, len(SCRIPT[rollout]) - 1)]
     filler = " step" * words
     if kind == "answer":
         return f"{filler}<answer>{rollout}</answer><|im_end|>"
     call = {"name": "sleepy", "arguments": {"rollout": rollout, "turn": turn}}
-    return f"{filler}<tool_call>\n{json.dumps(call)}\n</tool_call><|im_end|>"
+    after = " more" * (LONG + 2 - words) if stop else ""
+    return f"{filler}<tool_call>\n{json.dumps(call)}\n</tool_call>{after}<|im_end|>"
 
 
-def run(family: str, model_dir, dataset, out, share: bool, early: bool, rerun: bool = False) -> dict:
+def run(family, model_dir, dataset, out, share: bool, early: bool, rerun=False, stop=False, blind=False) -> dict:
     """One GRPO step with the scripted rollouts; returns the rollouts, the tool metrics, the tool's log of calls,
     the turn statistics and the generation's wall time."""
     data, plugin = dataset
-    state: dict = {"script": None, "n": 0, "eos": None}
+    state: dict = {"script": None, "n": 0, "eos": None, "decoding": False}
     seen: dict = {}
     generate = VLMGRPOTrainer._generate_single_turn
     fast_decode = decode.fast_decode
@@ -112,6 +124,8 @@ def run(family: str, model_dir, dataset, out, share: bool, early: bool, rerun: b
             return output  # not a generation of these rows (the shared first prefill, the log-prob passes)
         n = state["n"]
         state["n"] += 1
+        if seen["decodes"] and state["decoding"]:
+            seen["decodes"][-1]["times"].append(time.perf_counter())  # when the decode wrote each row's token n
         forced = torch.tensor([row[n] if n < len(row) else state["eos"] for row in script])
         output = output.clone()  # (rows, vocab) in a decode step, (rows, positions, vocab) in a forward
         last = output if output.dim() == 2 else output[:, -1]
@@ -132,7 +146,7 @@ def run(family: str, model_dir, dataset, out, share: bool, early: bool, rerun: b
             found = re.search(r'"rollout": (\d+)', text)
             rollout = int(found.group(1)) if found else k
             turn = len(re.findall(r'"turn": \d+', text))
-            script.append(tokenizer.encode(turn_text(rollout, turn), add_special_tokens=False))
+            script.append(tokenizer.encode(turn_text(rollout, turn, stop), add_special_tokens=False))
         state["script"], state["n"] = script, 0
         try:
             return generate(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
@@ -141,10 +155,12 @@ def run(family: str, model_dir, dataset, out, share: bool, early: bool, rerun: b
 
     def counted_decode(*args, **kwargs):
         state["n"] = 0  # the decode's steps give the turn's tokens (a prefill before it gave none)
+        seen["decodes"].append({"times": [], "lengths": [len(row) for row in state["script"]]})
+        state["decoding"] = True
         try:
             return fast_decode(*args, **kwargs)
         finally:
-            seen["decode_ends"].append(time.perf_counter())
+            state["decoding"] = False
 
     real_generate = VLMGRPOTrainer._generate
 
@@ -160,15 +176,19 @@ def run(family: str, model_dir, dataset, out, share: bool, early: bool, rerun: b
     argv += ["--tools", "sleepy", "--max_tool_calling_iterations", str(ITERATIONS)]
     argv += ["--max_completion_length", str(MAX_COMPLETION), "--early_tool_calls", str(early)]
     argv += ["--fuse_decode_projections", "false"]  # the forcing hook sits on the LM head itself
+    argv += ["--tool_protocol", "hermes_stop"] if stop else []
     CALLS.clear()
     STARTS.clear()
-    seen["decode_ends"] = []
+    seen["decodes"] = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(TOOLS._entries, "sleepy", sleepy)
+        mp.setitem(PROTOCOLS._entries, "hermes_stop", StopProtocol)
         mp.setattr(VLMGRPOTrainer, "_generate_single_turn", scripted)
         mp.setattr(VLMGRPOTrainer, "_generate", timed)
         mp.setattr(decode, "fast_decode", counted_decode)
         mp.setattr(decode_compact, "COMPACT", False)  # the forcing hook reads rows in batch order
+        if blind:  # the control: rows still decoding never tell that they wrote the stop string
+            mp.setattr(EarlyCalls, "_decided", lambda self, tail: False)
         if rerun:  # the control: the mark that a rollout's calls already started is never kept
             ignored = property(lambda self: False, lambda self, value: None)
             mp.setattr(ToolEnvironment, "_ahead", ignored, raising=False)
@@ -179,6 +199,21 @@ def run(family: str, model_dir, dataset, out, share: bool, early: bool, rerun: b
     seen["starts"] = dict(STARTS)
     seen["stats"] = trainer.last_turn_stats
     return seen
+
+
+def long_turn_end(seen: dict, decode: int) -> float:
+    """When decode ``decode`` (0: the first turns, 1: the loop's first round) wrote rollout 1's last token (rollout 1
+    writes a long turn in both, and is row 1 of both)."""
+    record = seen["decodes"][decode]
+    return record["times"][record["lengths"][1] - 1]
+
+
+def started_while_long_rows_decode(seen: dict) -> bool:
+    """The slow calls of rollouts 0 and 2 (after their short turns 0, and 2's turn 1) started before the long turns of
+    their round were written."""
+    starts = seen["starts"]
+    first, second = long_turn_end(seen, 0), long_turn_end(seen, 1)
+    return starts[0, 0] < first and starts[2, 0] < first and starts[2, 1] < second
 
 
 def expected_calls() -> list[tuple[int, int]]:
@@ -214,16 +249,31 @@ def test_early_calls_give_trls_rollouts_each_call_once(family, sharp_models, dat
     assert stats.early_calls == len(expected_calls()) and stats.early_unmatched == 0
     # Rollouts 0 and 2 end their short call turns while 1 and 3 still decode theirs: the slow calls start before
     # the decode of their turn has ended (the first decode: the first turns; the second: turn 1 of the loop).
-    ends = early["decode_ends"]
-    assert early["starts"][0, 0] < ends[0] and early["starts"][2, 0] < ends[0] and early["starts"][2, 1] < ends[1]
+    assert started_while_long_rows_decode(early)
     if family == "qwen2_5_vl":
         assert lock["stats"].early_calls == 0
-        assert all(lock["starts"][call] > lock["decode_ends"][0] for call in ((0, 0), (2, 0)))
+        assert not started_while_long_rows_decode(lock)
         # The slow tool ran while the long turns decoded: the generation is well under the lockstep one's.
+        print(f"generation: {early['seconds']:.2f} s early, {lock['seconds']:.2f} s lockstep")
         assert early["seconds"] < 0.85 * lock["seconds"], (early["seconds"], lock["seconds"])
         rerun = run(family, model, dataset, tmp_path / "rerun", share=True, early=True, rerun=True)
         assert rerun["calls"] != trl["calls"]  # the control: calls started early ran again after the round
         assert len(rerun["calls"]) > len(set(rerun["calls"]))
+
+
+def test_a_stop_string_starts_the_calls_before_the_row_ends(sharp_models, dataset, tmp_path):
+    """With a protocol that cuts the turn at a stop string, a row's calls start once it has written the stop string,
+    though its decode goes on (here to about the long turns' length): the rollouts are TRL's, each call runs once."""
+    model = sharp_models("qwen2_5_vl")
+    trl = run("qwen2_5_vl", model, dataset, tmp_path / "trl", share=False, early=False, stop=True)
+    early = run("qwen2_5_vl", model, dataset, tmp_path / "early", share=True, early=True, stop=True)
+    assert trl["calls"] == expected_calls()
+    assert early["rollouts"] == trl["rollouts"] and early["metrics"] == trl["metrics"]
+    assert early["calls"] == trl["calls"]
+    assert early["stats"].early_calls == len(expected_calls())
+    assert started_while_long_rows_decode(early)
+    blind = run("qwen2_5_vl", model, dataset, tmp_path / "blind", share=True, early=True, stop=True, blind=True)
+    assert blind["calls"] == trl["calls"] and not started_while_long_rows_decode(blind)
 
 
 def test_rows_in_doubt_start_nothing():

@@ -87,8 +87,14 @@ class EarlyCalls:
         their calls."""
         for env in self.environments:  # the previous round's calls have all been collected by now
             env._ahead = False
-        with row_ends.listening(self._listener(prompt_ids)):
+        with row_ends.listening(self._listener(prompt_ids), self._decided if self.turns.protocol.stop else None):
             yield
+
+    def _decided(self, tail: list[int]) -> bool:
+        """A row still decoding has written the protocol's stop string (PyVision's ``</code>``): the trainer cuts
+        its turn there, whatever it writes next."""
+        text = self.tokenizer.decode(tail, skip_special_tokens=False)
+        return any(stop in text for stop in self.turns.protocol.stop)
 
     def _listener(self, rows: Sequence[Sequence[int]]) -> Any:
         trainer = self.trainer

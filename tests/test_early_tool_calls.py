@@ -303,3 +303,26 @@ def test_rows_in_doubt_start_nothing():
     assert early._match([[1, 2, 5, 9], [1, 3, 6, 9]]) == [0, 2]
     assert early._match([[1, 2, 8, 9]]) == [1]
     assert early._match([[1, 4, 7, 9]]) == [None]  # rollout 3 answered: it waits on no tool
+
+
+def test_a_call_over_the_image_budget_never_runs():
+    """A parallel tool's call that ``--max_tool_images`` refuses is not started ahead of TRL's loop either (it would
+    run, its result never read). Control: started without the budget, the tool runs though the call is refused."""
+    from vlm_grpo.tools.base import make_environment_factory
+    from vlm_grpo.tools.rollouts import ToolTurns, prefetch_tool_calls
+
+    turns = ToolTurns(HermesProtocol(), None, max_tool_images=1)
+    call = {"type": "function", "function": {"name": "sleepy", "arguments": {"rollout": 1, "turn": 0}}}
+    for budget in (True, False):
+        env = make_environment_factory([sleepy])()
+        env.reset()
+        tools = turns.tools_for({"sleepy": env.sleepy}, env, 0)
+        turns.image_counts[id(env)]["images"] = 1  # the rollout holds its one tool image
+        CALLS.clear()
+        started = prefetch_tool_calls(
+            [env], [[{"role": "assistant", "tool_calls": [call]}]], set(), turns if budget else None
+        )
+        with pytest.raises(ValueError, match="--max_tool_images 1"):  # Hermes' error reply (TRL's loop words it)
+            tools["sleepy"](rollout=1, turn=0)
+        env.reset()  # waits for calls started and never collected
+        assert (started, CALLS) == ((0, []) if budget else (1, [(1, 0)]))

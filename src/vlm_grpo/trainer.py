@@ -478,7 +478,7 @@ class VLMGRPOTrainer(
         if self._turn_cache is not None and self._turn_cache.early is not None:
             self._turn_cache.early.enter_loop(prompt_ids, completion_ids, completions)
         try:
-            with ToolBatch(self.environments, completions), parse_with_protocol(self, turns):
+            with ToolBatch(self.environments, completions, turns), parse_with_protocol(self, turns):
                 result = super()._tool_call_loop(
                     prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields
                 )

@@ -150,8 +150,7 @@ class EarlyCalls:
         if trainer._in_tool_loop:  # TRL's cut at the completion budget
             excess = len(prefix) - len(self.loop[0][rollout]) + len(ids) - trainer.max_completion_length
             ids = ids[: len(ids) - excess] if excess > 0 else ids
-        limit = turns.max_tool_images
-        if not ids or (limit is not None and turns.image_counts.get(id(env), {}).get("images", 0) >= limit):
+        if not ids or turns.at_image_budget(env):
             return
         if trainer.environment_factories is not None:
             tools = trainer._env_tools[trainer._batch_environments[rollout]]

@@ -215,12 +215,17 @@ def parallel_calls(env: Any, tool_calls: Sequence[Any] | None) -> list[tuple[str
 
 
 def prefetch_tool_calls(
-    environments: Sequence[Any] | None, completions: Sequence[Any], seen: set[int] | None = None
+    environments: Sequence[Any] | None,
+    completions: Sequence[Any],
+    seen: set[int] | None = None,
+    tool_turns: ToolTurns | None = None,
 ) -> int:
     """Start the pending calls of parallel tools (``fn.parallel = True``: the python sandbox) of every rollout
     at once, before TRL's tool loop asks for them one rollout after another. A rollout's pending calls are
     those of its last message when that is an assistant turn not started before (``seen``: message ids), and not
-    started already as its turn ended (:mod:`vlm_grpo.tools.early_calls`). Returns the rollouts started."""
+    started already as its turn ended (:mod:`vlm_grpo.tools.early_calls`); none once the rollout holds as many tool
+    images as ``tool_turns`` allows (the call would be refused, see :meth:`ToolTurns.wrap`). Returns the rollouts
+    started."""
     started = 0
     for env, turns in zip(environments or [], completions, strict=False):
         if not isinstance(env, ToolEnvironment) or not turns or not isinstance(turns[-1], dict):
@@ -231,7 +236,7 @@ def prefetch_tool_calls(
         if seen is not None:
             seen.add(id(last))
         calls = parallel_calls(env, last.get("tool_calls"))
-        if calls and not env._ahead:
+        if calls and not env._ahead and not (tool_turns is not None and tool_turns.at_image_budget(env)):
             started += env._prefetch(calls, tool_executor())
     return started
 
@@ -243,14 +248,17 @@ class ToolBatch:
     rollout's pending calls (TRL has appended the new assistant turns to ``completions`` by then).
     """
 
-    def __init__(self, environments: Sequence[Any] | None, completions: Sequence[Any]) -> None:
+    def __init__(
+        self, environments: Sequence[Any] | None, completions: Sequence[Any], turns: ToolTurns | None = None
+    ) -> None:
         self.environments = [e for e in environments or [] if isinstance(e, ToolEnvironment)]
         self.all_environments = environments
         self.completions = completions
+        self.turns = turns
         self.seen: set[int] = set()
 
     def prefetch(self) -> int:
-        return prefetch_tool_calls(self.all_environments, self.completions, self.seen)
+        return prefetch_tool_calls(self.all_environments, self.completions, self.seen, self.turns)
 
     def __enter__(self) -> ToolBatch:
         self.prefetch()
@@ -356,6 +364,12 @@ class ToolTurns:
         for name, fn in list(tools.items()):
             tools[name] = self.wrap(fn, environment, prompt_images, counts)
         return tools
+
+    def at_image_budget(self, environment: Any) -> bool:
+        """The rollout of ``environment`` holds as many tool images as ``--max_tool_images`` allows: its next call
+        is refused without running."""
+        held = self.image_counts.get(id(environment), {}).get("images", 0)
+        return self.max_tool_images is not None and held >= self.max_tool_images
 
     def reply_messages(self, tool_messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The messages rendered after a turn for its tool messages: the chat template's ``tool`` turns, or one

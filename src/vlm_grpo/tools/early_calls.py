@@ -135,7 +135,9 @@ class EarlyCalls:
         mirrored = _ordered([[-i for i in reversed(options)] for options in reversed(fits)])  # the last, mirrored
         last = [None if i is None else -i for i in reversed(mirrored)]
         out = [a if a is not None and a == b else None for a, b in zip(first, last, strict=True)]
-        self.stats.early_unmatched += out.count(None)
+        if None in out:
+            self.stats.early_unmatched += out.count(None)
+            logger.debug("early tool calls: %d of %d rows of the round left to TRL's loop", out.count(None), len(out))
         return out
 
     def _start(self, rollout: int, prefix: Sequence[int], ids: list[int], room: int | None) -> None:

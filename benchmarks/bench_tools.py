@@ -2,6 +2,8 @@
 
     python benchmarks/bench_tools.py --preset qwen2_5_vl_3b --device cuda --completion_lengths 128 512 --out tools.json
     python benchmarks/bench_tools.py --preset tiny --device cpu                # smoke test
+    python benchmarks/bench_tools.py --preset qwen2_5_vl_3b --device cuda --tool_scenarios T4h --tool_latency 0.3 \
+        --trainers vanilla ours ours:early_tool_calls=false --out tools_latency.json
 
 Scenarios (``--tool_scenarios``): ``T2`` / ``T4``: every rollout makes 2 / 4 tool rounds (``zoom_in`` calls, each
 returning a 448 px image), then answers with ``completion_length`` sampled tokens (forced with
@@ -11,10 +13,18 @@ and the call's tokens replace them (both trainers alike). Everything else, tool 
 conversation, the log-prob passes and the loss, is each trainer's own path. Same card, model, data and seed for
 both. Besides bench_grpo.py's columns: tokens prefilled per step (the language model's embedding calls over more
 than one token; padding counted apart), images the vision tower encodes per step, and generation seconds.
+
+``--tool_latency S``: every ``zoom_in`` call takes ``S`` seconds more (a slow tool: a sandbox, a remote service),
+and is marked parallel (the rollouts' calls run at the same time, as the python sandbox's do). The scripted calls
+are then written by the decode itself (a logits processor forces their tokens, so the selection runs after each
+decode step and finished rows stay in the batch, in every column alike): ``ours`` starts a rollout's call as its
+turn ends (``early_tool_calls``), while the rollouts that answer still decode; ``ours:early_tool_calls=false`` starts
+the calls after the round; vanilla TRL runs them one after another.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import sys
@@ -49,6 +59,7 @@ from bench_common import (
 )
 from bench_policy import build_policy, mfu
 
+LATENCY = {"seconds": 0.0}  # --tool_latency
 CALL = '<tool_call>\n{"name": "zoom_in", "arguments": {"bbox_2d": [8, 8, 40, 40], "image_index": 0}}\n</tool_call>'
 SCENARIOS = ("T2", "T4", "T4h")
 
@@ -86,11 +97,14 @@ def scripted(base: type, rounds: int, half: bool) -> type:
             timer = self.timer
             timer.sync()
             start = time.perf_counter()
+            FORCED.rows = [None if answers else call for answers in answering] if LATENCY["seconds"] else None
+            FORCED.start = None
             try:
                 ids, _ = super()._generate_single_turn(
                     prompt_ids, images, multimodal_fields, num_generations, has_tool_images
                 )
             finally:
+                FORCED.rows = None
                 config.max_new_tokens = saved
                 if self._round:  # a turn of the tool loop: its own time is not the loop's host time
                     timer.sync()
@@ -108,6 +122,64 @@ def scripted(base: type, rounds: int, half: bool) -> type:
                 timer.totals["_tool_loop"] += time.perf_counter() - start
 
     return Scripted
+
+
+class ForcedCalls:
+    """A logits processor (``--tool_latency``): rows with a scripted call (``rows[b]``: its tokens, EOS last) write it
+    token by token; the others are left to the model. ``start``: the width of the first ids seen in the call."""
+
+    def __init__(self) -> None:
+        self.rows: list | None = None
+        self.start: int | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.rows is None or input_ids.size(0) != len(self.rows):
+            return scores
+        if self.start is None:
+            self.start = input_ids.size(1)
+        n = input_ids.size(1) - self.start
+        for b, call in enumerate(self.rows):
+            if call is not None:
+                scores[b] = float("-inf")
+                scores[b, call[min(n, len(call) - 1)]] = 0.0
+        return scores
+
+
+FORCED = ForcedCalls()
+
+
+@contextmanager
+def slow_tool(model: torch.nn.Module, seconds: float) -> Iterator[None]:
+    """``zoom_in`` taking ``seconds`` more a call (a parallel tool), and the model's decodes writing the scripted
+    calls (:class:`ForcedCalls` among its logits processors). Nothing changes for ``seconds == 0``."""
+    if not seconds:
+        yield
+        return
+    from vlm_grpo.tools import TOOLS
+    from vlm_grpo.tools.image import zoom_in
+
+    def slow_zoom_in(env: Any, bbox_2d: list[float], image_index: int = 0, label: str | None = None) -> list:
+        time.sleep(seconds)
+        return zoom_in(env, bbox_2d, image_index, label)
+
+    slow = functools.wraps(zoom_in)(slow_zoom_in)
+    slow.parallel = True  # type: ignore[attr-defined]
+    cls = type(model)
+    processors = cls._get_logits_processor
+
+    def with_forced(self, *args, **kwargs):
+        out = processors(self, *args, **kwargs)
+        out.append(FORCED)
+        return out
+
+    saved = TOOLS._entries.get("zoom_in")
+    TOOLS._entries["zoom_in"] = slow
+    cls._get_logits_processor = with_forced
+    try:
+        yield
+    finally:
+        TOOLS._entries["zoom_in"] = saved
+        cls._get_logits_processor = processors
 
 
 def count_work(model: torch.nn.Module, module: Any, pad_id: int, timer: PhaseTimer, cls: type) -> None:
@@ -174,13 +246,21 @@ def count_setups(timer: PhaseTimer, processor: Any) -> Iterator[None]:
 def run_one(
     kind: str, args: Any, scenario: Scenario, tools_scenario: str, workdir: Path, paths: list
 ) -> tuple[Result, dict[str, float]]:
+    device = torch.device(args.device)
+    model, processor, module = build_policy(args, workdir, kind, freeze_vision=args.freeze_vision)
+    with slow_tool(model, LATENCY["seconds"]):
+        return _run_one(kind, args, scenario, tools_scenario, workdir, paths, device, model, processor, module)
+
+
+def _run_one(
+    kind: str, args: Any, scenario: Scenario, tools_scenario: str, workdir: Path, paths: list, device: torch.device,
+    model: torch.nn.Module, processor: Any, module: Any,
+) -> tuple[Result, dict[str, float]]:  # fmt: skip
     from trl import GRPOTrainer
 
     from vlm_grpo.tools.rollouts import build_tool_environment, prepare_for_tools
     from vlm_grpo.trainer import VLMGRPOTrainer
 
-    device = torch.device(args.device)
-    model, processor, module = build_policy(args, workdir, kind, freeze_vision=args.freeze_vision)
     steps = args.warmup + args.steps
     rounds, half = rounds_of(tools_scenario)
     # Room for the tool results (text + a 448 px image each) on top of the sampled answer.
@@ -238,6 +318,8 @@ def run_one(
         "images_preprocessed_per_step": median("_images_preprocessed"),
         "decode_workspaces_per_step": median("_workspaces"),
         "decode_steps_set_up_per_step": median("_decode_steps"),
+        # tool calls started as their turn ended, while other rollouts decoded (early_tool_calls)
+        "early_calls_per_step": float(getattr(getattr(trainer, "last_turn_stats", None), "early_calls", 0)),
     }
     decode_ms = 1e3 * median("decode") / median("_decode_tokens") if median("_decode_tokens") else None
     result = Result(
@@ -259,6 +341,10 @@ def main(argv: list[str] | None = None) -> list[Result]:
         at = argv.index("--tool_scenarios")
         end = next((i for i in range(at + 1, len(argv)) if argv[i].startswith("--")), len(argv))
         tool_scenarios, argv = argv[at + 1 : end], argv[:at] + argv[end:]
+    if "--tool_latency" in argv:
+        at = argv.index("--tool_latency")
+        LATENCY["seconds"] = float(argv[at + 1])
+        argv = argv[:at] + argv[at + 2 :]
     for name in tool_scenarios:
         if name.rstrip("h")[:1] != "T" or not name.rstrip("h")[1:].isdigit():
             raise SystemExit(f"error: --tool_scenarios {name}: use T<rounds> or T<rounds>h (e.g. T2 T4 T4h)")
@@ -275,7 +361,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
         payload = {
             **run_stamp(),
             "device": device,
-            "args": {**vars(args), "tool_scenarios": tool_scenarios},
+            "args": {**vars(args), "tool_scenarios": tool_scenarios, "tool_latency": LATENCY["seconds"]},
             "results": [asdict(r) for r in results],
             "tools": extras,
         }

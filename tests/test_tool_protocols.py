@@ -276,6 +276,7 @@ class Budgeted:
         self.generation_config = SimpleNamespace(max_new_tokens=50)
         self._in_tool_loop = in_loop
         self._round_sync = None  # one process: no round votes
+        self._turn_cache = None  # no held caches, no early tool calls
         self.asked = None
 
     def _generate_within_budgets(self, *args):

@@ -458,6 +458,18 @@ class VLMGRPOConfig(GRPOConfig):
         },
     )
 
+    early_tool_calls: bool = field(
+        default=True,
+        metadata={
+            "help": "With tools and fast_decode: a rollout whose turn has ended starts its calls of parallel tools "
+            "(fn.parallel = True, e.g. python) while the other rollouts of the round still decode, instead of after "
+            "the round. The turn is read as TRL's tool loop reads it (budgets, stop string, protocol), and TRL's "
+            "call collects the result: each call runs once, and tokens, masks and metrics are unchanged (tested). "
+            "Other tools run when TRL's loop calls them. Rounds stay TRL's: the next turns start when every tool "
+            "call of the round has returned."
+        },
+    )
+
     advantage_estimator: str = field(
         default="grpo",
         metadata={

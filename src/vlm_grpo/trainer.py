@@ -41,6 +41,7 @@ from vlm_grpo.fastpath.vision_sync import install_vision_sync, needs_vision_sync
 from vlm_grpo.modules import VLMModule
 from vlm_grpo.rewards import build_reward_funcs
 from vlm_grpo.rollout_log import RolloutLogMixin
+from vlm_grpo.tools.early_calls import EarlyCalls, turn_rooms
 from vlm_grpo.tools.rollout_text import rollout_messages, rollout_tool_stats
 from vlm_grpo.tools.rollouts import (
     MALFORMED_CALL,
@@ -374,9 +375,11 @@ class VLMGRPOTrainer(
         """One turn of every row (:meth:`_generate_turn`) within the tool budgets: ``max_turn_tokens`` new tokens
         a turn, and a row's whole context (prompt, turns, tool replies) within ``max_context_tokens``; each turn
         ends at the tool protocol's stop string (:meth:`~vlm_grpo.tools.rollouts.ToolTurns.cut`)."""
-        ids, logprobs = self._generate_within_budgets(
-            prompt_ids, images, multimodal_fields, num_generations, has_tool_images
-        )
+        early = self._turn_cache.early if self._turn_cache is not None else None
+        with early.generation(prompt_ids) if early is not None else contextlib.nullcontext():
+            ids, logprobs = self._generate_within_budgets(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
         if self._tool_turns is None or not self._tool_turns.protocol.stop:
             return ids, logprobs
         ids = [self._tool_turns.cut(row) for row in ids]
@@ -387,14 +390,9 @@ class VLMGRPOTrainer(
     def _generate_within_budgets(
         self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False
     ) -> tuple[list[list[int]], Any]:
-        limit = self.max_turn_tokens
-        budget = self._tool_turns.max_context_tokens if self._tool_turns is not None else None
-        if limit is None and budget is None:
+        rooms = turn_rooms(self, prompt_ids)
+        if rooms is None:
             return self._generate_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
-        rooms = [limit if limit is not None else self.max_completion_length] * len(prompt_ids)
-        if budget is not None:  # the first turn keeps a token: TRL's bookkeeping needs a non-empty completion
-            least = 0 if self._in_tool_loop else 1
-            rooms = [max(least, min(room, budget - len(ids))) for room, ids in zip(rooms, prompt_ids, strict=True)]
         config = getattr(self, "generation_config", None)
         before = getattr(config, "max_new_tokens", None)
         if config is not None and before is not None:
@@ -477,8 +475,10 @@ class VLMGRPOTrainer(
         # The rollouts' sandbox cells run together, per round; later turns are read as TRL's loop parses them.
         self._in_tool_loop = True
         self._round_sync = round_sync_for(self)
+        if self._turn_cache is not None and self._turn_cache.early is not None:
+            self._turn_cache.early.enter_loop(prompt_ids, completion_ids, completions)
         try:
-            with ToolBatch(self.environments, completions), parse_with_protocol(self, turns):
+            with ToolBatch(self.environments, completions, turns), parse_with_protocol(self, turns):
                 result = super()._tool_call_loop(
                     prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields
                 )
@@ -522,6 +522,7 @@ class VLMGRPOTrainer(
         if self.tools and self.args.share_prefill and self.args.fast_decode:
             # Each rollout's KV cache is held from one turn to the next (see vlm_grpo.fastpath.turn_cache).
             self._turn_cache = TurnCache(image_pad_id(self._tokenizer), self._tokenizer.pad_token_id)
+            self._turn_cache.early = EarlyCalls(self, self._turn_cache.stats) if self.args.early_tool_calls else None
         try:
             out = super()._generate(prompts)
         finally:

@@ -9,7 +9,8 @@ What it does (every piece behind a ``VLMGRPOConfig`` flag, parity-tested against
 * ``decode``: ``fast_decode`` / ``compile_decode`` / ``keep_decode_graphs`` (static cache, CUDA-graph decode step
   per attention window, kept from one generation call to the next); ``decode_cache``: its static cache, one write
   position for all layers, and the restore around a capture; ``decode_compact``: finished rows leave the decode
-  batch; ``decode_keep``: what a kept workspace is checked against;
+  batch; ``decode_keep``: what a kept workspace is checked against; ``row_ends``: the rows that have ended (or decided
+  their turn), told at the decode's host checks to a listener (tool calls started early);
 * ``decode_select``: the token's choice (processors, draw, EOS bookkeeping) inside the decode step's graph,
   compiled with a compiled step (the draw spelled out as ``torch.multinomial`` computes it);
 * ``process_once``: ``process_prompts_once`` (TRL's processor calls run on a batch's distinct prompts only);

@@ -266,6 +266,20 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         ("tokenizer", "ids", "prefix", "tools"),
         why="the wrapper runs it on the real tokenizer: TRL's fallback to text and its tool-call checks",
     ),
+    *(
+        PrivateName(
+            "trl:GRPOTrainer",
+            name,
+            source=f"trl:GRPOTrainer.{where}",
+            why="early_tool_calls reads an ended turn as TRL's loop will: its round, its tools, its budget cut",
+        )
+        for name, where in (
+            ("max_tool_calling_iterations", "_tool_call_loop"),
+            ("_batch_environments", "_tool_call_loop"),
+            ("environment_factories", "_tool_call_loop"),
+            ("excess_length", "_tool_call_loop"),
+        )
+    ),
 )
 
 

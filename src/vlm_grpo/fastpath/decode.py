@@ -49,7 +49,7 @@ import torch
 
 from vlm_grpo.fastpath import decode_attention as attention_module
 from vlm_grpo.fastpath import decode_compact as compaction
-from vlm_grpo.fastpath import decode_keep, decode_mlp, startup
+from vlm_grpo.fastpath import decode_keep, decode_mlp, row_ends, startup
 from vlm_grpo.fastpath.block_attention import as_sdpa
 from vlm_grpo.fastpath.decode_attention import SHARED_KWARG, decode_attention
 from vlm_grpo.fastpath.decode_autocast import AutocastState
@@ -436,11 +436,8 @@ def _select_in_step(processors: Any, use_graph: bool) -> bool:
         return False
     reason = in_graph_blocker(processors)
     if reason is not None:
-        warn_once(
-            logger,
-            f"fast_decode: the next token is chosen after each decode graph replay, not inside the graph: {reason}",
-            logging.INFO,
-        )
+        message = f"fast_decode: the next token is chosen after each decode graph replay, not in the graph: {reason}"
+        warn_once(logger, message, logging.INFO)
     return reason is None
 
 
@@ -547,8 +544,8 @@ def _decode(
 
     # The selection counts, on the device, the steps produced while some row was unfinished (the output length
     # generate would return); the host checks for "all finished" only every _CHECK_EVERY tokens, not every token.
-    # generate draws once per token it returns; this loop may run up to _CHECK_EVERY - 1 steps past the end.
-    # The sampler's state before each draw since the last check is kept, to hand back what generate leaves.
+    # generate draws once per token it returns; this loop may run up to _CHECK_EVERY - 1 steps past the end: the
+    # sampler's state before each draw since the last check is kept, to hand back what generate leaves.
     rng = default_generator(input_ids.device) if gc.do_sample else None
     states: dict[int, torch.Tensor] = {}
     stats = compaction.last_stats = compaction.DecodeStats(rows=rows, widths=[rows])
@@ -557,6 +554,7 @@ def _decode(
         for x in (x for layer in ws.cache.layers for x in (layer.keys, layer.values)):
             torch._dynamo.maybe_mark_dynamic(x, 2)
     width, length = rows, 0
+    told = row_ends.watch(rows, prompt_len) if sel.eos is not None else None  # rows that ended, to a listener
     step: _Step | None = None
     t = -1
     for t in range(steps):
@@ -579,6 +577,8 @@ def _decode(
             del v  # a view of the cache, which a sized decode may move
         stats.steps, stats.row_steps = t + 1, stats.row_steps + width
         if sel.eos is not None and (t + 1) % _CHECK_EVERY == 0:
+            if told is not None:
+                told(ws, t + 1)
             live = int(sel.unfinished[:width].sum())
             if not live:
                 break

@@ -60,6 +60,11 @@ class TurnStats:
     images_encoded: int = 0
     calls: int = 0
     fallbacks: list[str] = field(default_factory=list)
+    # Tool calls started as their turn ended (vlm_grpo.tools.early_calls), the turns they came from, and rows of
+    # loop rounds left alone because their rollout was in doubt.
+    early_calls: int = 0
+    early_turns: int = 0
+    early_unmatched: int = 0
 
 
 class TurnCache:
@@ -71,6 +76,7 @@ class TurnCache:
         self.pad_id = pad_id
         self.held: list[Held] = []
         self.stats = TurnStats()
+        self.early: Any = None  # the generation's EarlyCalls (vlm_grpo.tools.early_calls), where they are on
         self._keys: dict[int, tuple[Any, bytes]] = {}  # id(image) -> (image, key); the image is kept: its id stays
 
     def image_key(self, image: Any) -> bytes:

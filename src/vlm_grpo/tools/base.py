@@ -59,6 +59,7 @@ class ToolEnvironment:
         self.timeouts = 0
         self._prefetched: dict[str, list[Future]] = {}
         self._batch: Any = None  # the trainer's ToolBatch while TRL's tool loop runs
+        self._ahead = False  # the calls of its last turn started as the turn ended (vlm_grpo.tools.early_calls)
 
     def reset(self, **row: Any) -> None:
         """Start a rollout: drop the previous rollout's state, take this row's images."""
@@ -73,6 +74,7 @@ class ToolEnvironment:
             self.coord_sizes = [self._frame(img) for img in self.images]
         self.calls = self.errors = self.successes = self.timeouts = 0
         self._prefetched = {}
+        self._ahead = False
         return None
 
     def _prefetch(self, calls: Sequence[tuple[str, dict[str, Any]]], executor: Executor) -> bool:

@@ -191,14 +191,41 @@ def prepare_for_tools(args: Any, processing_class: Any) -> None:
 _EXECUTOR: ThreadPoolExecutor | None = None
 
 
+def tool_executor() -> ThreadPoolExecutor:
+    """The threads that run rollouts' calls ahead of TRL's loop (one pool for the process)."""
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        _EXECUTOR = ThreadPoolExecutor(max_workers=64, thread_name_prefix="vlm-grpo-tools")
+    return _EXECUTOR
+
+
+def parallel_calls(env: Any, tool_calls: Sequence[Any] | None) -> list[tuple[str, dict[str, Any]]]:
+    """``(name, arguments)`` of a turn's calls up to the first that is not of a parallel tool (``fn.parallel =
+    True``): a rollout's calls keep their order."""
+    calls = []
+    for call in tool_calls or []:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("arguments", {}), dict):
+            break
+        method = getattr(type(env), str(function.get("name")), None)
+        if not getattr(getattr(method, "tool_function", None), "parallel", False):
+            break
+        calls.append((function["name"], function.get("arguments") or {}))
+    return calls
+
+
 def prefetch_tool_calls(
-    environments: Sequence[Any] | None, completions: Sequence[Any], seen: set[int] | None = None
+    environments: Sequence[Any] | None,
+    completions: Sequence[Any],
+    seen: set[int] | None = None,
+    tool_turns: ToolTurns | None = None,
 ) -> int:
     """Start the pending calls of parallel tools (``fn.parallel = True``: the python sandbox) of every rollout
     at once, before TRL's tool loop asks for them one rollout after another. A rollout's pending calls are
-    those of its last message when that is an assistant turn not started before (``seen``: message ids).
-    Returns the rollouts started."""
-    global _EXECUTOR
+    those of its last message when that is an assistant turn not started before (``seen``: message ids), and not
+    started already as its turn ended (:mod:`vlm_grpo.tools.early_calls`); none once the rollout holds as many tool
+    images as ``tool_turns`` allows (the call would be refused, see :meth:`ToolTurns.wrap`). Returns the rollouts
+    started."""
     started = 0
     for env, turns in zip(environments or [], completions, strict=False):
         if not isinstance(env, ToolEnvironment) or not turns or not isinstance(turns[-1], dict):
@@ -208,19 +235,9 @@ def prefetch_tool_calls(
             continue
         if seen is not None:
             seen.add(id(last))
-        calls = []
-        for call in last.get("tool_calls") or []:
-            function = call.get("function") if isinstance(call, dict) else None
-            if not isinstance(function, dict) or not isinstance(function.get("arguments", {}), dict):
-                break
-            method = getattr(type(env), str(function.get("name")), None)
-            if not getattr(getattr(method, "tool_function", None), "parallel", False):
-                break  # keep the rollout's calls in order: stop at the first one that is not prefetched
-            calls.append((function["name"], function.get("arguments") or {}))
-        if calls:
-            if _EXECUTOR is None:
-                _EXECUTOR = ThreadPoolExecutor(max_workers=64, thread_name_prefix="vlm-grpo-tools")
-            started += env._prefetch(calls, _EXECUTOR)
+        calls = parallel_calls(env, last.get("tool_calls"))
+        if calls and not env._ahead and not (tool_turns is not None and tool_turns.at_image_budget(env)):
+            started += env._prefetch(calls, tool_executor())
     return started
 
 
@@ -231,14 +248,17 @@ class ToolBatch:
     rollout's pending calls (TRL has appended the new assistant turns to ``completions`` by then).
     """
 
-    def __init__(self, environments: Sequence[Any] | None, completions: Sequence[Any]) -> None:
+    def __init__(
+        self, environments: Sequence[Any] | None, completions: Sequence[Any], turns: ToolTurns | None = None
+    ) -> None:
         self.environments = [e for e in environments or [] if isinstance(e, ToolEnvironment)]
         self.all_environments = environments
         self.completions = completions
+        self.turns = turns
         self.seen: set[int] = set()
 
     def prefetch(self) -> int:
-        return prefetch_tool_calls(self.all_environments, self.completions, self.seen)
+        return prefetch_tool_calls(self.all_environments, self.completions, self.seen, self.turns)
 
     def __enter__(self) -> ToolBatch:
         self.prefetch()
@@ -292,11 +312,13 @@ class ToolTurns:
         self.calls_after_answer = 0
         self.context_stops = 0
         self.image_refusals = 0
+        self.image_counts: dict[int, dict[str, int]] = {}  # id(environment) -> its tools' images so far (see wrap)
         # Every tool a rollout may call: TRL hands later turns' parses no tools when the protocol hides them.
         self.names: set[str] = set()
 
     def reset_counts(self) -> None:
         self.calls_after_answer = self.context_stops = self.image_refusals = 0
+        self.image_counts = {}
 
     def cut(self, ids: Sequence[int]) -> list[int]:
         """A generated turn ended where the protocol's stop string ends (PyVision: ``</code>``): the tokens up to
@@ -338,10 +360,16 @@ class ToolTurns:
         """One rollout's tools (name -> callable, TRL's per-rollout tool dict), in place: the hidden
         :data:`MALFORMED_CALL` tool added, every tool answering in the protocol's words within the image budget."""
         tools[MALFORMED_CALL] = malformed_call_tool(environment)
-        counts = {"images": 0}
+        counts = self.image_counts[id(environment)] = {"images": 0}
         for name, fn in list(tools.items()):
             tools[name] = self.wrap(fn, environment, prompt_images, counts)
         return tools
+
+    def at_image_budget(self, environment: Any) -> bool:
+        """The rollout of ``environment`` holds as many tool images as ``--max_tool_images`` allows: its next call
+        is refused without running."""
+        held = self.image_counts.get(id(environment), {}).get("images", 0)
+        return self.max_tool_images is not None and held >= self.max_tool_images
 
     def reply_messages(self, tool_messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The messages rendered after a turn for its tool messages: the chat template's ``tool`` turns, or one
@@ -351,17 +379,19 @@ class ToolTurns:
         content = self.protocol.join([message.get("content") for message in tool_messages])
         return [{"role": "user", "name": tool_messages[0].get("name"), "content": content}]
 
-    def read(self, message: dict[str, Any], ids: Sequence[int], context: int, tools: Any) -> dict[str, Any]:
+    def read(
+        self, message: dict[str, Any], ids: Sequence[int], context: int, tools: Any, count: bool = True
+    ) -> dict[str, Any]:
         """The assistant message for one turn (``ids``; ``context``: tokens before it), with the calls to run:
         none once the turn answers or the context budget is reached; the hidden tool for a malformed action or an
-        unknown tool."""
+        unknown tool. ``count``: count calls after the answer and context stops (False: a reading ahead of TRL's)."""
         text = self.tokenizer.decode(list(ids), skip_special_tokens=not self.protocol.special_text)
         turn = self.protocol.parse(text, message)
-        if turn.answered:
+        if turn.answered and count:
             self.calls_after_answer += len(self.protocol.parse(ANSWER.sub("", text), message).calls)
         calls = [malformed(turn.error)] if turn.error is not None else list(turn.calls)
         if calls and self.max_context_tokens is not None and context + len(ids) >= self.max_context_tokens:
-            self.context_stops += 1
+            self.context_stops += count
             calls = []
         names = tool_names(tools) or self.names
         if names:

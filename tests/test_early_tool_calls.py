@@ -326,3 +326,13 @@ def test_a_call_over_the_image_budget_never_runs():
             tools["sleepy"](rollout=1, turn=0)
         env.reset()  # waits for calls started and never collected
         assert (started, CALLS) == ((0, []) if budget else (1, [(1, 0)]))
+
+
+def test_only_runs_with_a_parallel_tool_read_the_decodes_ended_rows():
+    """Tools that run in TRL's order (zoom_in) start nothing early, so their decodes hand no rows to a listener (no
+    host work at every check); the python sandbox is parallel and its decodes do."""
+    from vlm_grpo.tools.early_calls import _parallel_tools
+    from vlm_grpo.tools.rollouts import build_tool_environment
+
+    assert not _parallel_tools(build_tool_environment(["zoom_in"]))
+    assert _parallel_tools(build_tool_environment(["zoom_in", "python"]))

@@ -63,6 +63,12 @@ def turn_rooms(trainer: Any, prompt_ids: Sequence[Sequence[int]]) -> list[int] |
     return rooms
 
 
+def _parallel_tools(cls: type) -> bool:
+    """Whether an environment class has a tool marked ``parallel`` (``fn.parallel = True``)."""
+    functions = (getattr(getattr(cls, name, None), "tool_function", None) for name in dir(cls))
+    return any(getattr(fn, "parallel", False) for fn in functions)
+
+
 class EarlyCalls:
     """The early calls of one generation (a ``_generate`` call of the trainer: its first turns and tool loop),
     counted in ``stats`` (:class:`~vlm_grpo.fastpath.turn_cache.TurnStats`)."""
@@ -72,6 +78,8 @@ class EarlyCalls:
         self.turns: ToolTurns = trainer._tool_turns
         self.tokenizer = trainer._tokenizer  # the tokenizer itself (inside the loop it stands behind the parser)
         self.environments = list(trainer.environments or [])
+        # Only parallel tools start early: without one, the decode's checks read nothing (no host work per check).
+        self.parallel = any(_parallel_tools(type(env)) for env in self.environments if isinstance(env, ToolEnvironment))
         self.loop: tuple | None = None  # TRL's loop's prompt_ids, completion_ids, completions
         self.round = 0  # generations inside the loop so far
         self.stats = stats
@@ -87,7 +95,8 @@ class EarlyCalls:
         their calls."""
         for env in self.environments:  # the previous round's calls have all been collected by now
             env._ahead = False
-        with row_ends.listening(self._listener(prompt_ids), self._decided if self.turns.protocol.stop else None):
+        listener = self._listener(prompt_ids) if self.parallel else None
+        with row_ends.listening(listener, self._decided if self.turns.protocol.stop else None):
             yield
 
     def _decided(self, tail: list[int]) -> bool:

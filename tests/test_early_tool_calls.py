@@ -26,10 +26,9 @@ import pytest
 import torch
 
 from e2e_utils import base_args, make_dataset
-from test_generation_parity import INIT_STD
+from test_generation_parity import sharp_model_getter
 from vlm_grpo.fastpath import decode, decode_compact
 from vlm_grpo.grpo_jsonl import main, parse_args
-from vlm_grpo.testing.tiny import build_tiny_model
 from vlm_grpo.tools import TOOLS
 from vlm_grpo.tools.base import ToolEnvironment
 from vlm_grpo.tools.early_calls import EarlyCalls
@@ -78,15 +77,7 @@ def dataset(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sharp_models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("early_models")
-    built: dict = {}
-
-    def get(family):
-        if family not in built:
-            built[family] = build_tiny_model(family, root / family, seed=0, init_std=INIT_STD)
-        return built[family]
-
-    return get
+    return sharp_model_getter(tmp_path_factory.mktemp("early_models"))
 
 
 class StopProtocol(HermesProtocol):

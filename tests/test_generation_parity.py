@@ -36,7 +36,12 @@ INIT_STD = 0.15  # log-prob rounding gaps <= 5e-6; a decode position off by one 
 
 @pytest.fixture(scope="module")
 def sharp_models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sharp")
+    return sharp_model_getter(tmp_path_factory.mktemp("sharp"))
+
+
+def sharp_model_getter(root):
+    """``get(family)``: a tiny checkpoint with larger weights (greedy tokens that depend on the input), built under
+    ``root`` on first use."""
     built: dict[str, object] = {}
 
     def get(family):

@@ -19,11 +19,11 @@ import json
 import pytest
 
 from e2e_utils import base_args, make_dataset
-from test_generation_parity import INIT_STD
+from test_generation_parity import sharp_model_getter
 from test_tool_turns_fast import BOX
 from vlm_grpo.fastpath import turn_cache
 from vlm_grpo.grpo_jsonl import main, parse_args
-from vlm_grpo.testing.tiny import FAMILIES, build_tiny_model
+from vlm_grpo.testing.tiny import FAMILIES
 from vlm_grpo.trainer import VLMGRPOTrainer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -39,15 +39,7 @@ def dataset(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sharp_models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sharp_turns")
-    built: dict = {}
-
-    def get(family):
-        if family not in built:
-            built[family] = build_tiny_model(family, root / family, seed=0, init_std=INIT_STD)
-        return built[family]
-
-    return get
+    return sharp_model_getter(tmp_path_factory.mktemp("sharp_turns"))
 
 
 def _vision_tower(model):

@@ -79,7 +79,8 @@ class EarlyCalls:
         self.tokenizer = trainer._tokenizer  # the tokenizer itself (inside the loop it stands behind the parser)
         self.environments = list(trainer.environments or [])
         # Only parallel tools start early: without one, the decode's checks read nothing (no host work per check).
-        self.parallel = any(_parallel_tools(type(env)) for env in self.environments if isinstance(env, ToolEnvironment))
+        classes = {type(env) for env in self.environments if isinstance(env, ToolEnvironment)}
+        self.parallel = any(_parallel_tools(cls) for cls in classes)
         self.loop: tuple | None = None  # TRL's loop's prompt_ids, completion_ids, completions
         self.round = 0  # generations inside the loop so far
         self.stats = stats

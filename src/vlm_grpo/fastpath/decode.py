@@ -86,8 +86,7 @@ _SELECT_IN_STEP_WITHOUT_GRAPH = False  # tests: the selection inside the step wi
 # The decode cache sized to the rows' lengths where the workspace is not kept (a kept one's graphs replay on its
 # addresses): it holds the current window's slots (and the spare one), grows into new storage as the longest row
 # reaches the next window, and after a compaction keeps the live rows only (unless exported). Off: prompt +
-# max_completion slots per row from the start, the layout measured on GPUs (benchmarks compare the two with the
-# variant ``ours:sized_cache=true``).
+# max_completion slots per row from the start (``bench_grpo.py --trainers ours:sized_cache=true`` compares).
 SIZED_CACHE = False
 
 
@@ -510,12 +509,12 @@ def _decode(
 
     def moved(cache_rows: int, cache_slots: int, written: int) -> None:
         """The cache into new storage (sized): the views and steps made on the old one go first, so that it is freed
-        layer by layer (none of them is used again: windows only grow, widths only narrow, within a call)."""
+        layer by layer (none of them is used again: windows only grow, widths only narrow, within a call). The next
+        steps capture into a new pool: one whose graphs are all gone cannot take another capture (PyTorch asserts)."""
         ws.views.clear()
         per_width.clear()
         ws.steps.clear()
-        if ws.pool is not None:  # a pool whose graphs are all gone cannot take another capture (the allocator asserts)
-            ws.pool = torch.cuda.graph_pool_handle()
+        ws.pool = torch.cuda.graph_pool_handle() if ws.pool is not None else None
         peak = resize(ws.cache, cache_rows, cache_slots, written, dynamic=windowed)
         stats.allocations.append((cache_rows, cache_slots))
         stats.peak_cache_bytes = max(stats.peak_cache_bytes, peak)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -13,22 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from e2e_utils import run_main
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def run_main(script: str, argv: list[str], cwd: Path, monkeypatch: pytest.MonkeyPatch):
-    """``python benchmarks/SCRIPT ARGV`` in this process: the script's ``main(argv)`` with its folder and benchmarks/
-    first on the path and ``cwd`` as the working directory, as the interpreter would run it, without the ~4 s a new
-    one takes to import torch and transformers. Its return value; a failure raises (``SystemExit`` included)."""
-    path = REPO / "benchmarks" / script
-    for folder in dict.fromkeys((REPO / "benchmarks", path.parent)):
-        monkeypatch.syspath_prepend(str(folder))
-    monkeypatch.chdir(cwd)
-    spec = importlib.util.spec_from_file_location(f"_bench_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module.main(argv)
 
 
 def test_bench_grpo_tiny_cpu_prints_both_rows(tmp_path, monkeypatch, capsys):

@@ -77,10 +77,10 @@ def one_torch_thread():
 # other sits idle; dealt out longest first, the files that end the run are short ones. A file not listed counts as
 # short; a new file over ~10 s belongs here (its place changes the wall time only, never what runs).
 FILE_SECONDS = {
-    "test_bench_smoke.py": 174,
     "test_family_matrix_dist.py": 135,
+    "test_distributed.py": 110,
     "test_docs_examples.py": 100,
-    "test_distributed.py": 100,
+    "test_bench_smoke.py": 84,
     "test_lewis_game.py": 84,
     "test_family_matrix.py": 67,
     "test_learning.py": 64,
@@ -89,7 +89,6 @@ FILE_SECONDS = {
     "test_decode_kernel.py": 42,
     "test_sandbox_corpus.py": 41,
     "test_quiet_logs.py": 38,
-    "test_dynamic_sampling.py": 37,
     "test_decode_mlp.py": 37,
     "test_compile_cache.py": 37,
     "test_tool_protocols_e2e.py": 34,
@@ -113,13 +112,13 @@ FILE_SECONDS = {
     "test_lewis_speaker_external.py": 16,
     "test_cli_errors.py": 16,
     "test_varlen_blocks.py": 15,
-    "test_decode_compact_bench.py": 15,
     "test_data_sources.py": 15,
-    "test_advantages.py": 15,
+    "test_dynamic_sampling.py": 14,
     "test_run_scripts.py": 13,
     "test_convert_internvl_chat.py": 12,
     "test_serve_limits.py": 11,
     "test_cli_launcher.py": 11,
+    "test_decode_compact_bench.py": 10,
     "test_decode_keep.py": 10,
 }
 

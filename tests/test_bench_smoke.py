@@ -159,6 +159,13 @@ def test_loader_micro_decodes_only_the_generating_fetch(tmp_path, monkeypatch):
 
 
 def test_decode_lengths_tiny_cpu_times_each_call_and_profiles_the_last(tmp_path, monkeypatch):
+    import vlm_grpo.fastpath.decode as decode
+
+    # The script times every graph capture of its process (with CUDA syncs) and may swap the compiled step: the
+    # session's decode comes back after the test.
+    monkeypatch.setattr(decode._Step, "_capture", decode._Step._capture)
+    for name in ("_compiled_forward", "CACHE_BUCKET"):
+        monkeypatch.setattr(decode, name, getattr(decode, name))
     out, profile, trace = tmp_path / "lengths.json", tmp_path / "profile.txt", tmp_path / "trace.json"
     argv = [
         "--preset", "tiny", "--device", "cpu", "--new_tokens", "4", "--prompt_lengths", "20", "24",

@@ -69,6 +69,87 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
+# --------------------------------------------------------------------------- longest files first
+
+# Seconds each long file takes (its tests' durations summed, from `pytest -n 2 --dist loadfile --durations=0`). Under
+# `--dist loadfile` the two workers take whole files from one queue. xdist orders it by test count, which puts the
+# long files with few tests (multi-process launches, end-to-end runs) last, where one worker runs them while the
+# other sits idle; dealt out longest first, the files that end the run are short ones. A file not listed counts as
+# short; a new file over ~10 s belongs here (its place changes the wall time only, never what runs).
+FILE_SECONDS = {
+    "test_family_matrix_dist.py": 124,
+    "test_distributed.py": 106,
+    "test_docs_examples.py": 98,
+    "test_bench_smoke.py": 78,
+    "test_trl_options.py": 68,
+    "test_group_sharing.py": 60,
+    "test_fused_update.py": 60,
+    "test_family_matrix.py": 55,
+    "test_lewis_game.py": 53,
+    "test_zero3_tool_rounds.py": 51,
+    "test_sandbox_corpus.py": 44,
+    "test_decode_mlp.py": 39,
+    "test_compile_cache.py": 37,
+    "test_scale_out.py": 36,
+    "test_learning.py": 34,
+    "test_quiet_logs.py": 34,
+    "test_pipeline.py": 30,
+    "test_tools_e2e.py": 30,
+    "test_kill_resume.py": 29,
+    "test_scale_shape.py": 25,
+    "test_decode_kernel.py": 24,
+    "test_train_e2e.py": 23,
+    "test_mixed_precision.py": 22,
+    "test_demo_tools.py": 21,
+    "test_tools_distributed.py": 20,
+    "test_tool_protocols_e2e.py": 18,
+    "test_ci_skips.py": 18,
+    "test_decode_compact.py": 18,
+    "test_cli_errors.py": 17,
+    "test_tool_turns_fast.py": 16,
+    "test_docs.py": 16,
+    "test_sandbox.py": 15,
+    "test_lewis_speaker_external.py": 15,
+    "test_vision_attention.py": 14,
+    "test_lewis_script.py": 14,
+    "test_presets.py": 13,
+    "test_turn_cache.py": 13,
+    "test_run_scripts.py": 13,
+    "test_multiturn_sharing.py": 11,
+    "test_vlm_r1_script.py": 11,
+    "test_cli_launcher.py": 11,
+    "test_sft_tools.py": 10,
+    "test_help_speed.py": 10,
+    "test_varlen_blocks.py": 10,
+}
+
+
+def longest_first(scopes: list[str]) -> list[str]:
+    """``scopes`` (xdist's file node ids, in its order) with the files of ``FILE_SECONDS`` first, longest first; the
+    others after them in the order given."""
+    return sorted(scopes, key=lambda scope: -FILE_SECONDS.get(Path(scope.split("::")[0]).name, 0))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """``--dist loadfile`` deals the files out longest first (``FILE_SECONDS``); other modes are xdist's own."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from collections import OrderedDict
+
+    from xdist.scheduler import LoadFileScheduling
+
+    class LongestFileFirst(LoadFileScheduling):
+        def _assign_work_unit(self, node) -> None:
+            # The queue is complete before the first file is dealt out (xdist 3.x builds it in ``schedule``).
+            if not getattr(self, "_ordered", False):
+                self.workqueue = OrderedDict((s, self.workqueue[s]) for s in longest_first(list(self.workqueue)))
+                self._ordered = True
+            super()._assign_work_unit(node)
+
+    return LongestFileFirst(config, log)
+
+
 # --------------------------------------------------------------------------- no silent skips in CI
 
 

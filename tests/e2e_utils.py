@@ -1,12 +1,18 @@
-"""Helpers for end-to-end runs of grpo_jsonl.py on tiny models (in-process or under torchrun)."""
+"""Helpers for end-to-end runs of grpo_jsonl.py on tiny models (in-process or under torchrun), and of the
+benchmark scripts in-process."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 from pathlib import Path
 
+import pytest
 import torch
 from PIL import Image
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 REWARD_PLUGIN = '''
 from vlm_grpo.rewards import completion_text
@@ -118,3 +124,19 @@ def own_forward_logps(trainer, input_ids, attention, completion_mask, row: int, 
         ).logits[0, :-1]
     n = int(completion_mask[row].sum())
     return torch.log_softmax(logits.float(), -1).gather(-1, row_ids[0, 1:, None])[-n:, 0]
+
+
+def run_main(script: str, argv: list[str], cwd: Path, monkeypatch: pytest.MonkeyPatch):
+    """``python benchmarks/SCRIPT ARGV`` in this process: the script's ``main(argv)`` with its folder and benchmarks/
+    first on the path and ``cwd`` as the working directory, as the interpreter would run it, without what a new
+    interpreter pays before and at its first steps (imports, first model builds: 4-8 s on a CPU). Its return value;
+    a failure raises (``SystemExit`` included)."""
+    path = BENCH / script
+    for folder in dict.fromkeys((BENCH, path.parent)):
+        monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.chdir(cwd)
+    spec = importlib.util.spec_from_file_location(f"_bench_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module.main(argv)

@@ -12,23 +12,24 @@ from pathlib import Path
 
 import pytest
 
+from e2e_utils import run_main
+
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_bench_grpo_tiny_cpu_prints_both_rows(tmp_path):
+def test_bench_grpo_tiny_cpu_prints_both_rows(tmp_path, monkeypatch, capsys):
     out = tmp_path / "bench.json"
-    cmd = [
-        sys.executable, str(REPO / "benchmarks" / "bench_grpo.py"), "--preset", "tiny", "--device", "cpu",
-        "--steps", "1", "--warmup", "1", "--num_generations", "4", "--out", str(out),
-        "--vary_prompts", "4", "--profile_dir", str(tmp_path / "prof"),
+    argv = [
+        "--preset", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "1", "--num_generations", "4",
+        "--out", str(out), "--vary_prompts", "4", "--profile_dir", str(tmp_path / "prof"),
     ]  # fmt: skip
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_main("bench_grpo.py", argv, tmp_path, monkeypatch)
+    result = capsys.readouterr()
     for kind in ("vanilla", "ours"):  # the profiled extra step: top ops, and the loss forward + backward window
         assert "Self CPU" in (tmp_path / "prof" / f"56px_x1_C8_{kind}.txt").read_text()
         window = (tmp_path / "prof" / f"56px_x1_C8_{kind}.train.txt").read_text()
         assert window.startswith("training window (loss forward + backward): ") and "aten::mm" in window
-    table = result.stdout[result.stdout.index("\nscenario ") + 1 :]  # the table after the per-run JSON lines
+    table = result.out[result.out.index("\nscenario ") + 1 :]  # the table after the per-run JSON lines
     rows = [line.split() for line in table.splitlines()[2:] if line.strip()]
     assert [r[3] for r in rows] == ["vanilla", "ours"]  # the scenario "56px x1 C8" is three words
     payload = json.loads(out.read_text())
@@ -38,34 +39,42 @@ def test_bench_grpo_tiny_cpu_prints_both_rows(tmp_path):
         assert r["samples_per_s"] > 0 and r["phases_s"]["generation"] > 0 and r["completion_tokens"] > 0
 
 
-def test_train_window_times_each_variant_on_one_batch(tmp_path):
+def test_train_window_times_each_variant_on_one_batch(tmp_path, monkeypatch, capsys):
     """Both variants take turns on one generated batch: every repeat timed, a median each; a config field given
     as a variant's switch is refused (it would be silently ignored: the variants share one trainer)."""
     out = tmp_path / "window.json"
-    script = str(REPO / "benchmarks" / "micro" / "train_window.py")
-    cmd = [
-        sys.executable, script, "--preset", "tiny", "--device", "cpu", "--repeats", "2", "--warmup", "1",
-        "--num_generations", "4", "--trainer", "ours:compile_layers=false", "--out", str(out),
+    argv = [
+        "--preset", "tiny", "--device", "cpu", "--repeats", "2", "--warmup", "1", "--num_generations", "4",
+        "--trainer", "ours:compile_layers=false", "--out", str(out),
     ]  # fmt: skip
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_main("micro/train_window.py", argv, tmp_path, monkeypatch)
     payload = json.loads(out.read_text())
     assert set(payload["times_s"]) == {"ours", "text"} and all(len(t) == 2 for t in payload["times_s"].values())
     assert all(m > 0 for m in payload["median_s"].values())
-    bad = subprocess.run([*cmd[:2], "--variants", "x:compile_layers=true"], capture_output=True, text=True,
-                         timeout=120, cwd=tmp_path)  # fmt: skip
-    assert bad.returncode != 0 and "['compile_layers'] are config fields; give them to --trainer" in bad.stderr
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as bad:
+        run_main("micro/train_window.py", ["--variants", "x:compile_layers=true"], tmp_path, monkeypatch)
+    err = capsys.readouterr().err
+    assert bad.value.code != 0 and "['compile_layers'] are config fields; give them to --trainer" in err
 
 
-def test_varlen_check_compares_the_varlen_calls_with_the_islands_and_trl(tmp_path):
+def test_varlen_check_compares_the_varlen_calls_with_the_islands_and_trl(tmp_path, monkeypatch):
     """On CPU through the stand-in kernel: the varlen variant runs no island call (text or vision), and all agree."""
+    import vlm_grpo.fastpath.block_attention as block_attention
+    import vlm_grpo.fastpath.varlen as varlen
+    import vlm_grpo.fastpath.vision_attention as vision_attention
+
+    # The script sets these for the rest of its process: the session's values come back after the test.
+    for module, names in ((varlen, ("CPU_STAND_IN",)), (block_attention, ("_packed_sdpa", "VARLEN")),
+                          (vision_attention, ("_segmented_sdpa", "VARLEN"))):  # fmt: skip
+        for name in names:
+            monkeypatch.setattr(module, name, getattr(module, name))
     out = tmp_path / "check.json"
-    cmd = [
-        sys.executable, str(REPO / "benchmarks" / "micro" / "varlen_check.py"), "--preset", "tiny", "--device", "cpu",
-        "--completion_length", "8", "--num_generations", "4", "--cpu_stand_in", "--out", str(out),
+    argv = [
+        "--preset", "tiny", "--device", "cpu", "--completion_length", "8", "--num_generations", "4", "--cpu_stand_in",
+        "--out", str(out),
     ]  # fmt: skip
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_main("micro/varlen_check.py", argv, tmp_path, monkeypatch)
     report = json.loads(out.read_text())
     calls = report["island_calls"]
     assert calls["varlen"] == {"text": 0, "vision": 0}, calls
@@ -102,18 +111,16 @@ def test_spy_summary_keeps_the_window_and_drops_compilation(tmp_path):
     assert groups["main, elsewhere"]["samples"] == 4 and groups["other threads"]["samples"] == 3
 
 
-def test_max_fit_tiny_cpu_doubles_then_bisects(tmp_path):
+def test_max_fit_tiny_cpu_doubles_then_bisects(tmp_path, monkeypatch, capsys):
     """Both modes train real steps; a simulated OOM above 2 prompts drives doubling (1, 2, 4) then bisection (3)."""
     out = tmp_path / "max_fit.json"
-    cmd = [
-        sys.executable, str(REPO / "benchmarks" / "max_fit.py"), "--preset", "tiny", "--device", "cpu",
-        "--modes", "full", "lora", "--max_prompts", "4", "--num_generations", "2", "--simulate_oom_above", "2",
-        "--out", str(out),
+    argv = [
+        "--preset", "tiny", "--device", "cpu", "--modes", "full", "lora", "--max_prompts", "4",
+        "--num_generations", "2", "--simulate_oom_above", "2", "--out", str(out),
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # tiny models run fastest on one thread
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    table = result.stdout[result.stdout.index("preset") :]
+    run_main("max_fit.py", argv, tmp_path, monkeypatch)
+    stdout = capsys.readouterr().out
+    table = stdout[stdout.index("preset") :]
     rows = [line.split() for line in table.splitlines()[2:] if line.strip()]
     assert [r[:2] for r in rows] == [["tiny_qwen2_5_vl", "full"], ["tiny_qwen2_5_vl", "lora"]]
     payload = json.loads(out.read_text())
@@ -141,30 +148,31 @@ def test_sdpa_shapes_cpu_times_both_backend_settings(tmp_path):
     assert all(r["first_call_ms"] > 0 and r["repeat_ms"] > 0 for r in rows.values())
 
 
-def test_loader_micro_decodes_only_the_generating_fetch(tmp_path):
+def test_loader_micro_decodes_only_the_generating_fetch(tmp_path, monkeypatch):
     out = tmp_path / "loader.json"
-    cmd = [
-        sys.executable, str(REPO / "benchmarks" / "micro" / "loader_micro.py"), "--prompts", "4", "--image_size", "56",
-        "--cycles", "1", "--out", str(out),
-    ]  # fmt: skip
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    argv = ["--prompts", "4", "--image_size", "56", "--cycles", "1", "--out", str(out)]
+    run_main("micro/loader_micro.py", argv, tmp_path, monkeypatch)
     data = json.loads(out.read_text())
     rows, fetches = data["rows_per_fetch"], data["fetches_per_cycle"]
     assert data["results"]["deferred"]["images_decoded"] == rows  # the generating fetch only
     assert data["results"]["decoded_at_fetch"]["images_decoded"] == rows * fetches  # the control: every fetch
 
 
-def test_decode_lengths_tiny_cpu_times_each_call_and_profiles_the_last(tmp_path):
+def test_decode_lengths_tiny_cpu_times_each_call_and_profiles_the_last(tmp_path, monkeypatch):
+    import vlm_grpo.fastpath.decode as decode
+
+    # The script times every graph capture of its process (with CUDA syncs) and may swap the compiled step: the
+    # session's decode comes back after the test.
+    monkeypatch.setattr(decode._Step, "_capture", decode._Step._capture)
+    for name in ("_compiled_forward", "CACHE_BUCKET"):
+        monkeypatch.setattr(decode, name, getattr(decode, name))
     out, profile, trace = tmp_path / "lengths.json", tmp_path / "profile.txt", tmp_path / "trace.json"
-    cmd = [
-        sys.executable, str(REPO / "benchmarks" / "micro" / "decode_lengths.py"), "--preset", "tiny", "--device", "cpu",
-        "--new_tokens", "4", "--prompt_lengths", "20", "24", "--profile", str(profile), "--out", str(out),
-        "--trace", str(trace),
-        "--keep", "true", "false", "--greedy", "true",
+    argv = [
+        "--preset", "tiny", "--device", "cpu", "--new_tokens", "4", "--prompt_lengths", "20", "24",
+        "--profile", str(profile), "--out", str(out), "--trace", str(trace), "--keep", "true", "false",
+        "--greedy", "true",
     ]  # fmt: skip
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_main("micro/decode_lengths.py", argv, tmp_path, monkeypatch)
     summary = json.loads(out.read_text())
     assert [(c["prompt_len"], c["keep"]) for c in summary["calls"]] == [
         (20, True),
@@ -220,16 +228,15 @@ def test_vary_images_gives_the_vision_tower_segments_of_several_lengths(tmp_path
     assert same == [(448, 448)] * 3
 
 
-def test_bench_tools_tiny_cpu_counts_prefill_and_vision_work(tmp_path):
+def test_bench_tools_tiny_cpu_counts_prefill_and_vision_work(tmp_path, monkeypatch):
     """Both trainers on T2 and T4h: the held caches prefill fewer tokens and encode fewer images than TRL's loop, and
     the half scenario makes half the tool calls of its rounds."""
     out = tmp_path / "tools.json"
-    cmd = [
-        sys.executable, str(REPO / "benchmarks" / "bench_tools.py"), "--preset", "tiny", "--device", "cpu",
-        "--steps", "1", "--warmup", "0", "--num_generations", "4", "--tool_scenarios", "T2", "T4h", "--out", str(out),
+    argv = [
+        "--preset", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "0", "--num_generations", "4",
+        "--tool_scenarios", "T2", "T4h", "--out", str(out),
     ]  # fmt: skip
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_main("bench_tools.py", argv, tmp_path, monkeypatch)
     payload = json.loads(out.read_text())
     assert payload["args"]["tool_scenarios"] == ["T2", "T4h"]  # RESULTS.md's command line names them
     runs = [(r["scenario"].split()[-1], r["trainer"]) for r in payload["results"]]
@@ -253,20 +260,16 @@ def test_bench_tools_tiny_cpu_counts_prefill_and_vision_work(tmp_path):
     assert payload["results"][1]["decode_ms_per_token"] > 0
 
 
-def test_bench_grpo_easyr1_shape_tiny_cpu_reports_cycles_and_natural_lengths(tmp_path):
+def test_bench_grpo_easyr1_shape_tiny_cpu_reports_cycles_and_natural_lengths(tmp_path, monkeypatch, capsys):
     """The EasyR1-shaped run: one cycle (a generation and its 4 optimizer steps) per trainer, completions ended by
     the model's own EOS at different lengths (not all forced to the maximum), tokens counted per cycle."""
     out = tmp_path / "shape.json"
     shape = "easyr1_geo3k:prompts=4,image_size=56,max_completion=24,mean_completion=6,micro_batch=5"
-    cmd = [
-        sys.executable, str(REPO / "benchmarks" / "bench_grpo.py"), "--preset", "tiny", "--device", "cpu",
-        "--shape", shape, "--steps", "1", "--warmup", "0", "--out", str(out),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "counted as EasyR1 counts them" in result.stdout
-    assert result.stdout.count("[cycle] ") == 2  # one cycle per trainer, printed as it ends
+    argv = ["--preset", "tiny", "--device", "cpu", "--shape", shape, "--steps", "1", "--warmup", "0", "--out", str(out)]
+    run_main("bench_grpo.py", argv, tmp_path, monkeypatch)
+    result = capsys.readouterr()
+    assert "counted as EasyR1 counts them" in result.out
+    assert result.out.count("[cycle] ") == 2  # one cycle per trainer, printed as it ends
     payload = json.loads(out.read_text())
     assert payload["shape"]["prompts"] == 4 and payload["shape"]["updates"] == 4
     assert [r["trainer"] for r in payload["results"]] == ["vanilla", "ours"]
@@ -282,7 +285,7 @@ def test_bench_grpo_easyr1_shape_tiny_cpu_reports_cycles_and_natural_lengths(tmp
     assert payload["results"][0]["decode_cache_gib"] is None and payload["results"][1]["decode_cache_gib"] > 0
     ours, vanilla = payload["results"][1]["packed_tokens"], payload["results"][0]["packed_tokens"]
     assert ours["old_ref_ran"] < ours["old_ref_layout"] == vanilla["old_ref_ran"]  # each rollout at its own length
-    assert result.stdout.count(" ours: log-prob passes ran") == 2  # as the run ends, and in the summary
+    assert result.out.count(" ours: log-prob passes ran") == 2  # as the run ends, and in the summary
 
 
 def test_shape_eos_bias_sets_the_stop_probability():

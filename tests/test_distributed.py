@@ -19,6 +19,8 @@ import torch
 from transformers import AutoModelForImageTextToText
 
 from e2e_utils import base_args, make_dataset, original_params
+from test_dynamic_sampling import ds_args
+from test_dynamic_sampling import make_data as dynamic_sampling_data
 from vlm_grpo.resume import COMPLETE_MARKER, checkpoint_problem
 
 REPO = Path(__file__).resolve().parents[1]
@@ -86,9 +88,24 @@ NEEDS = {
     "test_deepspeed_trains_saves_and_reloads": {"zero2": ("zero2",), "zero3": ("zero3", "zero3_plain")},
     "test_two_nodes_on_loopback_train_like_one_node_with_two_processes": {None: ("one_node",)},
     "test_zero3_ranks_reuse_image_features_together": {None: ("zero3_reuse", "zero3_reuse_off")},
+    "test_two_gloo_ranks_agree_on_the_filtered_batch": {None: ("dynamic_sampling",)},
+    "test_two_gloo_ranks_whiten_reinforce_plus_plus_over_both_and_share_remax_baselines": {
+        None: ("reinforce_plus_plus", "remax")
+    },
 }
 # A frozen tower, a text-only batch on one rank, old-log-prob and reference passes, two micro-batches a generation.
 REUSE = ["--freeze_vision_modules", "true", "--steps_per_generation", "2", "--beta", "0.04", "--max_steps", "4"]
+
+
+ESTIMATORS = ("reinforce_plus_plus", "remax")
+
+
+def _estimator_args(name: str, model_dir: Path, data: Path, plugin: Path, root: Path) -> list[str]:
+    """A run of the advantage estimator ``name`` on the text-shaped reward alone, logging its rollouts."""
+    argv = base_args(model_dir, data, plugin, root / name)
+    i = argv.index("--reward_funcs")
+    argv[i + 1 : i + 3] = [f"{plugin}:text_shape"]
+    return [*argv, "--advantage_estimator", name, "--rollout_log", str(root / name / "rollouts.jsonl")]
 
 
 @pytest.fixture(scope="module")
@@ -104,12 +121,19 @@ def runs(request, tiny_models, dataset, tmp_path_factory):
     data, plugin = dataset
     model_dir = tiny_models["qwen2_5_vl"]
     mixed_data, mixed_plugin = make_dataset(root / "mixed_data", kinds=("single", "text"), n=4)
+    ds_data, ds_plugin = dynamic_sampling_data(root / "dynamic_sampling_data")
+    single_data, single_plugin = make_dataset(root / "single_data", kinds=("single",))
     argvs = {
         # group sharing on (the default), with the opt-in compiled decoder layers under gradient checkpointing
         "ddp": [*base_args(model_dir, data, plugin, root / "ddp"), *COMPILED],
         "ddp_plain": [*base_args(model_dir, data, plugin, root / "ddp_plain"), *SHARING_OFF],
         "mixed": [*base_args(model_dir, mixed_data, mixed_plugin, root / "mixed"), "--max_steps", "3"],
         "one_node": base_args(model_dir, data, plugin, root / "one_node"),
+        "dynamic_sampling": [
+            *ds_args(model_dir, ds_data, ds_plugin, root / "dynamic_sampling"),
+            "--rollout_log", str(root / "dynamic_sampling" / "rollouts.jsonl"),
+        ],
+        **{name: _estimator_args(name, model_dir, single_data, single_plugin, root) for name in ESTIMATORS},
         "zero2": [*base_args(model_dir, data, plugin, root / "zero2"), *_zero("zero2"), *COMPILED],
         "zero3": [*base_args(model_dir, data, plugin, root / "zero3"), *_zero("zero3")],  # refuses compiled layers
         "zero3_plain": [*base_args(model_dir, data, plugin, root / "zero3_plain"), *_zero("zero3"), *SHARING_OFF],
@@ -236,3 +260,63 @@ def test_two_nodes_on_loopback_train_like_one_node_with_two_processes(tiny_model
     assert all(torch.equal(node0[k], single[k]) for k in node0)
     before = original_params(model_dir)
     assert any(not torch.equal(before[k], node0[k]) for k in before)  # it trained
+
+
+def test_two_gloo_ranks_agree_on_the_filtered_batch(runs):
+    """Dynamic sampling (``test_dynamic_sampling.py``) on 2 ranks: the same groups dropped and kept on both."""
+    out = ran(runs, "dynamic_sampling")
+    for rank in (0, 1):
+        assert json.loads((out / f"rank{rank}.json").read_text()) == {"world_size": 2, "step": 2}
+    rank0, rank1 = torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")
+    assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)
+    history = [e for e in json.loads((out / "history0.json").read_text()) if "dynamic_sampling/rounds" in e]
+    assert len(history) == 2
+    assert sum(e["dynamic_sampling/dropped_groups"] for e in history) > 0  # half the prompts are constant
+    assert all(e["dynamic_sampling/kept_groups"] >= 4 and e["dynamic_sampling/filled_groups"] == 0 for e in history)
+    # one rollout log per rank; a constant-reward group has zero advantage in every round it was generated
+    for name in ("rollouts.jsonl", "rollouts.rank1.jsonl"):
+        records = [json.loads(line) for line in (out / name).read_text().splitlines()]
+        assert {r["step"] for r in records} == {1, 2} and {r["rank"] for r in records} == {name.count("rank1")}
+        assert all(r["advantage"] == 0 for r in records if "Zebra" in r["prompt"])
+        assert any(r["advantage"] != 0 for r in records if "Zebra" not in r["prompt"])
+    other = [e for e in json.loads((out / "history1.json").read_text()) if "dynamic_sampling/rounds" in e]
+    keys = [k for k in history[0] if k.startswith("dynamic_sampling/")]
+    assert [[e[k] for k in keys] for e in history] == [[e[k] for k in keys] for e in other]
+
+
+def _rollouts(out, step):
+    records = []
+    for name in ("rollouts.jsonl", "rollouts.rank1.jsonl"):
+        records += [json.loads(line) for line in (out / name).read_text().splitlines()]
+    return [r for r in records if r["step"] == step]
+
+
+def test_two_gloo_ranks_whiten_reinforce_plus_plus_over_both_and_share_remax_baselines(runs):
+    """The advantage estimators (``test_advantages.py``) on 2 ranks: REINFORCE++ whitens over both ranks' rows,
+    ReMax's greedy baseline is each group's own."""
+    for name in ESTIMATORS:
+        out = ran(runs, name)
+        rank0, rank1 = torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")
+        assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)  # the ranks trained together
+        for step in (1, 2):
+            records = _rollouts(out, step)
+            assert {r["rank"] for r in records} == {0, 1} and len(records) == 8
+            if name == "reinforce_plus_plus":
+                # one affine map reward -> advantage for the rows of both ranks: whitened together
+                lo, hi = min(records, key=lambda r: r["reward"]), max(records, key=lambda r: r["reward"])
+                assert hi["reward"] > lo["reward"], "the rewards do not vary: the test shows nothing"
+                scale = (hi["advantage"] - lo["advantage"]) / (hi["reward"] - lo["reward"])
+                assert scale > 0
+                for r in records:
+                    assert r["advantage"] == pytest.approx(
+                        lo["advantage"] + scale * (r["reward"] - lo["reward"]), abs=1e-5
+                    )
+                # negative control: not whitened per rank (each rank's own advantages do not sum to 0)
+                assert any(abs(sum(r["advantage"] for r in records if r["rank"] == k)) > 1e-3 for k in (0, 1))
+            else:  # one greedy baseline per group: advantage differences are reward differences
+                for rank in (0, 1):
+                    group = [r for r in records if r["rank"] == rank and r["group"] == 0]
+                    for r in group:
+                        assert r["advantage"] - group[0]["advantage"] == pytest.approx(
+                            r["reward"] - group[0]["reward"], abs=1e-5
+                        )

@@ -106,6 +106,7 @@ FILE_SECONDS = {
     "test_ci_skips.py": 18,
     "test_decode_compact.py": 18,
     "test_cli_errors.py": 17,
+    "test_early_tool_calls.py": 24,
     "test_tool_turns_fast.py": 16,
     "test_docs.py": 16,
     "test_sandbox.py": 15,

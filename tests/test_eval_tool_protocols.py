@@ -186,7 +186,7 @@ def test_the_trainer_cuts_each_generated_turn_at_the_stop_string(setup):
 
     class Stub:
         max_turn_tokens = None
-        _in_tool_loop, _round_sync = False, None  # the first turn, one process
+        _in_tool_loop, _round_sync, _turn_cache = False, None, None  # the first turn, one process, no held caches
         _generate_within_budgets = VLMGRPOTrainer._generate_within_budgets
 
         def __init__(self, protocol):

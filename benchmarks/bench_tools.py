@@ -35,6 +35,7 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 import torch
 
@@ -234,13 +235,15 @@ def count_setups(timer: PhaseTimer, processor: Any) -> Iterator[None]:
         timer.totals["_images_preprocessed"] += sum(len(x) if isinstance(x, list) else 1 for x in flat)
         return preprocess(self, images, *args, **kwargs)
 
-    decode._workspace, decode._Step = counted_workspace, CountedStep
-    processor_cls.apply_chat_template, image_cls.__call__ = counted_render, counted_preprocess
-    try:
+    # patch.object puts back what was there: an inherited method is deleted again, not left set on the subclass
+    # (where it would hide a later patch of the base class from everything in the same process)
+    with (
+        patch.object(decode, "_workspace", counted_workspace),
+        patch.object(decode, "_Step", CountedStep),
+        patch.object(processor_cls, "apply_chat_template", counted_render),
+        patch.object(image_cls, "__call__", counted_preprocess),
+    ):
         yield
-    finally:
-        decode._workspace, decode._Step = workspace, step
-        processor_cls.apply_chat_template, image_cls.__call__ = render, preprocess
 
 
 def run_one(

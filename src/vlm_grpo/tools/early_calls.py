@@ -29,7 +29,7 @@ import numpy as np
 
 from vlm_grpo.fastpath import row_ends
 from vlm_grpo.tools.base import ToolEnvironment
-from vlm_grpo.tools.rollouts import ToolTurns, parallel_calls, tool_executor
+from vlm_grpo.tools.rollouts import ToolTurns, is_parallel, parallel_calls, tool_executor
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +65,7 @@ def turn_rooms(trainer: Any, prompt_ids: Sequence[Sequence[int]]) -> list[int] |
 
 def _parallel_tools(cls: type) -> bool:
     """Whether an environment class has a tool marked ``parallel`` (``fn.parallel = True``)."""
-    functions = (getattr(getattr(cls, name, None), "tool_function", None) for name in dir(cls))
-    return any(getattr(fn, "parallel", False) for fn in functions)
+    return any(is_parallel(cls, name) for name in dir(cls))
 
 
 class EarlyCalls:

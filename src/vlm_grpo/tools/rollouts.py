@@ -199,6 +199,11 @@ def tool_executor() -> ThreadPoolExecutor:
     return _EXECUTOR
 
 
+def is_parallel(cls: type, name: str) -> bool:
+    """Whether the environment class's tool ``name`` is marked ``parallel`` (``fn.parallel = True``)."""
+    return bool(getattr(getattr(getattr(cls, name, None), "tool_function", None), "parallel", False))
+
+
 def parallel_calls(env: Any, tool_calls: Sequence[Any] | None) -> list[tuple[str, dict[str, Any]]]:
     """``(name, arguments)`` of a turn's calls up to the first that is not of a parallel tool (``fn.parallel =
     True``): a rollout's calls keep their order."""
@@ -207,8 +212,7 @@ def parallel_calls(env: Any, tool_calls: Sequence[Any] | None) -> list[tuple[str
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("arguments", {}), dict):
             break
-        method = getattr(type(env), str(function.get("name")), None)
-        if not getattr(getattr(method, "tool_function", None), "parallel", False):
+        if not is_parallel(type(env), str(function.get("name"))):
             break
         calls.append((function["name"], function.get("arguments") or {}))
     return calls

@@ -210,6 +210,9 @@ def _as_normal_user_command(uid: int) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="this run already is a normal user's")
 def test_the_corpus_passes_as_a_normal_user():
+    here = Path(__file__).resolve()
+    closed = [str(d) for d in here.parents if not d.stat().st_mode & 0o001]  # others may not enter it
+    assert not closed, f"the normal user cannot read the checkout: {closed} (clone into a folder others can read)"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
     env.update(HOME="/tmp", PYTHONPATH=os.pathsep.join(p for p in sys.path if p), PYTHONDONTWRITEBYTECODE="1")
     proc = subprocess.run(

@@ -68,6 +68,7 @@ class Result:
     # seconds until the end of the first optimizer step ("first_step") and over the whole run ("run").
     startup: dict[str, dict[str, float]] = field(default_factory=dict)
     decode_cache_gib: float | None = None  # the most one fast_decode call's cache held (GiB), over the run
+    eos_bias: dict[str, float] = field(default_factory=dict)  # --shape: installed, corrected (bench_shape.py)
 
 
 # --------------------------------------------------------------------------- timing
@@ -538,6 +539,11 @@ def parse(argv: list[str] | None = None, description: str | None = None) -> argp
         help="an EasyR1-shaped cycle instead of the scenario grid (benchmarks/bench_shape.py): easyr1_geo3k, "
         "easyr1_geo3k_32x8 or easyr1_geo3k_varied, with field overrides as name:prompts=4,max_completion=32; "
         "--steps / --warmup then count generation cycles",
+    )  # fmt: skip
+    p.add_argument(
+        "--eos_bias", type=float, default=None,
+        help="with --shape: the LM head's EOS bias, fixed (default: calibrated, then corrected after the first "
+        "generation when --warmup counts a cycle; the result records both)",
     )  # fmt: skip
     p.add_argument("--profile_dir", default=None, help="profile one extra step per run; top ops written here")
     p.add_argument("--out", default="bench_results.json")

@@ -71,6 +71,7 @@ from bench_policy import (
 from bench_shape import (
     TOKENS_NOTE,
     CyclePrinter,
+    EosRecalibration,
     Shape,
     TimeLimit,
     apply_shape,
@@ -79,6 +80,7 @@ from bench_shape import (
     geo3k_questions,
     install_eos_bias,
     length_stats,
+    recalibrating_trainer_class,
     stopped_by_sigterm,
 )
 from transformers import TrainerCallback
@@ -279,12 +281,18 @@ def run_one(
     measured_steps = (args.warmup + args.steps) * per_cycle
     extra = config_fields(shape, vanilla=is_vanilla(kind)) if shape else {}
     config = grpo_config(kind, args, scenario, workdir, measured_steps + bool(args.profile_dir), **extra)
+    cls = counted_trainer_class(timed_trainer_class(GRPOTrainer if is_vanilla(kind) else VLMGRPOTrainer))
+    recalibration = None
     if shape:
         eos = model.generation_config.eos_token_id
-        install_eos_bias(model, eos[0] if isinstance(eos, list) else eos, shape.mean_completion)
+        eos_ids = set(eos) if isinstance(eos, list) else {eos}
+        eos_id = eos[0] if isinstance(eos, list) else eos
+        install_eos_bias(model, eos_id, shape.mean_completion, bias=args.eos_bias)
+        recalibration = EosRecalibration(model, eos_ids, eos_id, shape.mean_completion, shape.max_completion)
+        if args.eos_bias is None and args.warmup:  # the warm-up cycle's lengths correct the bias (bench_shape.py)
+            cls = recalibrating_trainer_class(cls, recalibration)
     timer = PhaseTimer(device)
     time_vision(model, module, timer)
-    cls = counted_trainer_class(timed_trainer_class(GRPOTrainer if is_vanilla(kind) else VLMGRPOTrainer))
     cls.timer = timer
     optimizer_timer = OptimizerTimer(timer)
     callbacks = [optimizer_timer]
@@ -328,6 +336,7 @@ def run_one(
     bandwidth = hbm_bandwidth(args.device)
     floor_ms = 1e3 * decode_weight_bytes(model) / bandwidth if bandwidth else None
     samples = args.prompts_per_step * args.num_generations
+    lengths = timer.lengths[args.warmup * samples :] or timer.lengths  # the measured cycles' rows
     tokens = median("_prompt_tokens") + median("_completion_tokens")
     train_s = median("loss_forward") + median("backward")
     # MFU over the loss pass's tokens as it ran them (packed: each rollout's own length)
@@ -353,10 +362,11 @@ def run_one(
         floor_ms_per_token=floor_ms,
         floor_ratio=(decode_ms or gen_ms) / floor_ms if floor_ms else None,
         status=status,
-        completion_stats={**length_stats(timer.lengths), **row_steps} if shape else {},
+        completion_stats={**length_stats(lengths), **row_steps} if shape else {},
         cycle_times_s=[c["_wall"] for c in steps] if shape else [],
         startup=timer.startup,
         decode_cache_gib=timer.decode_cache_gib,
+        eos_bias=recalibration.record if recalibration else {},
     )
     result.packed_tokens = {f"{p}_{k}": median(f"_{p}_{k}") for p in PASSES for k in ("ran", "layout")}
     print(packed_tokens_line(result.trainer, result.packed_tokens), flush=True)

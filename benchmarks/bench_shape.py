@@ -11,7 +11,12 @@ Completion lengths are the model's own: the LM head gets a bias on the EOS token
 model so that every sampled token is EOS with probability ``1 / mean_completion``: lengths are geometric with that
 mean (median ~0.69 x mean), cut at ``max_completion``; rows finish at different steps, as real rollouts do, and
 both trainers sample from the same distribution (no logits processor: nothing either trainer has to honour). The
-realised lengths are recorded with every result.
+calibration reads random token ids; the model's own rollouts (a real prompt with its image, then its own samples) stop
+at another rate, so after the first generation of a run with a warm-up cycle the bias is corrected from that
+generation's lengths (:class:`EosRecalibration`: the stop rate measured, the bias shifted by the log-odds between it
+and ``1 / mean_completion``). ``--eos_bias B`` instead fixes the bias (no correction): ``shape_run.sh`` hands the
+cold run's corrected bias to the warm and vanilla runs, so all three sample from one distribution. The realised
+lengths of the measured cycles, and the biases, are recorded with every result.
 
 EasyR1's update pass packs rows by tokens, not by rows: with ``dynamic_batching`` (on in its geo3k config, with
 ``padding_free``) its actor cuts each update batch into micro-batches of about
@@ -163,27 +168,30 @@ CALIBRATION_START, CALIBRATION_END = 480, 1536
 
 
 @torch.no_grad()
-def install_eos_bias(model: Any, eos_id: int, mean: int, seed: int = 0) -> float:
+def install_eos_bias(model: Any, eos_id: int, mean: int, seed: int = 0, bias: float | None = None) -> float:
     """Give the LM head a bias on ``eos_id`` so that a sampled token (temperature 1) is EOS with probability about
     ``1 / mean``. Calibrated on random token ids through the model's own decoder: the bias makes the EOS probability
     averaged over those positions ``1 / mean`` (a geometric length's mean is 1 / the average stop probability; the
     median log-odds would overshoot it, as the probability is convex in them). The positions are those a completion
     decodes at (after a prompt of ~500 tokens, up to ~1,500): in a random-weight model the logits spread less as the
     context grows, so EOS gets likelier with position (calibrated on positions 16-128, lengths averaged 339 for an
-    asked 500). The head keeps its (possibly tied) weight; the bias does not train. Returns the bias."""
+    asked 500). ``bias``: install this value instead of calibrating. The head keeps its (possibly tied) weight; the
+    bias does not train. Returns the bias."""
     from vlm_grpo.utils import peft_base
 
     base = peft_base(model)
     head, decoder = base.get_output_embeddings(), base.get_decoder()
     vocab = head.weight.size(0)
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    ids = torch.randint(0, vocab, (2, CALIBRATION_END), generator=gen).to(head.weight.device)
-    hidden = decoder(input_ids=ids).last_hidden_state[:, CALIBRATION_START:].float()
-    logits = hidden @ head.weight.float().T
-    eos = logits[..., eos_id].clone()
-    logits[..., eos_id] = -math.inf
-    log_odds = eos - torch.logsumexp(logits, dim=-1)
-    bias_value = calibrated_bias(log_odds.flatten(), 1.0 / mean)
+    if bias is None:
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        ids = torch.randint(0, vocab, (2, CALIBRATION_END), generator=gen).to(head.weight.device)
+        hidden = decoder(input_ids=ids).last_hidden_state[:, CALIBRATION_START:].float()
+        logits = hidden @ head.weight.float().T
+        eos = logits[..., eos_id].clone()
+        logits[..., eos_id] = -math.inf
+        log_odds = eos - torch.logsumexp(logits, dim=-1)
+        bias = calibrated_bias(log_odds.flatten(), 1.0 / mean)
+    bias_value = float(bias)
     biased = torch.nn.Linear(head.in_features, head.out_features, bias=True, device=head.weight.device)
     biased.weight = head.weight  # the same Parameter: a tie with the input embedding stays a tie
     biased.bias = torch.nn.Parameter(torch.zeros(vocab, dtype=head.weight.dtype, device=head.weight.device))
@@ -200,6 +208,53 @@ def calibrated_bias(log_odds: torch.Tensor, p: float) -> float:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if float(torch.sigmoid(log_odds.double() + mid).mean()) < p else (lo, mid)
     return (lo + hi) / 2
+
+
+def stop_rate(completion_ids: torch.Tensor, eos_ids: set[int], max_completion: int) -> tuple[float, list[int]]:
+    """The stop probability per token that best explains a generation's lengths (maximum likelihood for geometric
+    lengths cut at ``max_completion``: the rows that ended over the tokens sampled), and the lengths. A row ends at
+    its first EOS (the padding after it may be an EOS id too); a row without one ran to ``max_completion``."""
+    lengths, ended = [], 0
+    for row in completion_ids.tolist():
+        end = next((i + 1 for i, token in enumerate(row) if token in eos_ids), None)
+        ended += end is not None
+        lengths.append(end if end is not None else max_completion)
+    return max(ended, 0.5) / max(sum(lengths), 1), lengths
+
+
+class EosRecalibration:
+    """Corrects the EOS bias once, after the first generation (see the module's docstring): the bias moves by
+    ``logit(1 / mean) - logit(measured stop rate)``, which scales the stop odds of every position by the same factor.
+    The bias is changed in place, so every trainer and compiled or captured decode step reads the new value."""
+
+    def __init__(self, model: Any, eos_ids: set[int], eos_id: int, mean: int, max_completion: int) -> None:
+        from vlm_grpo.utils import peft_base
+
+        self.bias = peft_base(model).get_output_embeddings().bias
+        self.eos_ids, self.eos_id, self.mean, self.max_completion = eos_ids, eos_id, mean, max_completion
+        self.record: dict[str, float] = {"installed": float(self.bias[eos_id])}
+
+    @torch.no_grad()
+    def observe(self, completion_ids: torch.Tensor) -> None:
+        if "corrected" in self.record:
+            return
+        rate, lengths = stop_rate(completion_ids, self.eos_ids, self.max_completion)
+        shift = torch.logit(torch.tensor(1.0 / self.mean)) - torch.logit(torch.tensor(min(rate, 0.5)))
+        self.bias[self.eos_id] += float(shift)
+        self.record.update(first_mean=sum(lengths) / len(lengths), corrected=float(self.bias[self.eos_id]))
+
+
+def recalibrating_trainer_class(base: type, recalibration: EosRecalibration) -> type:
+    """A subclass of ``base`` that hands its first generation's completions to ``recalibration``."""
+
+    class Recalibrating(base):  # type: ignore[misc, valid-type]
+        def _generate_and_score_completions(self, inputs):
+            out = super()._generate_and_score_completions(inputs)
+            recalibration.observe(out["completion_ids"])
+            return out
+
+    Recalibrating.__name__ = base.__name__
+    return Recalibrating
 
 
 def length_stats(lengths: list[float]) -> dict[str, float]:
@@ -296,15 +351,27 @@ def main(argv: list[str] | None = None) -> None:
     from pathlib import Path
 
     p = argparse.ArgumentParser(description="Merge shape_run.sh's cold, warm and vanilla runs into one result file")
-    p.add_argument("--cold", type=Path, required=True)
-    p.add_argument("--warm", type=Path, required=True)
-    p.add_argument("--vanilla", type=Path, required=True)
+    p.add_argument("--cold", type=Path)
+    p.add_argument("--warm", type=Path)
+    p.add_argument("--vanilla", type=Path)
     p.add_argument("--command", default="", help="the command that produced the runs (RESULTS.md shows it)")
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", type=Path)
+    p.add_argument(
+        "--bias_of", type=Path, default=None,
+        help="print the EOS bias a run corrected (its first result's eos_bias.corrected; nothing if none) and exit",
+    )  # fmt: skip
     args = p.parse_args(argv)
 
-    def load(path: Path) -> dict | None:
-        return json.loads(path.read_text()) if path.exists() else None
+    def load(path: Path | None) -> dict | None:
+        return json.loads(path.read_text()) if path is not None and path.exists() else None
+
+    if args.bias_of is not None:
+        corrected = ((load(args.bias_of) or {}).get("results") or [{}])[0].get("eos_bias", {}).get("corrected")
+        if corrected is not None:
+            print(repr(corrected))
+        return
+    if not (args.cold and args.warm and args.vanilla and args.out):
+        p.error("--cold, --warm, --vanilla and --out are required to merge")
 
     payload = merge(load(args.cold), load(args.warm), load(args.vanilla), args.command)
     args.out.write_text(json.dumps(payload, indent=2))

@@ -4,9 +4,10 @@
 #   bash benchmarks/shape_run.sh OUT_DIR [SHAPE] [PRESET] [SECONDS]
 #
 # 1. cold:    VLMGRPOTrainer, two cycles, with an empty compile cache (compile_cache_dir): the first cycle pays the
-#             compilation, the second is the steady one;
+#             compilation, the second is the steady one; the first generation's lengths correct the EOS bias;
 # 2. warm:    VLMGRPOTrainer again with the same cache, one cycle: the warm start;
 # 3. vanilla: trl.GRPOTrainer, one cycle (it compiles nothing);
+# the warm and vanilla runs take the cold run's corrected EOS bias (--eos_bias): all three sample one distribution.
 # A one-cycle run of the tiny model first goes through the same code (rewards, logging, both trainers) in seconds:
 # a missing package stops the script there, before any large model is loaded.
 # Then bench_shape.py merges the three into OUT_DIR/shape_<SHAPE>_<PRESET>.json. SECONDS bounds the whole script:
@@ -32,7 +33,8 @@ timeout 120 python3 "$here/bench_grpo.py" --preset tiny --trainers ours vanilla 
   --shape "${shape%%:*}:prompts=4,image_size=56,max_completion=16,mean_completion=4,micro_batch=5" \
   --out "$out/preflight.json" > "$out/preflight.log" 2>&1 || { tail -20 "$out/preflight.log"; exit 1; }
 bench $((deadline * 50 / 100 - SECONDS)) cold --trainers ours --warmup 1 --steps 1
-bench $((deadline * 78 / 100 - SECONDS)) warm --trainers ours --warmup 0 --steps 1
-bench $((deadline - 15 - SECONDS)) vanilla --trainers vanilla --warmup 0 --steps 1
+bias=$(python3 "$here/bench_shape.py" --bias_of "$out/cold.json")  # empty when the cold run did not correct it
+bench $((deadline * 78 / 100 - SECONDS)) warm --trainers ours --warmup 0 --steps 1 ${bias:+--eos_bias "$bias"}
+bench $((deadline - 15 - SECONDS)) vanilla --trainers vanilla --warmup 0 --steps 1 ${bias:+--eos_bias "$bias"}
 python3 "$here/bench_shape.py" --cold "$out/cold.json" --warm "$out/warm.json" --vanilla "$out/vanilla.json" \
   --command "bash benchmarks/shape_run.sh OUT $shape $preset $deadline" --out "$out/shape_${shape%%:*}_${preset}.json"

@@ -324,6 +324,55 @@ def test_shape_eos_bias_sets_the_stop_probability():
         parse_shape("easyr1_geo3k:bogus=1")
 
 
+def test_shape_stop_rate_reads_each_row_to_its_first_eos():
+    """The stop rate is the rows that ended over the tokens sampled; the padding after an EOS may be an EOS id too,
+    and a row without one counts its full budget (cut, not ended)."""
+    import torch
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from bench_shape import stop_rate
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    eos, pad = 7, 8  # both end a row (Qwen's generation config lists <|im_end|> and the padding <|endoftext|>)
+    ids = torch.tensor([[1, 2, eos, pad, pad, pad], [3, pad, pad, pad, pad, pad], [1, 1, 1, 1, 1, 1]])
+    rate, lengths = stop_rate(ids, {eos, pad}, max_completion=6)
+    assert lengths == [3, 2, 6] and rate == pytest.approx(2 / 11)
+    assert stop_rate(ids[2:], {eos, pad}, 6)[0] == pytest.approx(0.5 / 6)  # none ended: half a stop, not zero
+
+
+def test_shape_eos_bias_is_corrected_by_the_first_generation(tmp_path, monkeypatch):
+    """The bias calibrated on random ids can miss the model's own stop rate: after the warm-up cycle the bias moves so
+    that the measured cycle's lengths have the asked mean. Here the calibration is made to aim 4x too long (the first
+    cycle's mean ~48 for an asked 12); the measured cycle comes back near 12. Control: the same bias fixed with
+    --eos_bias (as the warm and vanilla runs take the cold run's) is not corrected, and its lengths stay long."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import bench_shape
+
+    real = bench_shape.calibrated_bias
+    monkeypatch.setattr(bench_shape, "calibrated_bias", lambda log_odds, p: real(log_odds, p / 4))
+    shape = "easyr1_geo3k:prompts=8,generations=4,image_size=56,max_completion=96,mean_completion=12,micro_batch=2"
+    base = ["--preset", "tiny", "--device", "cpu", "--trainers", "ours", "--shape", shape, "--warmup", "1"]
+
+    def run(name: str, *extra: str) -> dict:
+        out = tmp_path / f"{name}.json"
+        run_main("bench_grpo.py", [*base, "--steps", "1", "--out", str(out), *extra], tmp_path, monkeypatch)
+        return json.loads(out.read_text())["results"][0]
+
+    corrected = run("corrected")
+    bias = corrected["eos_bias"]
+    assert bias["first_mean"] > 30 and bias["corrected"] > bias["installed"] + 1, bias  # ~log(4) more likely to stop
+    assert corrected["completion_stats"]["n"] == 32  # the measured cycle's rows only
+    assert 6 <= corrected["completion_stats"]["mean"] <= 20, corrected["completion_stats"]
+    printed = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "bench_shape.py"), "--bias_of", str(tmp_path / "corrected.json")],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert float(printed) == pytest.approx(bias["corrected"])  # what shape_run.sh hands the warm and vanilla runs
+    fixed = run("fixed", "--eos_bias", repr(bias["installed"]))
+    assert "corrected" not in fixed["eos_bias"] and fixed["completion_stats"]["mean"] > 25, fixed["eos_bias"]
+
+
 def test_warm_start_micro_runs_a_cold_and_a_warm_process(tmp_path):
     """The decode warm-start benchmark's plumbing (uncompiled here: CPU compilation takes minutes): two processes on
     one cache folder, each with both calls and the start-up counts; the windowed cache grows and narrows."""

@@ -332,7 +332,7 @@ def run_one(args: argparse.Namespace, ds: str, n: int, ctx: dict[str, Any], note
         "profile": args.profile,
         "device": args.device,
         "t0": time.time(),
-        "shape": scale_shape.spec(args.shape_def) if args.shape else None,
+        "shape": scale_shape.spec(args.shape_def, args.eos_bias) if args.shape else None,
     }
     if args.shape:  # the worker counts optimizer steps
         spec.update(warmup=args.warmup * args.shape_def.updates, steps=args.steps * args.shape_def.updates)
@@ -398,6 +398,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="an EasyR1-shaped cycle per GPU (bench_shape.py): easyr1_geo3k, easyr1_geo3k_32x8 or easyr1_geo3k_varied, "
         "with field overrides as name:prompts=4,max_completion=32; it sets the batch and length flags, --warmup / "
         "--steps then count cycles (default 1 cold + 1 measured) and no step is profiled",
+    )  # fmt: skip
+    p.add_argument(
+        "--eos_bias", type=float, default=None,
+        help="with --shape: the EOS bias every rank installs (e.g. the corrected one a 1-GPU bench_grpo.py --shape run "
+        "records under eos_bias.corrected; default: each rank calibrates the same bias on random ids)",
     )  # fmt: skip
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=None, help="measured steps (default 5; cpu plan: 2; --shape: 1 cycle)")

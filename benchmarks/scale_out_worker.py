@@ -280,7 +280,7 @@ def make_recorder(spec: dict[str, Any], timer: Any, probe: Probe, rank: int, dev
     return Recorder()
 
 
-def install_shape_bias(model: Any, mean: int, device: Any) -> float:
+def install_shape_bias(model: Any, mean: int, device: Any, bias: float | None = None) -> float:
     """bench_shape's EOS bias on this rank's freshly loaded model (every rank computes the same bias from the same
     weights). A ZeRO-3 model is loaded partitioned: the calibration pass gathers it whole for the moment; DeepSpeed
     partitions the head's new bias with the rest when it wraps the model."""
@@ -293,8 +293,8 @@ def install_shape_bias(model: Any, mean: int, device: Any) -> float:
         import deepspeed
 
         with deepspeed.zero.GatheredParameters(partitioned):
-            return install_eos_bias(model, eos, mean)
-    return install_eos_bias(model.to(device), eos, mean)
+            return install_eos_bias(model, eos, mean, bias=bias)
+    return install_eos_bias(model.to(device), eos, mean, bias=bias)
 
 
 def worker(spec: dict[str, Any], argv: list[str]) -> None:
@@ -324,7 +324,9 @@ def worker(spec: dict[str, Any], argv: list[str]) -> None:
             # OptimizerTimer closes each step's record before the Recorder reads it.
             kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), OptimizerTimer(timer), *printer, recorder]
             if shape:  # before TRL wraps the model (DeepSpeed, the optimizer)
-                recorder.data["eos_bias"] = install_shape_bias(kwargs["model"], shape["mean_completion"], device)
+                recorder.data["eos_bias"] = install_shape_bias(
+                    kwargs["model"], shape["mean_completion"], device, shape.get("eos_bias")
+                )
             super().__init__(*args, **kwargs)
             recorder.trainer = self
 

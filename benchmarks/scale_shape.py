@@ -60,9 +60,15 @@ def flags(shape: Any) -> dict[str, Any]:
     return {**fields, "num_generations": shape.generations}
 
 
-def spec(shape: Any) -> dict[str, Any]:
-    """What the worker needs of the shape: the EOS bias's mean and the optimizer steps per cycle."""
-    return {"name": shape.name, "mean_completion": shape.mean_completion, "updates": shape.updates}
+def spec(shape: Any, eos_bias: float | None = None) -> dict[str, Any]:
+    """What the worker needs of the shape: the EOS bias (its mean, or the value given) and the optimizer steps per
+    cycle."""
+    return {
+        "name": shape.name,
+        "mean_completion": shape.mean_completion,
+        "updates": shape.updates,
+        "eos_bias": eos_bias,
+    }
 
 
 def kv_cache_gib(model_dir: Path, shape: Any) -> float | None:

@@ -312,6 +312,8 @@ def test_shape_eos_bias_sets_the_stop_probability():
     install_eos_bias(model, eos, mean=20)
     assert 0.8 / 20 < p_eos() < 1.25 / 20
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # the tie is kept
+    assert install_eos_bias(model, eos, mean=20, bias=1.25) == 1.25  # a given bias is installed as it is
+    assert float(model.get_output_embeddings().bias[eos]) == 1.25
     # Spread log-odds: the average stop probability is what sets a geometric mean length, not the median's.
     spread = torch.tensor([-9.0, -6.0, -3.0])
     b = calibrated_bias(spread, 1 / 500)

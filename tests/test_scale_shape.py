@@ -51,6 +51,10 @@ def test_the_geo3k_shape_becomes_the_cli_flags_a_user_passes():
     assert flag(argv, "max_steps") == "8" and "--generation_kwargs" not in argv  # no min_new_tokens
     assert (args.prompts_per_device, args.image_size, args.profile, args.nproc) == (64, 512, False, [2])
     assert args.timeout == args.budget_s  # one run may use the whole budget
+    shape_module = load("scale_shape")
+    assert shape_module.spec(args.shape_def, args.eos_bias)["eos_bias"] is None  # each rank calibrates
+    fixed = driver.parse(["--plan", "zero2", "--shape", "easyr1_geo3k", "--eos_bias", "2.5"])
+    assert shape_module.spec(fixed.shape_def, fixed.eos_bias)["eos_bias"] == 2.5  # the worker installs it as given
     # Without a shape: the forced-length small step, as before.
     plain = driver.parse(["--plan", "zero2"])
     argv = driver.grpo_argv(plain, "zero2", Path("m"), Path("d.jsonl"), Path("o"))

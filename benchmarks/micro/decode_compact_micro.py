@@ -32,6 +32,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest.mock import patch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_common.py is in benchmarks/
 
@@ -160,9 +161,14 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     from vlm_grpo.fastpath import decode
 
-    decode.SIZED_CACHE, decode._WINDOWS_WITHOUT_GRAPH = args.sized_cache, args.windows_on_cpu
-    if args.window is not None:
-        decode.ATTENTION_WINDOW = args.window
+    window = decode.ATTENTION_WINDOW if args.window is None else args.window
+    settings = {"SIZED_CACHE": args.sized_cache, "_WINDOWS_WITHOUT_GRAPH": args.windows_on_cpu}
+    with patch.multiple(decode, ATTENTION_WINDOW=window, **settings):  # put back after the run (tests run main too)
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """The calls of both variants and their summary (``main`` has set the decode's module settings)."""
     on_gpu = device_defaults(args)
     device = torch.device(args.device)
     compile = on_gpu if args.compile is None else args.compile

@@ -214,3 +214,43 @@ def test_a_compiled_sized_decode_compiles_once(marked, sized, tiny_models, monke
     assert len(stats.widths) >= 3 and len({slots for _, slots in stats.allocations}) >= 4, stats.allocations
     graphs = counters["stats"]["unique_graphs"]
     assert (graphs == 3) == marked, graphs
+
+
+@pytest.mark.parametrize("updated", [True, False], ids=["first_rows_updated", "control_stale_first_rows"])
+def test_rows_read_their_prompt_from_a_first_row_of_the_moved_cache(updated, sized, tiny_models, monkeypatch):
+    """The GPU's decode kernel reads a row's prompt slots from the first row of its prompt (``shared``); after a
+    compaction the cache holds the live rows only, and that row must be one of them. A stand-in kernel that reads the
+    prompt slots there keeps generate's tokens; the control, a compaction that leaves the map as it was, must not."""
+    from types import SimpleNamespace
+
+    from test_decode_speed import _tiny_qwen
+    from vlm_grpo.fastpath import decode_attention
+
+    def kernel(query, key, value, mask, scale, shared=None):
+        src, prefix = shared[0].long(), int(shared[1])
+        assert int(src.max()) < key.size(0)  # a row of this (moved) cache
+        key, value = (torch.cat([x[src, :, :prefix], x[:, :, prefix:]], dim=2) for x in (key, value))
+        return decode_attention.one_token_attention(query, key, value, mask, scale)
+
+    monkeypatch.setattr(
+        decode_attention, "decode_kernel", SimpleNamespace(supported=lambda *t: True, decode_attention_kernel=kernel)
+    )
+    real = decode_compact.compact
+
+    def stale(ws, *args):
+        before = ws.shared[0].clone()
+        real(ws, *args)
+        ws.shared[0].copy_(before)
+
+    if not updated:
+        monkeypatch.setattr(decode_compact, "compact", stale)
+    model = _tiny_qwen(tiny_models)
+    batch = _batch()
+    eos = _ragged_eos(model, False, batch)
+    try:
+        ours, plain, _ = _run(model, _config(model, False, eos), batch)
+    except (AssertionError, IndexError):  # the control: a source row past the moved cache's rows
+        assert not updated
+        return
+    assert len(decode_compact.last_stats.widths) >= 3
+    assert (ours == plain) == updated

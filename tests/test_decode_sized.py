@@ -171,16 +171,17 @@ def test_the_benchmark_compares_each_row_up_to_its_eos(monkeypatch):
     assert sum(x == y for x, y in zip(a.tolist(), b.tolist(), strict=True)) == 0  # the control
 
 
-def test_the_benchmark_finds_the_sized_cache_decodes_the_default_caches_tokens(monkeypatch, tmp_path):
-    """``--compare sized`` on CPU (windows of 8 slots, bf16, sampled, rows ending at geometric lengths): the same
-    tokens in every row both ways, a cache that moved into several storages, and a lower peak than the default's."""
+@pytest.mark.parametrize("greedy", [False, True], ids=["sampled", "greedy"])
+def test_the_benchmark_finds_the_sized_cache_decodes_the_default_caches_tokens(greedy, monkeypatch, tmp_path):
+    """``--compare sized`` on CPU (windows of 8 slots, bf16, rows ending at many lengths): the same tokens in every
+    row both ways, a cache that moved into several storages, and a lower peak than the default's."""
     from vlm_grpo.fastpath import decode
 
     micro = _micro(monkeypatch)
     argv = [
         "--preset", "tiny", "--device", "cpu", "--unique", "3", "--group", "4", "--prompt_len", "12",
         "--max_new_tokens", "48", "--mean", "12", "--calls", "2", "--windows_on_cpu", "true", "--window", "8",
-        "--compare", "sized", "--dtype", "bfloat16", "--out", str(tmp_path / "sized.json"),
+        "--compare", "sized", "--dtype", "bfloat16", "--greedy", str(greedy), "--out", str(tmp_path / "sized.json"),
     ]  # fmt: skip
     before = (decode.SIZED_CACHE, decode.ATTENTION_WINDOW, decode._WINDOWS_WITHOUT_GRAPH)
     summary = micro.main(argv)

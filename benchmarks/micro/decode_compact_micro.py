@@ -21,13 +21,15 @@ captures and is left out of the medians. Each record also has the most bytes the
 leaves; ``false``: every row's longest possible cache from the start) and, on a GPU, the call's peak memory.
 ``--windows_on_cpu true`` takes the attention windows (and the growing cache) on CPU too, as tests do; ``--window``
 sets their length (``decode.ATTENTION_WINDOW``), so that a short CPU decode crosses several. ``--greedy true``
-decodes greedily instead of sampling.
+decodes greedily instead of sampling, with the EOS bias set so that EOS is the largest logit at about ``1 / --mean``
+of the positions (``greedy_eos_bias``); a prompt's G rows are then the same.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -38,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_common.py 
 
 import torch
 from bench_common import device_defaults, flag_bool, run_stamp
-from bench_shape import install_eos_bias
+from bench_shape import CALIBRATION_END, CALIBRATION_START, install_eos_bias
 from decode_lengths import prefilled
 
 
@@ -68,8 +70,29 @@ def shaped_model(args: argparse.Namespace, on_gpu: bool, device: torch.device) -
     config.max_new_tokens, config.min_new_tokens = args.max_new_tokens, None
     config.do_sample, config.temperature, config.top_p, config.top_k = True, 1.0, 1.0, 0
     if getattr(args, "greedy", False):
-        config.do_sample = False
+        config.do_sample, config.temperature, config.top_p, config.top_k = False, None, None, None
+        greedy_eos_bias(model, eos[0] if isinstance(eos, list) else eos, args.mean)
     return model, config
+
+
+@torch.no_grad()
+def greedy_eos_bias(model, eos_id: int, mean: int, seed: int = 0) -> float:
+    """Set the EOS bias of the head (``install_eos_bias``'s) so that EOS is the largest logit at about ``1 / mean`` of
+    the calibration positions: greedy rows then end at many different lengths (with the sampling bias EOS would be
+    the argmax almost everywhere, a random model's distribution being nearly flat). Returns the bias."""
+    from vlm_grpo.utils import peft_base
+
+    base = peft_base(model)
+    head, decoder = base.get_output_embeddings(), base.get_decoder()
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    ids = torch.randint(0, head.weight.size(0), (2, CALIBRATION_END), generator=gen).to(head.weight.device)
+    logits = decoder(input_ids=ids).last_hidden_state[:, CALIBRATION_START:].float() @ head.weight.float().T
+    eos = logits[..., eos_id].clone()
+    logits[..., eos_id] = -math.inf
+    margin = logits.max(dim=-1).values - eos  # the bias from which EOS is the argmax at that position
+    value = float(torch.quantile(margin.flatten(), 1.0 / mean))
+    head.bias[eos_id] = value
+    return value
 
 
 def decode_once(

@@ -130,9 +130,10 @@ class _Kept(dict):
 
 @pytest.mark.parametrize("kept", [None, "views", "steps"], ids=["fresh", "control_views_kept", "control_steps_kept"])
 def test_steps_run_only_on_the_current_storage(kept, sized, tiny_models, monkeypatch):
-    """At every step call: the step's cache is the workspace cache's current storage (the K/V of every layer), and
-    no tensor of a storage the cache has moved out of is still alive. Controls: a move that keeps the views of the
-    old storage (a narrowed step then runs on it), or the steps made on it (they keep it alive)."""
+    """At every step call: the step's cache is the workspace cache's current storage (the K/V of every layer, one
+    write position), its fed tokens, positions and mask are the workspace's own buffers (a move reallocates none of
+    them), and no tensor of a storage the cache has moved out of is still alive. Controls: a move that keeps the
+    views of the old storage (a narrowed step then runs on it), or the steps made on it (they keep it alive)."""
     from test_decode_speed import _tiny_qwen
 
     model = _tiny_qwen(tiny_models)
@@ -150,12 +151,19 @@ def test_steps_run_only_on_the_current_storage(kept, sized, tiny_models, monkeyp
         old.extend(weakref.ref(x) for layer in cache.layers for x in (layer.keys, layer.values))
         return real_resize(cache, *args, **kwargs)
 
+    def same(x, y) -> bool:
+        return x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
+
     def call(step, *args):
-        current = made[-1].cache.layers
-        for mine, now in zip(step.cache.layers, current, strict=True):
-            for x, y in ((mine.keys, now.keys), (mine.values, now.values)):
-                if x.untyped_storage().data_ptr() != y.untyped_storage().data_ptr():
-                    problems.append("a step ran on storage the cache has moved out of")
+        ws = made[-1]
+        for mine, now in zip(step.cache.layers, ws.cache.layers, strict=True):
+            if not (same(mine.keys, now.keys) and same(mine.values, now.values)):
+                problems.append("a step ran on storage the cache has moved out of")
+            if mine.cumulative_length is not now.cumulative_length:
+                problems.append("a step writes at another position than the cache's")
+        if not all(same(x, y) for x, y in ((step.tokens, ws.tokens), (step.positions, ws.positions),
+                                           (step.mask, ws.mask))):  # fmt: skip
+            problems.append("a step reads buffers that are not the workspace's")
         if any(ref() is not None for ref in old):
             problems.append("a storage the cache moved out of is alive")
         return real_call(step, *args)

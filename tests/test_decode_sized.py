@@ -189,5 +189,7 @@ def test_the_benchmark_finds_the_sized_cache_decodes_the_default_caches_tokens(g
     assert summary["rows_with_the_same_tokens"] == "24/24" and summary["first_differing_steps"] == [None, None]
     sized, default = summary["calls"][0::2], summary["calls"][1::2]
     assert all(c["sized_cache"] and c["cache_storages"] > 2 and len(c["widths"]) > 1 for c in sized), sized
+    assert all(len(c["narrowed_at_steps"]) == len(c["widths"]) - 1 for c in summary["calls"])
+    assert all(n % 8 == 0 and 0 < n < c["steps"] for c in summary["calls"] for n in c["narrowed_at_steps"])
     assert all(not c["sized_cache"] and c["cache_storages"] == 1 for c in default), default
     assert summary["sized_peak_cache_gib"] < summary["default_peak_cache_gib"]

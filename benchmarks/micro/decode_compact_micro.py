@@ -10,15 +10,16 @@ EasyR1's geo3k shape per GPU by default: 64 random text prompts of ``--prompt_le
 temperature 1 up to ``--max_new_tokens`` (2,048), the LM head biased on EOS (``bench_shape.install_eos_bias``) so
 that lengths are geometric with mean ``--mean`` (500). Each call decodes the batch once with row compaction
 (``decode_compact.COMPACT``) and once without, from the same prefill and seed, and records the wall time, the rows
-computed summed over the steps against a decode at full width, the widths the decode ran at, and how many rows
-got the same tokens both ways, each row compared up to and with its EOS (under the seed every row should; on a GPU a
-GEMM over fewer rows may round a logit differently, and a sampled row then goes its own way), and the first step at
-which some row differs. ``--compare sized``: both decodes compact, one with the sized cache
-(``decode.SIZED_CACHE``) and one with the default cache; they run the same widths, windows and kernels on the same
-rows, so every row should match, in bf16 too. The first call of each variant pays compilation and graph
-captures and is left out of the medians. Each record also has the most bytes the decode cache held
-(``peak_cache_gib``: with ``--sized_cache true``, the default, it grows by windows and drops the rows a compaction
-leaves; ``false``: every row's longest possible cache from the start) and, on a GPU, the call's peak memory.
+computed summed over the steps against a decode at full width, the widths the decode ran at and after how many
+steps it narrowed (``narrowed_at_steps``), how many rows got the same tokens both ways, each row compared up to and
+with its EOS (under the seed every row should; on a GPU a GEMM over fewer rows may round a logit differently, and a
+sampled row then goes its own way, from the first narrowing on), and the first step at which some row differs.
+``--compare sized``: both decodes compact, one with the sized cache (``decode.SIZED_CACHE``) and one with the
+default cache; they run the same widths, windows and kernels on the same rows, so every row should match, in bf16
+too. The first call of each variant pays compilation and graph captures and is left out of the medians. Each
+record also has the most bytes the decode cache held (``peak_cache_gib``: with ``--sized_cache true``, the default,
+it grows by windows and drops the rows a compaction leaves; ``false``: every row's longest possible cache from the
+start) and, on a GPU, the call's peak memory.
 ``--windows_on_cpu true`` takes the attention windows (and the growing cache) on CPU too, as tests do; ``--window``
 sets their length (``decode.ATTENTION_WINDOW``), so that a short CPU decode crosses several. ``--greedy true``
 decodes greedily instead of sampling, with the EOS bias set so that EOS is the largest logit at about ``1 / --mean``
@@ -137,6 +138,7 @@ def decode_once(
         "row_steps": stats.row_steps,
         "full_row_steps": stats.full_row_steps,
         "widths": stats.widths,
+        "narrowed_at_steps": stats.narrowed_at,
         "peak_cache_gib": stats.peak_cache_bytes / 2**30,
         "cache_storages": len(stats.allocations),
         "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,

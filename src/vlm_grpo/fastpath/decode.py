@@ -585,7 +585,7 @@ def _decode(
             if new is not None:
                 compaction.compact(ws, width, new, prefix + t + 1, prompt_len + t + 1, index)
                 width, step = new, None
-                stats.widths.append(width)
+                stats.narrowed(width, t + 1)
                 if sized and not exported:  # the finished rows' K/V is read no more
                     moved(new, ws.cache.layers[0].keys.size(2), prefix + t + 1)
     length = int(sel.produced) if sel.eos is not None else steps

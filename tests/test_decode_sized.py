@@ -142,3 +142,54 @@ def test_resize_copies_the_written_slots_of_the_first_rows_and_zeros_the_rest():
     old, new = rows * heads * slots * dim * 4, 3 * heads * 9 * dim * 4  # bytes of one tensor, before and after
     # Moving the k-th tensor holds the 4 - k old ones not yet moved and k + 1 new ones.
     assert peak == max((4 - k) * old + (k + 1) * new for k in range(4))
+
+
+def _micro(monkeypatch):
+    """benchmarks/micro/decode_compact_micro.py as a module (its folder and benchmarks/ on the path)."""
+    import importlib.util
+
+    from e2e_utils import BENCH
+
+    for folder in (BENCH, BENCH / "micro"):
+        monkeypatch.syspath_prepend(str(folder))
+    spec = importlib.util.spec_from_file_location("_decode_compact_micro", BENCH / "micro" / "decode_compact_micro.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_benchmark_compares_each_row_up_to_its_eos(monkeypatch):
+    """Two decodes whose longest rows differ return outputs of different widths (each padded to its longest row): a
+    row that ended the same way in both counts as the same, a row that went another way differs from the step where
+    it did. The control, whole padded rows compared, would call every row different."""
+    micro = _micro(monkeypatch)
+    eos, pad = 7, 0
+    a = torch.tensor([[5, 7, 0, 0, 0, 0], [4, 4, 4, 7, 0, 0], [9, 8, 1, 2, 3, 7], [3, 7, 0, 0, 0, 0]])
+    b = torch.tensor([[5, 7, 0, 0], [4, 4, 4, 7], [9, 8, 2, 7], [3, 3, 7, pad]])
+    assert micro.compared(a, b, {eos}) == (2, 1)  # rows 0 and 1 agree; row 3 differs at step 1, row 2 at step 2
+    assert micro.compared(a, a, {eos}) == (4, None)
+    assert sum(x == y for x, y in zip(a.tolist(), b.tolist(), strict=True)) == 0  # the control
+
+
+@pytest.mark.parametrize("greedy", [False, True], ids=["sampled", "greedy"])
+def test_the_benchmark_finds_the_sized_cache_decodes_the_default_caches_tokens(greedy, monkeypatch, tmp_path):
+    """``--compare sized`` on CPU (windows of 8 slots, bf16, rows ending at many lengths): the same tokens in every
+    row both ways, a cache that moved into several storages, and a lower peak than the default's."""
+    from vlm_grpo.fastpath import decode
+
+    micro = _micro(monkeypatch)
+    argv = [
+        "--preset", "tiny", "--device", "cpu", "--unique", "3", "--group", "4", "--prompt_len", "12",
+        "--max_new_tokens", "48", "--mean", "12", "--calls", "2", "--windows_on_cpu", "true", "--window", "8",
+        "--compare", "sized", "--dtype", "bfloat16", "--greedy", str(greedy), "--out", str(tmp_path / "sized.json"),
+    ]  # fmt: skip
+    before = (decode.SIZED_CACHE, decode.ATTENTION_WINDOW, decode._WINDOWS_WITHOUT_GRAPH)
+    summary = micro.main(argv)
+    assert (decode.SIZED_CACHE, decode.ATTENTION_WINDOW, decode._WINDOWS_WITHOUT_GRAPH) == before  # put back
+    assert summary["rows_with_the_same_tokens"] == "24/24" and summary["first_differing_steps"] == [None, None]
+    sized, default = summary["calls"][0::2], summary["calls"][1::2]
+    assert all(c["sized_cache"] and c["cache_storages"] > 2 and len(c["widths"]) > 1 for c in sized), sized
+    assert all(len(c["narrowed_at_steps"]) == len(c["widths"]) - 1 for c in summary["calls"])
+    assert all(n % 8 == 0 and 0 < n < c["steps"] for c in summary["calls"] for n in c["narrowed_at_steps"])
+    assert all(not c["sized_cache"] and c["cache_storages"] == 1 for c in default), default
+    assert summary["sized_peak_cache_gib"] < summary["default_peak_cache_gib"]

@@ -54,7 +54,7 @@ from vlm_grpo.fastpath.block_attention import as_sdpa
 from vlm_grpo.fastpath.decode_attention import SHARED_KWARG, decode_attention
 from vlm_grpo.fastpath.decode_autocast import AutocastState
 from vlm_grpo.fastpath.decode_autocast import without_cast_cache as _autocast
-from vlm_grpo.fastpath.decode_cache import cache_restored, decode_cache, nbytes, resize
+from vlm_grpo.fastpath.decode_cache import cache_restored, decode_cache, nbytes, resize, slots_dynamic
 from vlm_grpo.fastpath.decode_fusion import fused_nbytes, fused_projections, release_kept, stand_in
 from vlm_grpo.fastpath.decode_select import (
     InStep,
@@ -550,8 +550,7 @@ def _decode(
     stats = compaction.last_stats = compaction.DecodeStats(rows=rows, widths=[rows])
     stats.allocations, stats.peak_cache_bytes = [tuple(ws.cache.layers[0].keys.shape[::2])], nbytes(ws.cache)
     if sized and windowed:  # the cache's slots change within the call: one compilation for all (see _compiled)
-        for x in (x for layer in ws.cache.layers for x in (layer.keys, layer.values)):
-            torch._dynamo.maybe_mark_dynamic(x, 2)
+        slots_dynamic(ws.cache)
     width, length = rows, 0
     told = row_ends.watch(rows, prompt_len) if sel.eos is not None else None  # rows that ended, to a listener
     step: _Step | None = None
@@ -586,7 +585,7 @@ def _decode(
             if new is not None:
                 compaction.compact(ws, width, new, prefix + t + 1, prompt_len + t + 1, index)
                 width, step = new, None
-                stats.widths.append(width)
+                stats.narrowed(width, t + 1)
                 if sized and not exported:  # the finished rows' K/V is read no more
                     moved(new, ws.cache.layers[0].keys.size(2), prefix + t + 1)
     length = int(sel.produced) if sel.eos is not None else steps

@@ -85,6 +85,15 @@ def nbytes(cache: StaticCache) -> int:
     return sum(x.untyped_storage().nbytes() for layer in cache.layers for x in (layer.keys, layer.values))
 
 
+def slots_dynamic(cache: StaticCache) -> None:
+    """Mark every layer's slot dimension dynamic for ``torch.compile`` (a cache that grows within a call compiles
+    once). A function of its own: a loop in the decode would leave its variable holding the last tensor, and with it
+    that storage, after the cache has moved out of it."""
+    for layer in cache.layers:
+        torch._dynamo.maybe_mark_dynamic(layer.keys, 2)
+        torch._dynamo.maybe_mark_dynamic(layer.values, 2)
+
+
 def resize(cache: StaticCache, rows: int, slots: int, written: int, dynamic: bool = False) -> int:
     """Move ``cache`` (from :func:`decode_cache`) into new storage of ``rows`` rows and ``slots`` slots per layer:
     its first ``rows`` rows' first ``written`` slots are copied, the other slots are zeros (a masked slot must not

@@ -64,19 +64,26 @@ ROW_WISE = GRAPH_SAFE | {
 @dataclass
 class DecodeStats:
     """What one decode computed: ``row_steps`` rows summed over its ``steps`` (at full width that is
-    :attr:`full_row_steps`), the widths it ran at, in order; the (rows, slots) of each storage its cache had, in
-    order, and the most bytes its cache held at once (while moving into new storage: the old and the new)."""
+    :attr:`full_row_steps`), the widths it ran at, in order, and after how many steps it narrowed to each one past
+    the first; the (rows, slots) of each storage its cache had, in order, and the most bytes its cache held at once
+    (while moving into new storage: the old and the new)."""
 
     rows: int = 0
     steps: int = 0
     row_steps: int = 0
     widths: list[int] = field(default_factory=list)
+    narrowed_at: list[int] = field(default_factory=list)
     allocations: list[tuple[int, int]] = field(default_factory=list)
     peak_cache_bytes: int = 0
 
     @property
     def full_row_steps(self) -> int:
         return self.rows * self.steps
+
+    def narrowed(self, width: int, steps: int) -> None:
+        """The decode goes on at ``width`` rows after ``steps`` steps."""
+        self.widths.append(width)
+        self.narrowed_at.append(steps)
 
 
 # The last fast_decode call's (tests and benchmarks read it).

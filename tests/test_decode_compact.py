@@ -183,15 +183,15 @@ def test_compaction_that_moves_the_wrong_rows_cache_fails_the_parity(model, comp
     assert ours != plain
 
 
-@pytest.mark.parametrize("updated", [True, False], ids=["first_rows_updated", "control_stale_first_rows"])
-def test_rows_read_their_prompt_from_a_first_row_of_the_narrow_batch(updated, model, compacting, monkeypatch):
-    """The decode attention's kernel reads a row's prompt slots from the first row of its prompt (``shared``): after
-    a compaction that must be a row of the narrow batch holding the same prompt. A stand-in kernel that reads them
-    there keeps generate's tokens; the control, a compaction that leaves the map as it was, must not."""
+def prompt_map_kernel(monkeypatch: pytest.MonkeyPatch, updated: bool) -> None:
+    """A stand-in for the GPU's decode kernel: it reads each row's prompt slots from the first row of its prompt
+    (``shared``), which must be a row of the cache it is handed. ``updated`` False: compactions leave that map as it
+    was (the control)."""
     from types import SimpleNamespace
 
     def kernel(query, key, value, mask, scale, shared=None):
         src, prefix = shared[0].long(), int(shared[1])
+        assert int(src.max()) < key.size(0)
         key, value = (torch.cat([x[src, :, :prefix], x[:, :, prefix:]], dim=2) for x in (key, value))
         return decode_attention.one_token_attention(query, key, value, mask, scale)
 
@@ -207,6 +207,14 @@ def test_rows_read_their_prompt_from_a_first_row_of_the_narrow_batch(updated, mo
 
     if not updated:
         monkeypatch.setattr(decode_compact, "compact", stale)
+
+
+@pytest.mark.parametrize("updated", [True, False], ids=["first_rows_updated", "control_stale_first_rows"])
+def test_rows_read_their_prompt_from_a_first_row_of_the_narrow_batch(updated, model, compacting, monkeypatch):
+    """The decode attention's kernel reads a row's prompt slots from the first row of its prompt (``shared``): after
+    a compaction that must be a row of the narrow batch holding the same prompt. A stand-in kernel that reads them
+    there keeps generate's tokens; the control, a compaction that leaves the map as it was, must not."""
+    prompt_map_kernel(monkeypatch, updated)
     batch = _batch()
     eos = _ragged_eos(model, False, batch)
     ours, plain, _ = _run(model, _config(model, False, eos), batch)

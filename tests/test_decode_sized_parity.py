@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import test_decode_compact
-from test_decode_compact import _batch, _config, _lengths, _ragged_eos, _run
+from test_decode_compact import _batch, _config, _lengths, _ragged_eos, _run, prompt_map_kernel
 from vlm_grpo.fastpath import decode, decode_cache, decode_compact
 from vlm_grpo.modules import get_vlm_module
 from vlm_grpo.testing.tiny import build_tiny_model
@@ -229,29 +229,9 @@ def test_rows_read_their_prompt_from_a_first_row_of_the_moved_cache(updated, siz
     """The GPU's decode kernel reads a row's prompt slots from the first row of its prompt (``shared``); after a
     compaction the cache holds the live rows only, and that row must be one of them. A stand-in kernel that reads the
     prompt slots there keeps generate's tokens; the control, a compaction that leaves the map as it was, must not."""
-    from types import SimpleNamespace
-
     from test_decode_speed import _tiny_qwen
-    from vlm_grpo.fastpath import decode_attention
 
-    def kernel(query, key, value, mask, scale, shared=None):
-        src, prefix = shared[0].long(), int(shared[1])
-        assert int(src.max()) < key.size(0)  # a row of this (moved) cache
-        key, value = (torch.cat([x[src, :, :prefix], x[:, :, prefix:]], dim=2) for x in (key, value))
-        return decode_attention.one_token_attention(query, key, value, mask, scale)
-
-    monkeypatch.setattr(
-        decode_attention, "decode_kernel", SimpleNamespace(supported=lambda *t: True, decode_attention_kernel=kernel)
-    )
-    real = decode_compact.compact
-
-    def stale(ws, *args):
-        before = ws.shared[0].clone()
-        real(ws, *args)
-        ws.shared[0].copy_(before)
-
-    if not updated:
-        monkeypatch.setattr(decode_compact, "compact", stale)
+    prompt_map_kernel(monkeypatch, updated)  # its kernel asserts the source rows are rows of the (moved) cache
     model = _tiny_qwen(tiny_models)
     batch = _batch()
     eos = _ragged_eos(model, False, batch)

@@ -9,6 +9,7 @@ the host checks for finished rows every 2 steps, so a decode of 12 rows narrows 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 import torch
@@ -183,6 +184,15 @@ def test_compaction_that_moves_the_wrong_rows_cache_fails_the_parity(model, comp
     assert ours != plain
 
 
+def scores_only_sampling(model: Any) -> tuple[Any, Any]:
+    """The ragged batch and a sampled config whose processor (top-k) reads the scores only, so the selection runs in
+    the decode step."""
+    batch = _batch()
+    config = _config(model, True, _ragged_eos(model, True, batch))
+    config.top_k = 50
+    return batch, config
+
+
 def prompt_map_kernel(monkeypatch: pytest.MonkeyPatch, updated: bool) -> None:
     """A stand-in for the GPU's decode kernel: it reads each row's prompt slots from the first row of its prompt
     (``shared``), which must be a row of the cache it is handed. ``updated`` False: compactions leave that map as it
@@ -313,10 +323,7 @@ def test_a_compiled_step_compiles_once_for_every_width(marked, model, compacting
         monkeypatch.setattr(decode_compact, "rows_dynamic", lambda v, mask: None)
     monkeypatch.setattr(decode, "_compiled_forward", None)
     torch._dynamo.reset()
-    batch = _batch()
-    eos = _ragged_eos(model, True, batch)
-    config = _config(model, True, eos)
-    config.top_k = 50  # a processor that reads the scores only: the selection runs in the step
+    batch, config = scores_only_sampling(model)
     counters.clear()
     graphs = []
     for _ in range(2 if marked else 1):

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import test_decode_compact
-from test_decode_compact import _batch, _config, _lengths, _ragged_eos, _run, prompt_map_kernel
+from test_decode_compact import _batch, _config, _lengths, _ragged_eos, _run, prompt_map_kernel, scores_only_sampling
 from vlm_grpo.fastpath import decode, decode_cache, decode_compact
 from vlm_grpo.modules import get_vlm_module
 from vlm_grpo.testing.tiny import build_tiny_model
@@ -211,10 +211,7 @@ def test_a_compiled_sized_decode_compiles_once(marked, sized, tiny_models, monke
     monkeypatch.setattr(decode, "_compiled_forward", None)
     monkeypatch.setattr(torch.compiler.config, "job_id", None)  # a cold process's counts (no saved dynamic profile)
     torch._dynamo.reset()
-    batch = _batch()
-    eos = _ragged_eos(model, True, batch)
-    config = _config(model, True, eos)
-    config.top_k = 50  # a processor that reads the scores only: the selection runs in the step
+    batch, config = scores_only_sampling(model)
     counters.clear()
     ours, plain, same_sampler = _run(model, config, batch, compile=True)
     stats = decode_compact.last_stats

@@ -97,6 +97,50 @@ def test_the_folder_follows_the_setting_the_env_and_the_compilers_own_variables(
         use_compile_cache(str(tmp_path / "file"), "cpu")
 
 
+def test_the_folders_torch_writes_itself_are_not_a_users_choice(tmp_path, monkeypatch):
+    """Inductor writes its default folder into TORCHINDUCTOR_CACHE_DIR the first time it needs one (importing
+    torch._dynamo does; transformers imports it before any trainer exists), and a folder under it into
+    TRITON_CACHE_DIR when it builds its first Triton kernel: the documented folder still wins over those. A folder a
+    user chose, even one beside the default, still wins over the documented one."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setenv("VLM_GRPO_COMPILE_CACHE", str(tmp_path / "env"))
+    folder = tmp_path / "env" / version_key("cpu")
+    torch_default = os.path.abspath(default_cache_dir())
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", torch_default)
+    monkeypatch.setenv("TRITON_CACHE_DIR", os.path.join(torch_default, "triton", "0"))
+    assert use_compile_cache(None, "cpu") == folder and os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(folder)
+    assert os.environ["TRITON_CACHE_DIR"] == str(folder / "triton")
+    for name, chosen in (("TORCHINDUCTOR_CACHE_DIR", torch_default + "_mine"), ("TRITON_CACHE_DIR", "triton_mine")):
+        monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+        monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+        monkeypatch.setenv(name, chosen)
+        assert use_compile_cache(None, "cpu") is None and os.environ[name] == chosen, name
+
+
+@pytest.mark.slow
+def test_a_process_that_imported_transformers_caches_in_the_documented_folder(tmp_path):
+    """As the command line runs: transformers (and with it torch._dynamo) is imported before the trainer points the
+    caches, and compiled artifacts still land in $VLM_GRPO_COMPILE_CACHE, not in torch's default folder."""
+    script = (
+        "import os, sys, transformers.masking_utils, torch\n"
+        "from vlm_grpo.fastpath.compile_cache import use_compile_cache\n"
+        "before = os.environ.get('TORCHINDUCTOR_CACHE_DIR')\n"
+        "folder = use_compile_cache(None, 'cpu')\n"
+        "torch.compile(lambda x: x.sin() * 2)(torch.randn(4))\n"
+        "print(before, folder, os.environ['TORCHINDUCTOR_CACHE_DIR'])\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLM_GRPO_COMPILE_CACHE": str(tmp_path / "cc")}
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        env.pop(name, None)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    before, folder, after = out.stdout.split()
+    assert before != "None"  # torch wrote its default before any of ours ran (what made the folder be ignored)
+    assert folder == after == str(tmp_path / "cc" / version_key("cpu"))
+    assert list(Path(folder).rglob("*.py")) or list(Path(folder).rglob("*.pkl"))  # the compiled graph is there
+
+
 def test_a_folder_that_cannot_be_made_is_refused_by_the_config_before_any_model_loads(tmp_path):
     from vlm_grpo.configs import VLMGRPOConfig
 

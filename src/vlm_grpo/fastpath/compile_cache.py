@@ -84,7 +84,8 @@ def use_compile_cache(setting: str | None, device: torch.device | str | None = N
     """Point inductor's and Triton's caches at ``<folder>/<version_key>`` for this process; returns that folder.
 
     ``setting`` None: the default folder (:func:`default_dir`), unless ``TORCHINDUCTOR_CACHE_DIR`` or
-    ``TRITON_CACHE_DIR`` is set, which then stays in charge (returns None). ``off``: nothing persists: both caches
+    ``TRITON_CACHE_DIR`` holds a folder someone chose, which then stays in charge (returns None); torch's own
+    default written there does not count (:func:`_chosen`). ``off``: nothing persists: both caches
     go to a temporary folder removed when the process ends. A path: that folder (over any compiler variable set).
     In every case dynamo keeps its profile of dynamic dimensions with inductor's cache (see the module's docstring).
     """
@@ -95,7 +96,7 @@ def use_compile_cache(setting: str | None, device: torch.device | str | None = N
         _point_at(folder)
         logger.info("compile_cache_dir=off: compiled artifacts go to %s and are removed at exit", folder)
         return None
-    given = [name for name in COMPILER_ENV if os.environ.get(name) and os.environ[name] != _pointed.get(name)]
+    given = [name for name in COMPILER_ENV if _chosen(name)]
     if setting is None and given:
         logger.info("%s is set: compiled artifacts are cached where it says, not in %s", given[0], default_dir())
         return None
@@ -124,6 +125,24 @@ def keep_dynamic_profile() -> None:
 
 # What this module last set the compilers' variables to (a later trainer in the process may point them elsewhere).
 _pointed: dict[str, str] = {}
+
+
+def _chosen(name: str) -> bool:
+    """Whether the compiler variable ``name`` holds a folder someone chose: not unset, not ours, and not the one
+    torch writes into it itself. Inductor sets ``TORCHINDUCTOR_CACHE_DIR`` to its default folder the first time it
+    needs one (``import torch._dynamo`` does, and transformers imports it before any trainer exists), and
+    ``TRITON_CACHE_DIR`` to a folder under that default when it first builds a Triton kernel."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    value = os.environ.get(name)
+    if not value or value == _pointed.get(name):
+        return False
+    default = os.path.abspath(default_cache_dir())
+    value = os.path.abspath(value)
+    if name == "TRITON_CACHE_DIR":
+        default = os.path.join(default, "triton")
+        return os.path.commonpath([value, default]) != default
+    return value != default
 
 
 def _point_at(folder: Path) -> None:

@@ -176,6 +176,11 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("transformers.masking_utils", "sdpa_mask", why="the block kernel's fallback mask"),
     PrivateName("torch._dynamo.exc", "TorchDynamoException", why="compile_layers falls back to eager on it"),
     PrivateName(
+        "torch._inductor.runtime.cache_dir_utils",
+        "default_cache_dir",
+        why="compile_cache: the folder inductor writes into TORCHINDUCTOR_CACHE_DIR itself is not a user's choice",
+    ),
+    PrivateName(
         "transformers.cache_utils:StaticLayer",
         "cumulative_length",
         source="transformers.cache_utils:StaticLayer.update",

@@ -277,14 +277,14 @@ def test_a_turn_is_read_within_the_context_budget(tokenizer):
 def test_a_loop_turn_is_cut_at_the_completion_budget_as_trl_cuts_it(tokenizer):
     """In a loop round, TRL keeps ``max_completion_length`` tokens of the completion (turns and tool replies): a
     call beyond them never starts; one that fits does."""
-    turn = encode(tokenizer, call_turn(6))
-    for spare, started in ((0, True), (-2, False)):
+    turn = encode(tokenizer, call_turn(6))[:-1]  # the row ran into the completion budget: no end of turn
+    for spare, started in ((0, True), (-1, False), (-2, False)):
         LOG.clear()
         trainer, _, stats = setup(tokenizer)
         early = EarlyCalls(trainer, stats)
         rows = loop_round(tokenizer, trainer, early)
         used = len(rows[0]) - len(early.loop[0][0])  # the completion so far: first turn and tool reply
-        trainer.max_completion_length = used + len(turn) - 1 + spare  # room for the call without the end of turn
+        trainer.max_completion_length = used + len(turn) + spare  # one token short: "</tool_call" is no call
         end_turns(early, rows, {0: turn})
         assert (LOG == [("double", 6)]) is started, spare
 
@@ -306,6 +306,9 @@ def test_a_stop_string_decides_a_live_row(tokenizer):
     early = EarlyCalls(trainer, stats)
     assert early._decided(encode(tokenizer, 'x": 1}}\n</tool_call> and'))
     assert not early._decided(encode(tokenizer, 'x": 1}}\n</tool_call'))
+    special = type("StopAtSpecial", (HermesProtocol,), {"stop": ("<|vision_end|>",)})()  # a special token
+    trainer_special, _, stats_special = setup(tokenizer, protocol=special)
+    assert EarlyCalls(trainer_special, stats_special)._decided(encode(tokenizer, "a<|vision_end|>"))
     rows = [prompt(tokenizer, 0), prompt(tokenizer, 1)]
     after = " and then <tool_call>\n" + json.dumps({"name": "double", "arguments": {"x": 9}})
     assert end_turns(early, rows, {0: encode(tokenizer, call_turn(8, after=after))})
@@ -408,6 +411,18 @@ def test_a_decided_live_row_is_handed_with_its_tokens_so_far():
     tails.clear()
     watch(workspace(out, [True, True], [0, 1]), length)
     assert tails == [row[-row_ends.TAIL :]] and len(told) == 1  # a row told is not asked again
+
+
+def test_rows_that_end_are_handed_over_with_the_decided_ones():
+    """A check that asks live rows whether they decided their turn still hands over the rows that ended."""
+    told: list[dict] = []
+    with row_ends.listening(told.append, lambda tail: 7 in tail):
+        watch = row_ends.watch(3, 0)
+    out = [[1, 2, 3, 4], [1, 7, 3, 4], [1, 50, 0, 0]]
+    watch(workspace(out, [True, True, False], [0, 1, 2]), 4)
+    assert told == [{1: [1, 7, 3, 4], 2: [1, 50]}]
+    watch(workspace(out, [True, True, False], [0, 1, 2]), 4)
+    assert len(told) == 1
 
 
 def test_listening_without_a_listener_and_nested_blocks():

@@ -10,8 +10,8 @@ twice after short turns, then answers; rollout 3 calls the fast tool after a lon
 Three runs of one GRPO step: TRL's loop with ``generate`` (``share_prefill`` off), the speed path with the calls
 started after each round (``early_tool_calls`` off), and with them started as each turn ends. Rollouts (tokens, tool
 masks), logged metrics and the tool's own log of calls must be equal; each (rollout, turn) runs once. The speed: the
-generation's wall time with early calls is well under the lockstep run's (the slow tool runs while the long turns
-decode). Control: a rollout whose calls are started again after the round (the "already started" mark ignored) runs
+time the generation waits outside its turns is well under the lockstep run's (the slow tool runs while the long turns
+decode; measured outside the turns, a busy machine's slower decodes do not blur it). Control: a rollout whose calls are started again after the round (the "already started" mark ignored) runs
 its calls twice, and the test sees it.
 """
 

@@ -11,8 +11,8 @@ Three runs of one GRPO step: TRL's loop with ``generate`` (``share_prefill`` off
 started after each round (``early_tool_calls`` off), and with them started as each turn ends. Rollouts (tokens, tool
 masks), logged metrics and the tool's own log of calls must be equal; each (rollout, turn) runs once. The speed: the
 time the generation waits outside its turns is well under the lockstep run's (the slow tool runs while the long turns
-decode; measured outside the turns, a busy machine's slower decodes do not blur it). Control: a rollout whose calls are started again after the round (the "already started" mark ignored) runs
-its calls twice, and the test sees it.
+decode; measured outside the turns, a busy machine's slower decodes do not blur it). Control: a rollout whose calls
+are started again after the round (the "already started" mark ignored) runs its calls twice, and the test sees it.
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@ how many tokens the loss is normalised by (tool-output tokens excluded), NaN rew
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -39,8 +41,22 @@ class StandInTRL:
         self._metrics = {"train": defaultdict(list)}
         self.train_dataset = dataset
         self.rounds: list[list[str]] = []
+        self.state = SimpleNamespace(global_step=0)
+        self.trl_calls: list[tuple] = []
+
+    def _get_output_dir(self, trial):
+        return self.args.output_dir if trial is None else os.path.join(self.args.output_dir, f"run-{trial}")
+
+    def _save_checkpoint(self, model, trial):  # TRL writes the checkpoint folder
+        self.trl_calls.append(("save", model, trial))
+        os.makedirs(os.path.join(self._get_output_dir(trial), f"checkpoint-{self.state.global_step}"))
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        self.trl_calls.append(("load", checkpoint))
 
     def _generate_and_score_completions(self, inputs):
+        if len(self.rounds) >= 50:  # a round loop that ignores max_sampling_rounds: fail, don't hang
+            raise AssertionError("runaway generation rounds")
         self.rounds.append([row["name"] for row in inputs])
         width = max(row["length"] for row in inputs)
         mask = torch.tensor([[1] * r["length"] + [0] * (width - r["length"]) for r in inputs])
@@ -364,3 +380,161 @@ def test_the_refill_warning_says_what_to_do(caplog):
         "dynamic_sampling: 2 group(s) still missing after max_sampling_rounds=1; filled with dropped groups "
         "(zero advantage, no policy-gradient signal). Raise max_sampling_rounds or check the rewards."
     ]
+
+
+class DictRewardTRL(StandInTRL):
+    """A batch reward ("fmt") returning EasyR1's dicts keeps those of its latest call in ``last_outputs``
+    (``row["outs"][i % G]``); the plain reward ("acc") is a bare function without them."""
+
+    def __init__(self, dataset, **kwargs):
+        super().__init__(dataset, **kwargs)
+        self.reward_funcs = [lambda **_: None, SimpleNamespace(kind="batch", last_outputs=[])]
+
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
+        self.reward_funcs[1].last_outputs = [row["outs"][i % G] for i, row in enumerate(inputs)]
+        return out
+
+
+class DictReward(DynamicSamplingMixin, DictRewardTRL):
+    pass
+
+
+def dict_rows(name, accuracy, id, length):
+    """One prompt's G rows whose dicts carry ``accuracy`` (None: that row's dict lacks the key)."""
+    outs = [{"overall": float(i), **({} if a is None else {"accuracy": a})} for i, a in enumerate(accuracy)]
+    return [{"name": name, "rewards": VARIED, "outs": outs, "length": length, "tool": 0, "id": id}] * G
+
+
+def test_filter_key_on_a_key_of_a_rewards_dicts_keeps_the_right_groups_with_their_own_rows():
+    """EasyR1's ``filter_key: accuracy``: the group mean of the dicts' ``accuracy`` (a row without it left out,
+    not counted as 0) must lie in (low, high); every column of a kept row stays that row's."""
+    trainer = DictReward(FURTHER, max_rounds=1)
+    vars(trainer.args).update(filter_key="accuracy", filter_low=0.3, filter_high=0.8)
+    batch = (
+        dict_rows("right", [1.0, 1.0], id=5, length=4)  # mean 1: dropped, though its total reward varies
+        + dict_rows("half", [1.0, 0.0], id=4, length=5)  # mean 0.5: kept
+        + dict_rows("wrong", [0.0, 0.0], id=7, length=1)  # mean 0: dropped
+        + dict_rows("gap", [0.5, None], id=6, length=2)  # mean 0.5 over the row that has it (0.25 if as 0)
+    )
+    out = trainer._generate_and_score_completions(batch)
+    # kept groups first, then the dropped ones fill in (one round only); rows keep their advantages and tokens
+    assert out["prompt_ids"][:, 0].tolist() == [4, 4, 6, 6, 5, 5, 7, 7]
+    assert out["advantages"].tolist() == [2.0, 3.0, 6.0, 7.0, 0.0, 1.0, 4.0, 5.0]
+    assert out["completion_mask"].sum(1).tolist() == [5, 5, 2, 2, 4, 4, 1, 1]
+    assert (out["completion_ids"][:, 0] == out["prompt_ids"][:, 0]).all()
+    assert int(out["num_items_in_batch"]) == 2 * (5 + 2 + 4 + 1)
+    metrics = trainer._metrics["train"]
+    assert metrics["dynamic_sampling/kept_groups"] == [2.0] and metrics["dynamic_sampling/dropped_groups"] == [2.0]
+    assert metrics["dynamic_sampling/filled_groups"] == [2.0]
+
+
+def test_filter_key_finds_its_reward_and_says_what_it_saw_when_it_cannot():
+    trainer = DictReward(FURTHER)
+    acc = SimpleNamespace(last_outputs=[{"accuracy": 1.0, "acc/strict": 0.0}, {"accuracy": 0.0, "acc/strict": 1.0}])
+    fmt = SimpleNamespace(last_outputs=[{"accuracy": 0.25, "score/x": 3.0}, {"accuracy": 0.75}])
+    trainer.reward_funcs = [acc, fmt]
+
+    def column(key, rows=2):
+        trainer.args.filter_key = key
+        return trainer._filter_column(rows)
+
+    def message(key, rows=2):
+        with pytest.raises(ValueError) as raised:
+            column(key, rows)
+        return str(raised.value)
+
+    assert column("acc") is None and column("overall") is None and column("reward") is None
+    assert column("fmt/accuracy").tolist() == [0.25, 0.75] and column("acc/accuracy").tolist() == [1.0, 0.0]
+    assert column("acc/acc/strict").tolist() == [0.0, 1.0]  # reward "acc", key "acc/strict"
+    literal = column("score/x")  # "score" is no reward's name: the whole key is the dicts' key
+    assert literal[0] == 3.0 and literal[1].isnan() and literal.dtype == torch.float32  # missing in a row: NaN
+    keys = "acc/acc/strict, acc/accuracy, fmt/accuracy, fmt/score/x"
+    assert message("accuracy") == (
+        f"filter_key 'accuracy': several rewards return it; write it as reward/key (rewards: acc, fmt; keys their "
+        f"dicts returned: {keys}; or reward / overall for the weighted sum)"
+    )
+    assert message("acuracy") == (
+        f"filter_key 'acuracy': no reward returned it (rewards: acc, fmt; keys their dicts returned: {keys}; "
+        "or reward / overall for the weighted sum)"
+    )
+    acc.last_outputs = [{"accuracy": 1.0}] * 3  # left from a call on other rows (3): not this batch's
+    assert column("accuracy").tolist() == [0.25, 0.75]
+    trainer.reward_funcs = [lambda **_: None, SimpleNamespace(last_outputs=[{}, {}])]  # no dicts at all
+    assert message("accuracy").startswith("filter_key 'accuracy': no reward returned it (rewards: acc, fmt; keys")
+    assert message("accuracy").endswith("returned: none; or reward / overall for the weighted sum)")
+
+
+def test_filter_key_on_a_dict_key_is_accepted_only_when_a_reward_returns_dicts():
+    trainer = DictReward(FURTHER)
+    trainer.args.filter_key = "accuracy"
+    trainer._check_dynamic_sampling()  # "fmt" is a batch reward: its dicts may carry it
+    trainer.reward_funcs = [lambda **_: None, SimpleNamespace(kind="trl")]
+    with pytest.raises(ValueError) as raised:
+        trainer._check_dynamic_sampling()
+    assert str(raised.value) == (
+        "filter_key 'accuracy' is not a reward of this run: use one of ['acc', 'fmt'] or reward / overall "
+        "(the weighted sum), or a key of the dict a batch reward returns"
+    )
+
+
+def test_the_group_filter_runs_where_the_rewards_live():
+    """TRL keeps ``reward_weights`` on the CPU and the gathered rewards on the accelerator (here: meta)."""
+    keep = keep_groups(torch.zeros(4, 2, device="meta"), torch.tensor([1.0, 0.5]), G, ["acc", "fmt"])
+    assert keep.device.type == "meta" and keep.shape == (2,)
+
+
+def test_merge_keeps_each_rows_vision_features_and_pads_text_only_rounds_to_their_own_shape():
+    from vlm_grpo.dynamic_sampling import merge_batches
+    from vlm_grpo.fastpath.vision_reuse import FEATURES_KEY
+
+    def part(rows, prompt, completion, mm=True, features=None):
+        out = {
+            "prompt_ids": torch.ones(rows, prompt, dtype=torch.long),
+            "prompt_mask": torch.ones(rows, prompt, dtype=torch.long),
+            "completion_ids": torch.ones(rows, completion, dtype=torch.long),
+            "completion_mask": torch.ones(rows, completion, dtype=torch.long),
+            "advantages": torch.zeros(rows),
+        }
+        if mm:
+            out["mm_token_type_ids"] = torch.ones(rows, prompt + completion, dtype=torch.long)
+        if features is not None:
+            out[FEATURES_KEY] = features
+        return out
+
+    a, b = object(), object()
+    merged = merge_batches([part(2, 3, 2, features=[a, b]), part(3, 1, 4, mm=False)], pad_token_id=0)
+    assert merged[FEATURES_KEY] == [a, b, None, None, None]  # the text-only round's rows: encoded by that pass
+    assert merged["mm_token_type_ids"].tolist() == [[1, 1, 1, 1, 1, 0, 0]] * 2 + [[0] * 7] * 3
+    merged = merge_batches([part(2, 2, 1, mm=False), part(2, 2, 2, features=[b, a])], pad_token_id=0)
+    assert merged[FEATURES_KEY] == [None, None, b, a]
+
+
+def test_the_further_prompt_position_is_saved_with_each_checkpoint_and_restored_on_resume(tmp_path):
+    trainer = Trainer(list(range(10)))
+    trainer.args.output_dir = str(tmp_path)
+    trainer._further_prompts(6)  # 3 groups drawn
+    trainer.state.global_step = 7
+    model = object()
+    trainer._save_checkpoint(model, None)
+    trainer._save_checkpoint(model, "t1")  # a hyper-parameter search trial has its own folder
+    assert trainer.trl_calls == [("save", model, None), ("save", model, "t1")]
+    for folder in (tmp_path / "checkpoint-7", tmp_path / "run-t1" / "checkpoint-7"):
+        assert json.loads((folder / "dynamic_sampling.json").read_text()) == {"cursor": 3}
+    resumed = Trainer(list(range(10)))
+    resumed._load_optimizer_and_scheduler(str(tmp_path / "checkpoint-7"))
+    assert resumed.trl_calls == [("load", str(tmp_path / "checkpoint-7"))] and resumed._ds_cursor == 3
+    assert resumed._further_prompts(2) == Trainer(list(range(10)))._further_prompts(8)[6:]  # the stream goes on
+    for checkpoint in (None, str(tmp_path / "run-t1")):  # no checkpoint, or one without the file
+        fresh = Trainer(list(range(10)))
+        fresh._load_optimizer_and_scheduler(checkpoint)
+        assert fresh._ds_cursor == 0 and fresh.trl_calls == [("load", checkpoint)]
+    off = Trainer(list(range(10)))  # a run without dynamic_sampling ignores the file
+    off.args.dynamic_sampling = False
+    off._load_optimizer_and_scheduler(str(tmp_path / "checkpoint-7"))
+    assert off._ds_cursor == 0
+    for change in ({"dynamic_sampling": False}, {"should_save": False}):  # off, or not the saving process
+        other = Trainer(list(range(10)))
+        vars(other.args).update(output_dir=str(tmp_path / str(change)), **change)
+        other._save_checkpoint(model, None)
+        assert os.listdir(tmp_path / str(change) / "checkpoint-0") == []

@@ -180,8 +180,10 @@ class Recorder:
         self.calls: list[list[str]] = []
         self.__name__ = "recorded"
 
-    def __call__(self, completions, **kwargs):
+    def __call__(self, completions, completion_ids, **kwargs):
         texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+        # a reward reading the token ids gets one list of ints per completion
+        assert len(completion_ids) == len(texts) and all(isinstance(i, int) for ids in completion_ids for i in ids)
         self.calls.append(texts)
         return _reward(texts)
 
@@ -195,9 +197,14 @@ def test_remax_baseline_is_the_reward_of_each_prompts_greedy_completion(speed, t
     recorder = Recorder()
     trainer.reward_funcs = [recorder]
     trainer.model.train()
+    prompts, generate = [], trainer._generate
+    trainer._generate = lambda batch_prompts, *a, **k: prompts.append(batch_prompts) or generate(batch_prompts, *a, **k)
     batch_inputs = decode_pending(next(iter(trainer.get_train_dataloader())), trainer._pending_transform)
     batch = trainer._generate_and_score_completions(batch_inputs)
     greedy, sampled = recorder.calls
+    # the greedy completion answers the same prompt, image included, as its group's samples
+    assert any(part.get("image") is not None for part in prompts[1][0][0]["content"]), "no image: shows nothing"
+    assert prompts[0] == prompts[1][::G]
     assert len(greedy) == 2 and len(sampled) == 2 * G  # one greedy completion per prompt (group)
     assert trainer.generation_config.do_sample  # sampling is back on for the samples
     assert len(set(sampled)) > 2, "the samples did not vary: the test shows nothing"

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from PIL import Image
+from trl import GRPOTrainer
 
 from vlm_grpo.advantages import (
     AdvantageEstimatorMixin,
@@ -71,9 +72,11 @@ class FakeGRPO:
         self.output, self.rewards = output, rewards
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        self.forwarded = (inputs, prompts, completions, completion_ids_list)
         return self.rewards
 
     def _generate_and_score_completions(self, inputs):
+        self.inputs = inputs
         self._calculate_rewards(inputs, None, None, None)
         return dict(self.output)
 
@@ -99,6 +102,7 @@ class Trainer(AdvantageEstimatorMixin, FakeGRPO):
 
     def _remax_baselines(self, inputs):
         self.greedy_passes += 1
+        self.greedy_inputs = inputs
         return torch.tensor([0.5, 0.5])
 
 
@@ -116,10 +120,11 @@ def test_rloo_advantages_of_this_process_rows():
 
 
 def test_remax_advantages_of_this_process_rows():
-    trainer = Trainer("remax")
-    out = trainer._generate_and_score_completions([])
+    trainer, inputs = Trainer("remax"), [{"prompt": "rows of this process"}]
+    out = trainer._generate_and_score_completions(inputs)
     torch.testing.assert_close(out["advantages"], torch.tensor([2.5, 0.5]))
     assert trainer.greedy_passes == 1
+    assert trainer.greedy_inputs is inputs and trainer.inputs is inputs  # both passes get this process's rows
 
 
 @pytest.mark.parametrize("tools", [False, True], ids=["no_tools", "tool_results"])
@@ -176,19 +181,58 @@ class Stop(Exception):
 
 
 class Greedy(AdvantageEstimatorMixin):
-    """What ``_remax_baselines`` reads of the trainer, with a ``_generate`` that records the prompts it gets."""
+    """What ``_remax_baselines`` reads of the trainer (process 1 of 2, groups of 2), with a ``_generate`` that
+    records the prompts it gets and leaves traces in the metrics, as TRL's does."""
 
-    def __init__(self):
-        self.num_generations = 2
+    def __init__(self, stop: bool = True):
+        self.stop, self.num_generations = stop, 2
         self.generation_config = SimpleNamespace(do_sample=True)
         self.state = SimpleNamespace(num_input_tokens_seen=5)
-        self._metrics, self._pending_metrics, self._pending_extra_logs = {"train": {}}, {}, {}
+        self._metrics, self._pending_metrics, self._pending_extra_logs = {"train": {}}, {}, {"texts": []}
+        self.reward_weights = torch.tensor([1.0])
+        self.accelerator = SimpleNamespace(process_index=1)
         self.prompts: list = []
 
     def _generate(self, prompts):
         assert not self.generation_config.do_sample
         self.prompts.append(prompts)
-        raise Stop
+        self._metrics["train"]["completions/mean_length"] = [3.0]
+        self.state.num_input_tokens_seen += 10
+        self._pending_metrics["reward"] = [1.0]
+        self._pending_extra_logs["texts"].append("greedy")
+        if self.stop:
+            raise Stop
+        completion_ids = [[7] * (i + 1) for i in range(len(prompts))]
+        return None, completion_ids, None, [f"greedy {i}" for i in range(len(prompts))], None, {}
+
+
+def test_remax_baselines_are_this_process_greedy_rewards_once_per_group(monkeypatch):
+    """TRL's ``_calculate_rewards`` scores the greedy completions (their token ids too) and gathers both
+    processes' scores: process 0's 9, 8 | this process's 1, 2, one per group of 2 rows."""
+    seen = []
+
+    def rewards(self, inputs, prompts, completions, completion_ids_list):
+        seen.append((self, inputs, prompts, completions, completion_ids_list))
+        return torch.tensor([[9.0], [8.0], [1.0], [2.0]])
+
+    monkeypatch.setattr(GRPOTrainer, "_calculate_rewards", rewards)
+    trainer = Greedy(stop=False)
+    rows = [{"prompt": [{"role": "user", "content": f"Q{i // 2}"}]} for i in range(4)]
+    torch.testing.assert_close(trainer._remax_baselines(rows), torch.tensor([1.0, 1.0, 2.0, 2.0]))
+    assert trainer.prompts == [[[{"role": "user", "content": "Q0"}], [{"role": "user", "content": "Q1"}]]]
+    assert seen == [(trainer, [rows[0], rows[2]], trainer.prompts[0], ["greedy 0", "greedy 1"], [[7], [7, 7]])]
+    # the greedy pass left no trace in what is logged, and sampling is back on
+    assert trainer._metrics == {"train": {}} and trainer._pending_metrics == {}
+    assert trainer._pending_extra_logs == {"texts": []} and trainer.state.num_input_tokens_seen == 5
+    assert trainer.generation_config.do_sample
+
+
+def test_the_rewards_are_computed_by_trl_from_everything_it_hands():
+    """The reward functions get the completions' token ids too (``completion_ids``) and TRL's gathered rewards."""
+    trainer = Trainer("rloo")
+    assert trainer._calculate_rewards(["row"], ["prompt"], ["text"], [[4, 5]]) is trainer.rewards
+    assert trainer.forwarded == (["row"], ["prompt"], ["text"], [[4, 5]])
+    assert trainer._gathered_rewards is trainer.rewards
 
 
 def test_remax_greedy_prompts_carry_trls_single_image_column():
@@ -218,3 +262,22 @@ def test_remax_greedy_prompts_without_images():
     with pytest.raises(Stop):
         trainer._remax_baselines(rows)
     assert trainer.prompts == [[[{"role": "user", "content": "Hi"}]]]
+
+
+def test_remax_greedy_prompts_carry_the_images_column():
+    """The layout this project's data gives (an ``images`` list per row, possibly empty): the group's images fill
+    its prompt's placeholders; a row with no image gets a text-only prompt."""
+    image = Image.new("RGB", (8, 6), (1, 2, 3))
+    with_image = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Red?"}]}]
+    rows = [{"prompt": with_image, "images": [image]}] * 2 + [
+        {"prompt": [{"role": "user", "content": "Hi"}], "images": []}
+    ] * 2
+    trainer = Greedy()
+    with pytest.raises(Stop):
+        trainer._remax_baselines(rows)
+    assert trainer.prompts == [
+        [
+            [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "Red?"}]}],
+            [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+        ]
+    ]

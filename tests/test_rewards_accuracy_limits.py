@@ -141,18 +141,18 @@ def test_wild_expression_is_not_compared_but_falls_back():
 @pytest.mark.parametrize("reward", [accuracy_reward, vqa_graded_reward])
 def test_row_errors_name_the_problem(reward):
     name = "accuracy" if reward is accuracy_reward else "vqa_graded"
-    with pytest.raises(ValueError, match=f"^The {name} reward needs a 'solution' column$"):
+    with pytest.raises(ValueError, match=rf"^The {name} reward needs a 'solution' column$"):
         reward(["a"])
-    with pytest.raises(ValueError, match="^solution is None$"):
+    with pytest.raises(ValueError, match=r"^solution is None$"):
         reward(["a", "b"], solution=["a", None])
-    with pytest.raises(ValueError, match="^empty solution$"):
+    with pytest.raises(ValueError, match=r"^empty solution$"):
         reward(["a"], solution=[""])
-    with pytest.raises(ValueError, match="^Got 2 completions but 1 solutions"):
+    with pytest.raises(ValueError, match=r"^Got 2 completions but 1 solutions"):
         reward(["a", "b"], solution=["a"])
 
 
 def test_method_column_of_the_wrong_length():
-    with pytest.raises(ValueError, match="^Got 2 completions but 2 solutions and 1 accu_reward_method entries$"):
+    with pytest.raises(ValueError, match=r"^Got 2 completions but 2 solutions and 1 accu_reward_method entries$"):
         accuracy_reward(["a", "b"], solution=["a", "b"], accu_reward_method=["exact"])
 
 
@@ -167,5 +167,5 @@ def test_vqa_graded_scale_bounds():
     assert vqa_graded_reward(["red car", "blue"], solution=["red car", "red car"], scale=0) == [0.0, 0.0]
     assert vqa_graded_reward(["red car", "red"], solution=["red car", "red car"], scale=0.5) == [0.5, 0.25]
     for bad in (-0.01, float("inf"), float("nan")):
-        with pytest.raises(ValueError, match="^vqa_graded scale must be a finite number >= 0, got"):
+        with pytest.raises(ValueError, match=r"^vqa_graded scale must be a finite number >= 0, got"):
             vqa_graded_reward(["a"], solution=["a"], scale=bad)

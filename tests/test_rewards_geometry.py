@@ -102,7 +102,7 @@ def test_iou_threshold_limits_and_degenerate_predictions():
     for bad in (-0.01, 1.01):
         with pytest.raises(ValueError, match=r"^iou threshold must be in \[0, 1\], got"):
             iou_reward(["[0, 0, 1, 1]"], solution=[gt], threshold=bad)
-    with pytest.raises(ValueError, match="^The iou reward needs a 'solution' column$"):
+    with pytest.raises(ValueError, match=r"^The iou reward needs a 'solution' column$"):
         iou_reward(["[0, 0, 1, 1]"])
 
 
@@ -192,7 +192,7 @@ def test_polygon_iou_degenerate_inputs():
 
 
 def _frechet_reference(p, q):
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def c(i, j):
         d = math.dist(p[i], q[j])
         if i == 0 and j == 0:

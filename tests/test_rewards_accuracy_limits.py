@@ -130,6 +130,7 @@ def test_expression_guard_limits():
     assert not accuracy._is_tame(sympy.Matrix(1, 401, lambda i, j: j))
     assert not accuracy._is_tame(sympy.Matrix([[1, x**1001]]))
     assert accuracy._is_tame("not sympy")
+    assert not accuracy._is_tame(sympy.Pow(x, sympy.nan, evaluate=False))  # sympy cannot even compare it
 
 
 def test_wild_expression_is_not_compared_but_falls_back():

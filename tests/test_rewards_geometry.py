@@ -144,6 +144,7 @@ L_SHAPE = [(0, 0), (4, 0), (4, 2), (2, 2), (2, 4), (0, 4)]
         ((3, 4), False),
         ((2, 5), False),
         ((4, 3), False),
+        ((0, -0.5), False),  # collinear with the left edge, below it
     ],
 )
 def test_point_in_l_shape(point, inside):
@@ -159,6 +160,38 @@ def test_point_in_triangle_and_short_polygons():
     assert not point_in_polygon((0, 0), [(0, 0), (4, 0)])
 
 
+DIAMOND = [(12, 21), (13, 22), (12, 23), (11, 22)]  # |x - 12| + |y - 22| <= 1: slanted edges away from the axes
+
+
+@pytest.mark.parametrize(
+    ("point", "inside"),
+    [
+        ((12, 22), True),
+        ((12.9, 22), True),
+        ((12.5, 22.4), True),
+        ((11.2, 21.2), False),
+        ((11.4, 22.5), False),
+        ((12.5, 22.5), True),
+        ((12.6, 22.6), False),
+        ((13.5, 22), False),
+    ],
+)
+def test_point_in_diamond(point, inside):
+    assert point_in_polygon(point, DIAMOND) is inside
+
+
+def test_boundary_tolerance_scales_with_the_edge():
+    # edge (100, 200) -> (104, 204) of a triangle lying above it: tolerance 1e-9 * (4 + 4) on the cross product
+    # 4 * (y - 200) - 4 * (x - 100), i.e. a point 1e-9 below the edge counts as on it, 4e-9 below does not
+    tri = [(100, 200), (104, 204), (100, 204)]
+    assert point_in_polygon((102, 202 - 1e-9), tri)
+    assert not point_in_polygon((102, 202 - 4e-9), tri)
+    # short edges keep an absolute tolerance of 1e-9: cross 0.25 * (y - 0.25) - 0.25 * (x - 0.25)
+    small = [(0.25, 0.25), (0.5, 0.5), (0.25, 0.5)]
+    assert point_in_polygon((0.375, 0.375 - 2e-9), small)
+    assert not point_in_polygon((0.375, 0.375 - 6e-9), small)
+
+
 def _rect(x0: float, y0: float, x1: float, y1: float) -> list[tuple[float, float]]:
     return [(x0, y0), (x1, y0), (x1, y1), (x0, y1)]
 
@@ -172,11 +205,20 @@ def _rect(x0: float, y0: float, x1: float, y1: float) -> list[tuple[float, float
         ([(5, 5), (7, 5), (5, 7)], _rect(5, 5, 7, 7), 0.5),  # triangle in its square
         (L_SHAPE, _rect(0, 0, 4, 4), 12 / 16),
         ([(0, 0), (4, 0), (4, 2), (0, 2)][::-1], _rect(2, 0, 6, 2), 1 / 3),  # clockwise
+        (_rect(1000, 0, 1002, 2), _rect(1001, 0, 1003, 2), 1 / 3),  # far from the origin (large images)
+        (_rect(0, 1000, 2, 1002), _rect(0, 1001, 2, 1003), 1 / 3),
+        (DIAMOND, _rect(11, 21, 13, 23), 0.5),
     ],
 )
 def test_polygon_iou_matches_exact_areas(a, b, expected):
     assert polygon_iou(a, b) == pytest.approx(expected, abs=0.02)
     assert polygon_iou(b, a) == pytest.approx(expected, abs=0.02)
+
+
+def test_polygon_iou_samples_cell_centres():
+    # grid 2 over the box [0, 2] x [0, 2]: centres at 0.5 and 1.5 on each axis; the lower half holds 2 of the 4
+    assert polygon_iou(_rect(0, 0, 2, 2), _rect(0, 0, 2, 1), grid=2) == 0.5
+    assert polygon_iou(_rect(0, 0, 2, 2), _rect(0, 0, 1, 2), grid=2) == 0.5
 
 
 def test_polygon_iou_degenerate_inputs():
@@ -231,11 +273,14 @@ def test_trajectory_distances_by_hand():
     # DTW: (0,0)-(0,1) 1, (1,0)-(0,1) sqrt2 or -(2,1) sqrt2, (2,0)-(2,1) 1: cost 2 + sqrt2 over 3 steps
     assert dtw_mean_distance(p, q) == pytest.approx((2 + math.sqrt(2)) / 3)
     assert discrete_frechet([], q) == math.inf and dtw_mean_distance(p, []) == math.inf
+    # a warping path may not jump from the end of one row back to the start of the next
+    p, q = [(1, 5), (8, 7), (1, 4), (8, 4), (1, 8)], [(5, 8), (3, 9)]
+    assert dtw_mean_distance(p, q) == pytest.approx(_dtw_reference(p, q))
 
 
 def test_trajectory_distances_match_their_definitions():
     rng = random.Random(7)
-    for n, m in itertools.product(range(1, 5), repeat=2):
+    for n, m in itertools.product(range(1, 6), repeat=2):
         for _ in range(3):
             p = [(rng.randint(0, 9), rng.randint(0, 9)) for _ in range(n)]
             q = [(rng.randint(0, 9), rng.randint(0, 9)) for _ in range(m)]

@@ -170,3 +170,19 @@ def test_vqa_graded_scale_bounds():
     for bad in (-0.01, float("inf"), float("nan")):
         with pytest.raises(ValueError, match=r"^vqa_graded scale must be a finite number >= 0, got"):
             vqa_graded_reward(["a"], solution=["a"], scale=bad)
+
+
+def test_guard_refuses_a_big_power():
+    # kept tiny and separate: it runs before any test that would hang on an unguarded expression
+    x = sympy.Symbol("x")
+    assert not accuracy._is_tame(x**1001)
+    assert not accuracy._is_tame(sympy.Pow(2, sympy.Pow(9, 9, evaluate=False), evaluate=False))
+
+
+def test_wild_expression_never_reaches_math_verify(monkeypatch):
+    import math_verify
+
+    calls: list = []
+    monkeypatch.setattr(math_verify, "verify", lambda *args, **kwargs: calls.append(args) or True)
+    assert accuracy.math_verify_verdict("$x^{5000}$", "$x^{5000}$") is None
+    assert calls == []

@@ -1,0 +1,244 @@
+"""Tool replies and turn reading without a model, to the block: each protocol's reply as the chat template
+receives it (block types included: a block of the wrong type is not rendered), the user turn a turn's replies
+make, what ends a turn, and the messages a malformed call or a refused one gives the model.
+
+Expected values are written out by hand from DeepEyes' and PyVision's observation strings (module docstring of
+``vlm_grpo.tools.protocols``), never computed by the code under test.
+"""
+
+from __future__ import annotations
+
+import pytest
+from PIL import Image
+
+from vlm_grpo.tools.protocols import (
+    DEEPEYES_TURN_PROMPT_V5,
+    DEEPEYES_USER_PROMPT,
+    PROTOCOLS,
+    DeepEyesProtocol,
+    HermesProtocol,
+    function_call,
+    text_of,
+)
+from vlm_grpo.tools.rollouts import MALFORMED_CALL, ToolTurns
+
+RED, BLUE = Image.new("RGB", (8, 8), (255, 0, 0)), Image.new("RGB", (8, 8), (0, 0, 255))
+
+
+def text(value: str) -> dict:
+    return {"type": "text", "text": value}
+
+
+def image(value: Image.Image) -> dict:
+    return {"type": "image", "image": value}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from vlm_grpo.testing.tiny import build_tokenizer
+
+    return build_tokenizer("qwen2_5_vl")
+
+
+def test_deepeyes_v2_replies_block_by_block():
+    v2 = DeepEyesProtocol()  # the default version is v2: what DeepEyes' README training uses
+    assert v2.version == "v2"
+    assert v2.reply([text("Zoomed in"), image(RED), image(BLUE)], 1) == [
+        text("<tool_response>"),
+        image(RED),
+        image(BLUE),
+        text(DEEPEYES_USER_PROMPT + "</tool_response>"),
+    ]
+    assert v2.reply([text("rotated "), text("by 90")], 1) == [
+        text("<tool_response>rotated by 90" + DEEPEYES_USER_PROMPT + "</tool_response>")
+    ]
+    assert v2.reply("plain", 1) == [text("<tool_response>plain" + DEEPEYES_USER_PROMPT + "</tool_response>")]
+    assert v2.reply(None, 1) == [text("<tool_response>" + DEEPEYES_USER_PROMPT + "</tool_response>")]
+
+
+def test_deepeyes_v5_replies_one_response_per_image_and_the_turn_prompt_once():
+    v5 = DeepEyesProtocol("v5")
+    two = v5.reply([text("Zoomed in"), image(RED), image(BLUE)], 1)
+    assert two == [
+        text("<tool_response>\n"),
+        image(RED),
+        text("\n</tool_response>\n"),
+        text("<tool_response>\n"),
+        image(BLUE),
+        text("\n</tool_response>\n"),
+    ]
+    assert v5.reply([text("no view")], 1) == [text("<tool_response>\nno view\n</tool_response>\n")]
+    assert v5.reply(None, 1) == [text("<tool_response>\n\n</tool_response>\n")]
+    joined = v5.join([two, v5.error("bad box", malformed=False)])
+    assert joined == [*two, text("Error: bad box"), text(DEEPEYES_TURN_PROMPT_V5)]
+    assert PROTOCOLS.get("deepeyes").join([two]) == two  # v2 words its prompt inside each reply
+
+
+def test_a_deepeyes_version_it_does_not_have_is_named_in_the_error():
+    with pytest.raises(ValueError, match=r"^DeepEyes version must be one of v2, v5, got 'v3'$"):
+        DeepEyesProtocol("v3")
+
+
+@pytest.mark.parametrize(
+    ("call", "why"),
+    [
+        ('{"name": 3, "arguments": {"bbox_2d": [1, 2, 3, 4]}}', "name"),
+        ('{"name": "image_zoom_in_tool", "arguments": [1, 2, 3, 4]}', "arguments"),
+    ],
+)
+def test_deepeyes_refuses_a_call_whose_name_or_arguments_have_the_wrong_type(call, why):
+    turn = DeepEyesProtocol().parse(f"<tool_call>{call}</tool_call>")
+    assert turn.calls == [] and not turn.answered
+    assert turn.error == f"Invalid tool call format: {call}. Error: name must be a string, arguments an object"
+
+
+def test_pyvision_replies_block_by_block():
+    pyvision = PROTOCOLS.get("pyvision")
+    reply = pyvision.reply([text("(2, 3)\n[1 image(s) shown: image_clue_4]"), image(RED)], 4)
+    assert reply == [
+        text("<tool_response>\n<interpreter>Text Result:\n(2, 3)\nImage Result:\n"),
+        text("<image_clue_4>"),
+        image(RED),
+        text("</image_clue_4>"),
+        text("</interpreter>\n\n</tool_response>"),
+    ]
+    assert pyvision.reply([text("(no output)")], 1) == [
+        text("<tool_response>\n<interpreter>\nText Result:\n</interpreter>\n\n</tool_response>")
+    ]
+
+
+def test_text_of_joins_the_text_blocks_only():
+    blocks = ["stray", text("a"), {"type": "text"}, image(RED), {"type": "note", "text": "x"}, text("b")]
+    assert text_of(blocks) == "ab"
+    assert text_of(None) == "" and text_of(7) == "7"
+
+
+class Plain(HermesProtocol):
+    """A plugin protocol that words its own user turns and replies with plain strings."""
+
+    name = "plain"
+    user_replies = True
+
+    def reply(self, result, first_image):
+        return f"[{text_of(result)}]"
+
+
+def test_a_turns_replies_make_one_user_turn_in_order(tokenizer):
+    messages = [
+        {"role": "tool", "name": "python", "content": [text("one"), image(RED)]},
+        {"role": "tool", "name": "rotate", "content": "two"},
+    ]
+    turns = ToolTurns(Plain(), tokenizer)
+    assert turns.reply_messages(messages) == [
+        {"role": "user", "name": "python", "content": [text("one"), image(RED), text("two")]}
+    ]
+    hermes = ToolTurns(PROTOCOLS.get("hermes"), tokenizer)
+    assert hermes.reply_messages(messages) == messages  # the chat template's own tool turns
+
+
+def test_a_turn_ends_by_itself_only_at_its_eos_or_the_stop_string(tokenizer):
+    eos = tokenizer.eos_token_id
+    words = tokenizer.encode("I will zoom in", add_special_tokens=False)
+    hermes = ToolTurns(PROTOCOLS.get("hermes"), tokenizer)
+    assert hermes.ended([*words, eos]) and not hermes.ended(words)  # no stop string: the budget cut it
+    pyvision = ToolTurns(PROTOCOLS.get("pyvision"), tokenizer)
+    code = tokenizer.encode("<code>\nx = 1\n</code>\n", add_special_tokens=False)
+    assert pyvision.ended(code) and pyvision.ended([*words, eos])
+    assert not pyvision.ended(code[:-1]) and not pyvision.ended(words)
+
+
+class StopAtTurnStart(HermesProtocol):
+    """A plugin protocol whose stop string is one special token: the turn ends where the model opens a new turn."""
+
+    name = "stop_at_turn_start"
+    stop = ("<|im_start|>",)
+
+
+def test_a_one_token_special_stop_string_cuts_right_after_it(tokenizer):
+    turns = ToolTurns(StopAtTurnStart(), tokenizer)
+    start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    words = tokenizer.encode("look closer", add_special_tokens=False)
+    assert turns.cut([*words, start, *words]) == [*words, start]
+    assert turns.cut([start, *words]) == [start]  # the first token already stops the turn
+    assert turns.cut(words) == words
+    assert turns.ended([*words, start]) and turns.ended([start]) and not turns.ended(words)
+
+
+def test_a_rollout_not_yet_given_tools_is_under_any_image_budget_but_zero(tokenizer):
+    class Env:
+        pass
+
+    assert not ToolTurns(PROTOCOLS.get("hermes"), tokenizer, max_tool_images=1).at_image_budget(Env())
+    assert ToolTurns(PROTOCOLS.get("hermes"), tokenizer, max_tool_images=0).at_image_budget(Env())
+    assert not ToolTurns(PROTOCOLS.get("hermes"), tokenizer).at_image_budget(Env())
+
+
+def test_images_over_the_budget_are_dropped_the_rest_of_the_reply_kept(tokenizer):
+    def views(**kwargs):
+        return [image(RED), image(BLUE), text("two views")]
+
+    turns = ToolTurns(PROTOCOLS.get("hermes"), tokenizer, max_tool_images=3)
+    counts = {"images": 0}
+    tool = turns.wrap(views, None, 1, counts)
+    assert tool() == [image(RED), image(BLUE), text("two views")]  # 2 of 3: all shown
+    assert (counts["images"], turns.image_refusals) == (2, 0)
+    assert tool() == [image(RED), text("two views"), text("[1 more image(s) not shown: --max_tool_images 3]")]
+    assert (counts["images"], turns.image_refusals) == (3, 1)
+    with pytest.raises(ValueError, match="already holds 3 tool images, the most allowed"):
+        tool()
+    assert (counts["images"], turns.image_refusals) == (3, 2)
+
+
+def test_the_hidden_tool_is_never_refused_by_the_image_budget(tokenizer):
+    class Env:
+        pass
+
+    def python(code: str) -> list:
+        return [text(code)]
+
+    turns = ToolTurns(PROTOCOLS.get("pyvision"), tokenizer, max_tool_images=0)
+    env = Env()
+    tools = turns.tools_for({"python": python}, env, 0)
+    assert sorted(tools) == [MALFORMED_CALL, "python"] and tools["python"].__name__ == "python"
+    assert tools[MALFORMED_CALL](message="no code") == [
+        text("<tool_response>\n<interpreter>Error: no code</interpreter>\n\n</tool_response>")
+    ]
+    assert tools["python"](code="1")[0]["text"].startswith(
+        "<tool_response>\n<interpreter>Execution error: this conversation already holds 0 tool images"
+    )
+    assert turns.image_counts[id(env)] == {"images": 0} and turns.at_image_budget(env)
+
+
+def test_reading_a_turn_keeps_trls_content_for_hermes_and_the_text_otherwise(tokenizer):
+    ids = tokenizer.encode("run <code>print(1)</code><|im_end|>", add_special_tokens=False)
+    pyvision = ToolTurns(PROTOCOLS.get("pyvision"), tokenizer, max_context_tokens=len(ids) + 5)
+    message = pyvision.read({"content": "TRL's parse"}, ids, 4, ["python"])
+    assert message == {
+        "content": "run <code>print(1)</code>",  # decoded without special tokens, as the model wrote it
+        "role": "assistant",
+        "tool_calls": [function_call("python", {"code": "print(1)"})],
+    }
+    # A read ahead of TRL's (count=False) neither counts a context stop nor a call after the answer
+    assert "tool_calls" not in pyvision.read({}, ids, 5, ["python"], count=False) and pyvision.context_stops == 0
+    answered = tokenizer.encode("<answer>1</answer><code>x</code>", add_special_tokens=False)
+    pyvision.read({}, answered, 0, ["python"], count=False)
+    assert pyvision.calls_after_answer == 0
+    pyvision.read({}, answered, 0, ["python"])
+    assert pyvision.calls_after_answer == 1
+
+    hermes = ToolTurns(PROTOCOLS.get("hermes"), tokenizer)
+    call = function_call("zoom_in", {"bbox_2d": [1, 2, 3, 4]})
+    kept = hermes.read({"role": "assistant", "content": "TRL's parse", "tool_calls": [call]}, ids, 0, ["zoom_in"])
+    assert kept == {"role": "assistant", "content": "TRL's parse", "tool_calls": [call]}
+    assert hermes.read({"role": "assistant"}, ids, 0, ["zoom_in"])["content"] == "run <code>print(1)</code>"
+
+
+def test_later_turns_check_the_calls_against_every_tool_of_the_run(tokenizer):
+    """TRL hands later turns' parses no tools when the protocol hides them: the run's names stand in."""
+    turns = ToolTurns(PROTOCOLS.get("deepeyes"), tokenizer)
+    turns.names = {"image_zoom_in_tool"}
+    ids = tokenizer.encode('<tool_call>{"name": "zoom", "arguments": {}}</tool_call>', add_special_tokens=False)
+    message = turns.read({}, ids, 0, None)
+    assert message["tool_calls"] == [
+        function_call(MALFORMED_CALL, {"message": "there is no tool named 'zoom'; the tools are: image_zoom_in_tool"})
+    ]

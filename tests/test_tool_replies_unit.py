@@ -242,3 +242,114 @@ def test_later_turns_check_the_calls_against_every_tool_of_the_run(tokenizer):
     assert message["tool_calls"] == [
         function_call(MALFORMED_CALL, {"message": "there is no tool named 'zoom'; the tools are: image_zoom_in_tool"})
     ]
+
+
+def test_an_image_is_numbered_where_the_environment_recorded_it(tokenizer):
+    """A call that ran ahead of TRL's loop recorded its image already: its clue is that index, not the count of
+    images the loop has seen (prompt images + earlier tool images)."""
+    from vlm_grpo.tools.rollouts import build_tool_environment
+
+    env = build_tool_environment(["zoom_in"])()
+    env.reset(images=[RED, RED])
+    view = Image.new("RGB", (16, 16), (0, 255, 0))
+    env._add_image(BLUE)
+    env._add_image(view)  # index 3
+    tool = ToolTurns(PROTOCOLS.get("pyvision"), tokenizer).wrap(lambda: [image(view)], env, 2, {"images": 0})
+    assert "<image_clue_3>" in [b.get("text") for b in tool()]
+    env._add_image(view)  # the same image returned again: its latest index
+    assert "<image_clue_4>" in [b.get("text") for b in tool()]
+
+
+def test_an_image_that_does_not_decode_says_why(tokenizer):
+    import io
+
+    png = io.BytesIO()
+    Image.new("RGB", (64, 64), (1, 2, 3)).save(png, format="PNG")
+    broken = Image.open(io.BytesIO(png.getvalue()[:60]))  # the header reads, the pixels do not
+    tool = ToolTurns(PROTOCOLS.get("pyvision"), tokenizer).wrap(lambda: [image(broken)], None, 1, {"images": 0})
+    reply = tool()[0]["text"]
+    assert reply.startswith(
+        "<tool_response>\n<interpreter>Execution error: the tool returned an image that cannot be decoded: "
+    )
+    assert len(reply) > len("<tool_response>\n<interpreter>Execution error: the tool returned an image that ") + 40
+
+
+def test_prompt_fields_without_a_list_of_tiles_come_back_as_they_are():
+    import torch
+
+    from vlm_grpo.tools.rollouts import tile_fields
+
+    for pixels in (torch.zeros(2, 3, 4, 4), []):
+        fields = {"pixel_values": pixels}
+        assert tile_fields(None, [[RED]], fields) is fields
+
+
+def test_the_tool_threads_run_64_calls_at_once(monkeypatch):
+    """Every rollout of a 64-rollout batch runs its python cell at the same time: 64 calls that each wait for all
+    the others finish (a smaller pool would leave some waiting for a free thread)."""
+    import threading
+
+    from vlm_grpo.tools import rollouts
+
+    monkeypatch.setattr(rollouts, "_EXECUTOR", None)
+    barrier = threading.Barrier(64, timeout=10)
+    futures = [rollouts.tool_executor().submit(barrier.wait) for _ in range(64)]
+    assert sorted(f.result(timeout=15) for f in futures) == list(range(64))
+    rollouts._EXECUTOR.shutdown(wait=True)
+
+
+def test_the_tool_loops_parser_calls_the_tokenizer_with_its_keywords(tokenizer):
+    from vlm_grpo.tools.rollouts import ProtocolParser
+
+    parser = ProtocolParser(tokenizer, ToolTurns(PROTOCOLS.get("hermes"), tokenizer))
+    assert "attention_mask" not in parser("look closer", return_attention_mask=False)
+    assert parser("look closer", return_attention_mask=False) == tokenizer("look closer", return_attention_mask=False)
+
+
+def test_tool_flag_errors_say_what_to_change():
+    from vlm_grpo.cli_errors import UserError
+    from vlm_grpo.grpo_jsonl import parse_args
+    from vlm_grpo.tools.rollouts import check_tool_flags
+
+    def check(*argv):
+        check_tool_flags(parse_args(["--model_name_or_path", "never-loaded", *argv])[0])
+
+    with pytest.raises(UserError) as error:
+        check("--max_tool_images", "2", "--max_context_tokens", "64")
+    assert str(error.value) == (
+        "--max_tool_images, --max_context_tokens without --tools: name the tools the model may call, "
+        "e.g. --tools zoom_in"
+    )
+    with pytest.raises(ValueError, match=r"^--tool_kwargs was given without --tools$"):
+        check("--tool_kwargs", '{"zoom_in": {"size": 56}}')
+    with pytest.raises(UserError) as error:
+        check("--tools", "zoom_in", "--max_turn_tokens", "-1")
+    assert str(error.value) == "--max_turn_tokens must be a positive number of tokens, got -1"
+    check("--tools", "zoom_in", "--max_turn_tokens", "1", "--max_context_tokens", "1", "--max_tool_images", "0")
+    with pytest.raises(ValueError, match=r"^--max_context_tokens must be a positive number of tokens, got 0$"):
+        check("--tools", "zoom_in", "--max_context_tokens", "0")
+    with pytest.raises(ValueError, match=r"^--max_tool_images must be 0 or more images, got -1$"):
+        check("--tools", "zoom_in", "--max_tool_images", "-1")
+    with pytest.raises(ValueError, match=r"^--tool_protocol pyvision runs the python tool: add it to --tools "):
+        check("--tools", "zoom_in", "crop", "--tool_protocol", "pyvision")
+    try:
+        check("--tools", "zoom_in", "crop", "--tool_protocol", "pyvision")
+    except ValueError as exc:
+        assert str(exc).endswith("(now: crop, zoom_in)")
+
+
+def test_tools_that_ask_for_different_protocols_need_the_flag():
+    from vlm_grpo.tools.protocols import resolve_protocol
+
+    def zoom(env) -> str:
+        return ""
+
+    def run(env) -> str:
+        return ""
+
+    zoom.protocol, run.protocol = "deepeyes", "pyvision"
+    with pytest.raises(ValueError) as error:
+        resolve_protocol(None, [zoom, run, print])
+    assert str(error.value) == "The tools ask for different protocols (deepeyes, pyvision): pick one with --tool_protocol"
+    assert resolve_protocol(None, [zoom, print]).name == "deepeyes"
+    assert resolve_protocol("pyvision", [zoom, run]).name == "pyvision"

@@ -350,6 +350,8 @@ def test_tools_that_ask_for_different_protocols_need_the_flag():
     zoom.protocol, run.protocol = "deepeyes", "pyvision"
     with pytest.raises(ValueError) as error:
         resolve_protocol(None, [zoom, run, print])
-    assert str(error.value) == "The tools ask for different protocols (deepeyes, pyvision): pick one with --tool_protocol"
+    assert str(error.value) == (
+        "The tools ask for different protocols (deepeyes, pyvision): pick one with --tool_protocol"
+    )
     assert resolve_protocol(None, [zoom, print]).name == "deepeyes"
     assert resolve_protocol("pyvision", [zoom, run]).name == "pyvision"

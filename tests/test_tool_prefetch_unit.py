@@ -80,3 +80,15 @@ def test_a_tool_batch_starts_each_round_once_and_lets_go_of_its_rollouts(factory
         assert batch.prefetch() == 0
     assert [env._batch for env in envs] == [None, None]
     assert rollouts._EXECUTOR is not None
+
+
+def test_calls_whose_arguments_are_not_an_object_end_what_starts(factory):
+    env = factory()
+    env.reset()
+    unread = {"type": "function", "function": {"name": "double", "arguments": '{"x": 2}'}}
+    completions = [[{"role": "assistant", "tool_calls": [*turn(("double", 1))["tool_calls"], unread]}]]
+    assert prefetch_tool_calls([env], completions, set()) == 1
+    assert settle(env) == [("double", 1)]
+    env.reset()
+    completions = [[{"role": "assistant", "tool_calls": [{"type": "function"}, *turn(("double", 3))["tool_calls"]]}]]
+    assert prefetch_tool_calls([env], completions, set()) == 0

@@ -355,3 +355,85 @@ def test_tools_that_ask_for_different_protocols_need_the_flag():
     )
     assert resolve_protocol(None, [zoom, print]).name == "deepeyes"
     assert resolve_protocol("pyvision", [zoom, run]).name == "pyvision"
+
+
+def triple(x: int) -> int:
+    """Triple a number.
+
+    Args:
+        x: the number.
+    """
+    return 3 * x
+
+
+@pytest.fixture(scope="module")
+def template_tokenizer():
+    from trl.chat_template_utils import qwen3_template
+
+    from vlm_grpo.testing.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer("qwen2_5_vl")
+    tokenizer.response_template = qwen3_template  # as prepare_for_tools sets it
+    return tokenizer
+
+
+def test_the_tool_loops_parser_reads_with_the_tools_and_the_context_it_is_handed(template_tokenizer):
+    """TRL's loop hands the tools (arguments typed by their schemas, unknown names caught) and the prompt's tokens
+    (the context budget counts them)."""
+    from trl.chat_template_utils import parse_response
+
+    from vlm_grpo.tools.rollouts import ProtocolParser
+
+    tok = template_tokenizer
+    prefix = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
+
+    def ids(name: str) -> list[int]:
+        text = f'<tool_call>\n{{"name": "{name}", "arguments": {{"x": "7"}}}}\n</tool_call><|im_end|>'
+        return tok.encode(text, add_special_tokens=False)
+
+    call = ids("triple")
+    room = len(prefix) + len(call) + 1  # one token over the turn: the call runs
+    parser = ProtocolParser(tok, ToolTurns(PROTOCOLS.get("hermes"), tok, max_context_tokens=room))
+    parsed = parse_response(parser, call, prefix=prefix, tools=[triple])
+    assert parsed["tool_calls"] == [function_call("triple", {"x": 7})]  # "7" typed by the schema
+    plain = ProtocolParser(tok, ToolTurns(PROTOCOLS.get("hermes"), tok))
+    wrong = parse_response(plain, ids("double"), prefix=prefix, tools=[triple])
+    assert wrong["tool_calls"] == [
+        function_call(MALFORMED_CALL, {"message": "there is no tool named 'double'; the tools are: triple"})
+    ]
+    at_budget = ProtocolParser(tok, ToolTurns(PROTOCOLS.get("hermes"), tok, max_context_tokens=room - 1))
+    assert "tool_calls" not in parse_response(at_budget, call, prefix=prefix, tools=[triple])
+    assert at_budget._turns.context_stops == 1
+
+
+def test_the_tool_loops_parser_leaves_other_calls_to_the_tokenizer():
+    import copy
+
+    from vlm_grpo.tools.rollouts import ProtocolParser
+
+    class Tokenizer:
+        def parse_response(self, response, schema=None, **kwargs):
+            return {"raw": response, "schema": schema, **kwargs}
+
+    tokenizer = Tokenizer()
+    parser = ProtocolParser(tokenizer, ToolTurns(PROTOCOLS.get("hermes"), tokenizer))
+    assert parser.parse_response([1, 2], {"type": "object"}) == {"raw": [1, 2], "schema": {"type": "object"}}
+    assert parser.parse_response([1, 2], prefix=[0], other=3) == {
+        "raw": [1, 2],
+        "schema": None,
+        "prefix": [0],
+        "other": 3,
+    }
+    clone = copy.copy(parser)  # a copy (a trainer's state copied) still stands in for the same tokenizer
+    assert clone.parse_response([4], {"s": 1}) == {"raw": [4], "schema": {"s": 1}}
+
+
+def test_the_step_counts_start_again_from_zero(tokenizer):
+    turns = ToolTurns(PROTOCOLS.get("pyvision"), tokenizer, max_context_tokens=5, max_tool_images=0)
+    ids = tokenizer.encode("<answer>1</answer><code>x</code>", add_special_tokens=False)
+    turns.read({}, ids, 0, ["python"])
+    turns.read({}, tokenizer.encode("<code>x</code>", add_special_tokens=False), 10, ["python"])
+    turns.tools_for({"python": triple}, object(), 0)["python"](x=1)
+    assert (turns.calls_after_answer, turns.context_stops, turns.image_refusals) == (1, 1, 1)
+    turns.reset_counts()
+    assert (turns.calls_after_answer, turns.context_stops, turns.image_refusals, turns.image_counts) == (0, 0, 0, {})

@@ -92,3 +92,56 @@ def test_calls_whose_arguments_are_not_an_object_end_what_starts(factory):
     env.reset()
     completions = [[{"role": "assistant", "tool_calls": [{"type": "function"}, *turn(("double", 3))["tool_calls"]]}]]
     assert prefetch_tool_calls([env], completions, set()) == 0
+
+
+def test_internvl_tiles_are_counted_per_rollout():
+    import torch
+
+    from vlm_grpo.tools.rollouts import tile_fields
+
+    a, b, c = object(), object(), object()
+    asked = []
+
+    def processor(images, crop_to_patches, return_tensors):
+        asked.append((images, crop_to_patches))
+        return {"num_patches": torch.tensor([2, 4, 1])}
+
+    one_each = [torch.full((1, 3, 2, 2), 1.0), torch.full((2, 3, 2, 2), 2.0)]
+    out = tile_fields(processor, [[a], [b, c], None], {"pixel_values": one_each, "input_ids": "kept"})
+    assert out["num_tiles"] == [1, 2, 0] and out["input_ids"] == "kept" and asked == []  # one tile per image
+    assert torch.equal(out["pixel_values"], torch.cat(one_each))
+    tiles = [torch.full((3, 2, 2), 1.0), torch.full((6, 3, 2, 2), 2.0)]  # a one-tile prompt comes as 3 dims
+    out = tile_fields(processor, [[a], None, [b, c]], {"pixel_values": tiles})
+    assert out["num_tiles"] == [2, 0, 5] and asked == [([a, b, c], True)]
+    assert out["pixel_values"].shape == (7, 3, 2, 2) and out["pixel_values"][1].eq(2.0).all()
+
+
+def test_llava_onevision_tiles_are_padded_to_one_tensor():
+    import torch
+
+    from vlm_grpo.tools.rollouts import tile_fields
+
+    pixels = [torch.ones(2, 3, 2, 2), torch.full((3, 3, 2, 2), 2.0)]
+    fields = {"pixel_values": pixels, "image_sizes": [[10, 20], [30, 40]], "batch_num_images": [1, 1], "x": 1}
+    out = tile_fields(None, [[object()], [object()]], fields)
+    assert sorted(out) == ["image_sizes", "pixel_values", "x"]
+    assert out["pixel_values"].shape == (2, 3, 3, 2, 2)
+    assert out["pixel_values"][0, :2].eq(1).all() and out["pixel_values"][0, 2].eq(0).all()
+    assert out["pixel_values"][1].eq(2).all()
+    assert torch.equal(out["image_sizes"], torch.tensor([[10, 20], [30, 40]]))
+
+
+def test_fields_tile_fields_leaves_alone():
+    import torch
+
+    from vlm_grpo.tools.rollouts import tile_fields
+
+    listed = [torch.ones(1, 3, 2, 2)]
+    for images, fields in (
+        (None, {"pixel_values": listed}),
+        ([[object()]], {"pixel_values": listed, "image_grid_thw": torch.ones(1, 3)}),
+        ([[object()]], {"pixel_values": [listed[0], "not a tensor"]}),
+        ([[object()]], {"pixel_values": torch.ones(1, 3, 2, 2)}),
+        ([[object()]], {"pixel_values": []}),
+    ):
+        assert tile_fields(None, images, fields) is fields

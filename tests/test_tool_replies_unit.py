@@ -274,16 +274,6 @@ def test_an_image_that_does_not_decode_says_why(tokenizer):
     assert len(reply) > len("<tool_response>\n<interpreter>Execution error: the tool returned an image that ") + 40
 
 
-def test_prompt_fields_without_a_list_of_tiles_come_back_as_they_are():
-    import torch
-
-    from vlm_grpo.tools.rollouts import tile_fields
-
-    for pixels in (torch.zeros(2, 3, 4, 4), []):
-        fields = {"pixel_values": pixels}
-        assert tile_fields(None, [[RED]], fields) is fields
-
-
 def test_the_tool_threads_run_64_calls_at_once(monkeypatch):
     """Every rollout of a 64-rollout batch runs its python cell at the same time: 64 calls that each wait for all
     the others finish (a smaller pool would leave some waiting for a free thread)."""

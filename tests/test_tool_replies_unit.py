@@ -159,6 +159,9 @@ def test_a_one_token_special_stop_string_cuts_right_after_it(tokenizer):
     start = tokenizer.convert_tokens_to_ids("<|im_start|>")
     words = tokenizer.encode("look closer", add_special_tokens=False)
     assert turns.cut([*words, start, *words]) == [*words, start]
+    long = tokenizer.encode(" ".join(["look closer at the frame"] * 8), add_special_tokens=False)
+    for cut in (5, len(long) - 1, len(long)):  # the stop early, late and last, in a long turn
+        assert turns.cut([*long[:cut], start, *long]) == [*long[:cut], start]
     assert turns.cut([start, *words]) == [start]  # the first token already stops the turn
     assert turns.cut(words) == words
     assert turns.ended([*words, start]) and turns.ended([start]) and not turns.ended(words)
@@ -187,18 +190,21 @@ def test_images_over_the_budget_are_dropped_the_rest_of_the_reply_kept(tokenizer
     with pytest.raises(ValueError, match="already holds 3 tool images, the most allowed"):
         tool()
     assert (counts["images"], turns.image_refusals) == (3, 2)
+    other = turns.wrap(views, None, 1, {"images": 2})  # another rollout, one image from its budget
+    assert other()[1:] == [text("two views"), text("[1 more image(s) not shown: --max_tool_images 3]")]
+    assert turns.image_refusals == 3
 
 
 def test_the_hidden_tool_is_never_refused_by_the_image_budget(tokenizer):
-    class Env:
-        pass
+    from vlm_grpo.tools.rollouts import build_tool_environment
 
     def python(code: str) -> list:
         return [text(code)]
 
     turns = ToolTurns(PROTOCOLS.get("pyvision"), tokenizer, max_tool_images=0)
-    env = Env()
-    tools = turns.tools_for({"python": python}, env, 0)
+    env = build_tool_environment(["zoom_in"])()
+    env.reset(images=[RED])
+    tools = turns.tools_for({"python": python}, env, 1)
     assert sorted(tools) == [MALFORMED_CALL, "python"] and tools["python"].__name__ == "python"
     assert tools[MALFORMED_CALL](message="no code") == [
         text("<tool_response>\n<interpreter>Error: no code</interpreter>\n\n</tool_response>")
@@ -207,6 +213,7 @@ def test_the_hidden_tool_is_never_refused_by_the_image_budget(tokenizer):
         "<tool_response>\n<interpreter>Execution error: this conversation already holds 0 tool images"
     )
     assert turns.image_counts[id(env)] == {"images": 0} and turns.at_image_budget(env)
+    assert (env.calls, env.errors) == (2, 2)  # both count as failed calls of the rollout
 
 
 def test_reading_a_turn_keeps_trls_content_for_hermes_and_the_text_otherwise(tokenizer):

@@ -434,3 +434,45 @@ def test_the_step_counts_start_again_from_zero(tokenizer):
     assert (turns.calls_after_answer, turns.context_stops, turns.image_refusals) == (1, 1, 1)
     turns.reset_counts()
     assert (turns.calls_after_answer, turns.context_stops, turns.image_refusals, turns.image_counts) == (0, 0, 0, {})
+
+
+def test_a_rollouts_call_counts_add_up_over_its_turns(tokenizer):
+    """``tools/calls_per_rollout`` and ``tools/errors_per_rollout`` add every call to what the rollout counted."""
+    from vlm_grpo.tools.rollouts import build_tool_environment, malformed_call_tool
+
+    env = build_tool_environment(["zoom_in"])()
+    env.reset(images=[RED])
+    env.calls, env.errors, env.successes = 5, 2, 3  # earlier turns
+    turns = ToolTurns(PROTOCOLS.get("pyvision"), tokenizer, max_tool_images=1)
+    refused = turns.wrap(triple, env, 1, {"images": 1})
+    assert refused(x=1)[0]["text"].startswith("<tool_response>\n<interpreter>Execution error: this conversation")
+    assert (env.calls, env.errors, env.successes) == (6, 3, 3)
+    env.successes += 1  # as run_tool counts a call that returned
+    broken = turns.wrap(lambda: [image("not an image")], env, 1, {"images": 0})
+    assert "str where an image was expected" in broken()[0]["text"]
+    assert (env.calls, env.errors, env.successes) == (6, 4, 3)
+    with pytest.raises(ValueError):
+        malformed_call_tool(env)()
+    assert (env.calls, env.errors) == (7, 5)
+
+
+def test_calls_after_the_answer_and_context_stops_add_up_over_a_step(tokenizer):
+    turns = ToolTurns(PROTOCOLS.get("pyvision"), tokenizer, max_context_tokens=5)
+    answered = tokenizer.encode("<answer>1</answer><code>x</code>", add_special_tokens=False)
+    code = tokenizer.encode("<code>x</code>", add_special_tokens=False)
+    for _ in range(2):
+        turns.read({}, answered, 0, ["python"])
+        turns.read({}, code, 10, ["python"])
+    assert (turns.calls_after_answer, turns.context_stops) == (2, 2)
+
+
+def test_images_without_a_record_are_numbered_after_the_earlier_ones_and_any_callable_is_a_tool(tokenizer):
+    import functools
+
+    pyvision = ToolTurns(PROTOCOLS.get("pyvision"), tokenizer)
+    tool = pyvision.wrap(lambda: [image(RED)], None, 2, {"images": 1})  # 2 prompt images, 1 tool image so far
+    assert "<image_clue_3>" in [b.get("text") for b in tool()]
+    partial = pyvision.wrap(functools.partial(triple, 2), None, 0, {"images": 0})  # no __name__
+    assert partial.__name__ == "tool" and partial()[0]["text"].endswith(
+        "Text Result:\n6</interpreter>\n\n</tool_response>"
+    )

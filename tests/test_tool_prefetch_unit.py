@@ -145,3 +145,53 @@ def test_fields_tile_fields_leaves_alone():
         ([[object()]], {"pixel_values": []}),
     ):
         assert tile_fields(None, images, fields) is fields
+
+
+def test_tool_names_from_every_form_trl_hands():
+    import functools
+
+    from vlm_grpo.tools.rollouts import tool_names
+
+    def crop(env) -> str:
+        return ""
+
+    schemas = [{"type": "function", "function": {"name": "zoom_in"}}, {"name": "rotate"}, "python", crop]
+    assert tool_names([*schemas, functools.partial(crop, None), {"type": "function", "function": {}}]) == {
+        "zoom_in",
+        "rotate",
+        "python",
+        "crop",
+    }
+    assert tool_names({"a": crop, "b": crop}) == {"a", "b"} and tool_names(None) == set()
+
+
+NO_TOOLS = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_tool_run_reads_calls_in_the_familys_own_turns(tiny_models, caplog):
+    """Gemma 3's replies open after its end of the user's turn and its generation prompt; a response template the
+    user set (or a schema) is kept; a template without tools gets Qwen2.5's tool format, with one info line."""
+    from transformers import AutoProcessor
+
+    from vlm_grpo.tools.rollouts import prepare_for_tools
+
+    gemma = AutoProcessor.from_pretrained(tiny_models["gemma3"])
+    prepare_for_tools(None, gemma)
+    opener = gemma.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True, tokenize=False)
+    assert opener.endswith("<start_of_turn>model\n")
+    # what the template writes between the user's words and the reply
+    assert gemma.tokenizer.response_template["start_anchor"] == "<end_of_turn>\n<start_of_turn>model\n"
+    for field, value in (("response_template", {"mine": 1}), ("response_schema", {"schema": 1})):
+        qwen = AutoProcessor.from_pretrained(tiny_models["qwen2_5_vl"])
+        qwen.chat_template = qwen.tokenizer.chat_template = NO_TOOLS
+        setattr(qwen.tokenizer, field, value)
+        with caplog.at_level("INFO", logger="vlm_grpo.tools.rollouts"):
+            prepare_for_tools(None, qwen)
+        assert getattr(qwen.tokenizer, field) == value
+        assert qwen.tokenizer.chat_template == qwen.chat_template and "tools" in qwen.chat_template
+    if field == "response_schema":
+        assert qwen.tokenizer.response_template is None
+    assert "The checkpoint's chat template renders no tools: using Qwen2.5's tool format with it" in caplog.messages

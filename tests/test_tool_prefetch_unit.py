@@ -195,3 +195,28 @@ def test_a_tool_run_reads_calls_in_the_familys_own_turns(tiny_models, caplog):
     if field == "response_schema":
         assert qwen.tokenizer.response_template is None
     assert "The checkpoint's chat template renders no tools: using Qwen2.5's tool format with it" in caplog.messages
+
+
+def test_every_rollout_started_is_counted(factory):
+    envs = [factory(), factory()]
+    for env in envs:
+        env.reset()
+    assert prefetch_tool_calls(envs, [[turn(("double", 1))], [turn(("double", 2))]], set()) == 2
+    assert settle(*envs) == [("double", 1), ("double", 2)]
+
+
+def test_the_runs_budgets_reach_its_tool_turns_and_the_users_suppressed_tokens_stay(tiny_models):
+    from types import SimpleNamespace
+
+    from transformers import AutoProcessor
+
+    from vlm_grpo.tools.rollouts import build_tool_environment, prepare_for_tools, tool_turns
+
+    qwen = AutoProcessor.from_pretrained(tiny_models["qwen2_5_vl"])
+    turns = tool_turns([], build_tool_environment(["zoom_in"]), qwen, "hermes", 64, 2)
+    assert (turns.max_context_tokens, turns.max_tool_images) == (64, 2)
+    args = SimpleNamespace(generation_kwargs={"suppress_tokens": [5], "top_k": 3})
+    prepare_for_tools(args, qwen)
+    pad = qwen.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert 5 in args.generation_kwargs["suppress_tokens"] and pad in args.generation_kwargs["suppress_tokens"]
+    assert args.generation_kwargs["top_k"] == 3

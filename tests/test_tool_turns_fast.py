@@ -15,6 +15,7 @@ import shutil
 import pytest
 
 from e2e_utils import base_args, make_dataset
+from test_early_calls_unit import fresh_tool_threads  # noqa: F401  (autouse: each test its own tool threads)
 from test_generation_parity import INIT_STD
 from vlm_grpo.fastpath import decode
 from vlm_grpo.grpo_jsonl import main, parse_args

@@ -127,9 +127,10 @@ def tool_turns(
 ) -> ToolTurns:
     """The run's :class:`ToolTurns`: its protocol (``--tool_protocol``, else the one the tools name, else hermes),
     checked against the tools it calls by itself, and the budgets (positive, or None)."""
-    for flag, value in (("max_context_tokens", max_context_tokens), ("max_tool_images", max_tool_images)):
-        if value is not None and value < (1 if flag == "max_context_tokens" else 0):
-            raise ValueError(f"--{flag} must be a positive number of {flag.split('_')[1]}, got {value}")
+    if max_context_tokens is not None and max_context_tokens < 1:
+        raise ValueError(f"--max_context_tokens must be a positive number of tokens, got {max_context_tokens}")
+    if max_tool_images is not None and max_tool_images < 0:
+        raise ValueError(f"--max_tool_images must be 0 or more images, got {max_tool_images}")
     functions = list(tools)
     for name in getattr(factory, "_tool_order", ()) or []:
         functions.append(getattr(getattr(factory, name), "tool_function", None))

@@ -235,13 +235,16 @@ def test_the_rewards_are_computed_by_trl_from_everything_it_hands():
     assert trainer._gathered_rewards is trainer.rewards
 
 
-def test_remax_greedy_prompts_carry_trls_single_image_column():
-    """A dataset with TRL's ``image`` column (one image or None per row): each group's greedy prompt gets its
-    image in the placeholder, as TRL lays out the samples' prompts; a row without an image gets none."""
+@pytest.mark.parametrize("column", ["image", "images"])
+def test_remax_greedy_prompts_carry_each_image_column(column):
+    """TRL's ``image`` column (one image or None per row) and this project's ``images`` list (possibly empty):
+    each group's greedy prompt gets its image in the placeholder, as TRL lays out the samples' prompts; a row without
+    an image gets none; the rows' own prompts stay as they were."""
     image = Image.new("RGB", (8, 6), (1, 2, 3))
     with_image = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Red?"}]}]
-    rows = [{"prompt": with_image, "image": image}] * 2 + [
-        {"prompt": [{"role": "user", "content": "Hi"}], "image": None}
+    given, none = (image, None) if column == "image" else ([image], [])
+    rows = [{"prompt": with_image, column: given}] * 2 + [
+        {"prompt": [{"role": "user", "content": "Hi"}], column: none}
     ] * 2
     trainer = Greedy()
     with pytest.raises(Stop):
@@ -262,22 +265,3 @@ def test_remax_greedy_prompts_without_images():
     with pytest.raises(Stop):
         trainer._remax_baselines(rows)
     assert trainer.prompts == [[[{"role": "user", "content": "Hi"}]]]
-
-
-def test_remax_greedy_prompts_carry_the_images_column():
-    """The layout this project's data gives (an ``images`` list per row, possibly empty): the group's images fill
-    its prompt's placeholders; a row with no image gets a text-only prompt."""
-    image = Image.new("RGB", (8, 6), (1, 2, 3))
-    with_image = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Red?"}]}]
-    rows = [{"prompt": with_image, "images": [image]}] * 2 + [
-        {"prompt": [{"role": "user", "content": "Hi"}], "images": []}
-    ] * 2
-    trainer = Greedy()
-    with pytest.raises(Stop):
-        trainer._remax_baselines(rows)
-    assert trainer.prompts == [
-        [
-            [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "Red?"}]}],
-            [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
-        ]
-    ]

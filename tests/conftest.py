@@ -89,7 +89,7 @@ FILE_SECONDS = {
     "test_zero3_tool_rounds.py": 51,
     "test_sandbox_corpus.py": 44,
     "test_decode_mlp.py": 39,
-    "test_compile_cache.py": 50,
+    "test_compile_cache.py": 40,
     "test_scale_out.py": 36,
     "test_decode_sized_parity.py": 34,
     "test_learning.py": 34,
